@@ -1,0 +1,34 @@
+# The two commands of the README:
+#   make demo   - a real learner and two samplers on a local stack of real servers
+#   make test   - the whole test suite (unit + integration against real local servers)
+# Both create .venv on first use and install everything the project needs into it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+CONFIG ?= configs/demo.yaml
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU build of PyTorch first, so that no dependency pulls a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/heterorl train --config $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python bench/async_vs_sync.py
+
+clean:
+	rm -rf $(VENV) .heterorl runs

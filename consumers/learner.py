@@ -1,0 +1,206 @@
+"""Learner: consume prompt groups, enforce the max delay, step DeepSpeed, publish weights.
+
+Run: `heterorl learner --config configs/demo.yaml [--out RUN_DIR]` (exactly one per run).
+
+The loop, top to bottom:
+  1. start from the newest checkpoint in Redis/S3 (resuming at the Kafka offsets stored
+     with it), or publish the base model as version 0;
+  2. read the rollout topic by explicit partition assignment;
+  3. for each message: decode (undecodable ones are counted, logged with their offset,
+     skipped); staleness τ = learner version − rollout version; drop or reweight past
+     `max_delay_steps` / `max_delay_seconds` (every drop counted);
+  4. once `groups_per_step` whole groups are kept: one loss, one DeepSpeed step; the
+     version is the number of steps taken;
+  5. every `sync_every` steps save the weights and hand them to the background
+     publisher (S3 files → manifest with the consumed offsets → version in Redis).
+
+Staleness is decided when a group is taken into the batch. The version only changes
+at a step, and a batch is trained the moment it is full, so τ at decision is τ at use:
+no group past the limit is ever used.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import HeteroConfig, dump_config
+from pipeline.runtime import connect_run, resolve_base_model, setup_logging
+
+
+@dataclass
+class LearnerCounters:
+    groups_consumed: int = 0
+    """Every message read, whatever happened to it."""
+    groups_used: int = 0
+    groups_dropped: int = 0
+    groups_reweighted: int = 0
+    malformed: int = 0
+    dropped_by_reason: dict = field(default_factory=dict)
+    staleness_used: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        used = self.staleness_used
+        return {"groups_consumed": self.groups_consumed, "groups_used": self.groups_used,
+                "groups_dropped": self.groups_dropped, "groups_reweighted": self.groups_reweighted,
+                "malformed": self.malformed, "dropped_by_reason": dict(self.dropped_by_reason),
+                "max_staleness_used": max(used) if used else None,
+                "mean_staleness_used": (sum(used) / len(used)) if used else None}
+
+
+def _start_policy(cfg: HeteroConfig, handles, work_dir: Path, log):
+    """(model dir, version, Kafka offsets) to start from: the newest checkpoint, or v0."""
+    version, manifest_key = handles.state.policy()
+    if version is None:
+        base = resolve_base_model(cfg)
+        key = handles.store.publish(0, base, extra={"offsets": {}, "step": 0})
+        handles.state.publish_policy(0, key)
+        log.info("published base model %s as policy v0", base)
+        return base, 0, {}
+    path, manifest = handles.store.fetch(manifest_key, work_dir / f"resume-v{version}")
+    offsets = {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
+    log.info("resuming from policy v%d at offsets %s", version, offsets)
+    return path, version, offsets
+
+
+def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
+    import torch
+
+    from pipeline.checkpoints import BackgroundPublisher
+    from pipeline.kafka_io import RolloutSource, ensure_topic
+    from pipeline.metrics import MetricsWriter
+    from pipeline.model import load_policy
+    from pipeline.engine import make_engine
+    from pipeline.rollout import RolloutDecodeError, decode_rollout
+    from pipeline.staleness import decide_staleness
+    from pipeline.update import collate_groups, policy_loss
+
+    log = setup_logging("learner")
+    lcfg, scfg = cfg.learner, cfg.sampler
+    torch.set_num_threads(lcfg.torch_threads)
+    torch.manual_seed(cfg.run.seed)
+    run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    handles = connect_run(cfg)
+    bootstrap = handles.services.kafka_bootstrap
+    ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions)
+    handles.state.register_run(cfg.run.topic)
+    work_dir = Path(tempfile.mkdtemp(prefix="learner-", dir=run_dir))
+
+    model_dir, version, offsets = _start_policy(cfg, handles, work_dir, log)
+    model, tokenizer = load_policy(model_dir)
+    engine = make_engine(model, lcfg)
+    publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
+    source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
+    next_offsets = source.positions()
+    metrics = MetricsWriter(run_dir)
+    counters = LearnerCounters()
+    batch, weights, batch_staleness = [], [], []
+    start_version = version
+    last_record_at = time.monotonic()
+    last_wait_log = time.monotonic()
+    step_started = time.monotonic()
+    consumed_at_last_step = 0
+
+    def publish(v: int) -> None:
+        snapshot = work_dir / f"v{v}"
+        engine.module.save_pretrained(snapshot, safe_serialization=True)
+        tokenizer.save_pretrained(snapshot)
+        publisher.submit(v, snapshot, {"offsets": dict(next_offsets), "step": v, "loss_type": lcfg.loss_type})
+
+    log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go",
+             bootstrap, cfg.run.topic, lcfg.loss_type, lcfg.max_delay_steps, lcfg.max_steps - version)
+    try:
+        while version < lcfg.max_steps:
+            records = source.poll(lcfg.poll_timeout_s)
+            if not records:
+                idle = time.monotonic() - last_record_at
+                if idle > lcfg.idle_timeout_s:
+                    log.error("no rollout for %.0fs on topic %s at %s (learner.idle_timeout_s); giving up",
+                              idle, cfg.run.topic, bootstrap)
+                    return 3
+                if time.monotonic() - last_wait_log > 5:
+                    log.info("waiting for rollouts on %s at %s: %d/%d groups in batch, %d live samplers",
+                             cfg.run.topic, bootstrap, len(batch), lcfg.groups_per_step,
+                             len(handles.state.live_samplers()))
+                    last_wait_log = time.monotonic()
+                continue
+            last_record_at = time.monotonic()
+            for record in records:
+                next_offsets[record.partition] = record.offset + 1
+                counters.groups_consumed += 1
+                try:
+                    rollout = decode_rollout(record.value)
+                    if abs(float(rollout.sampling.get("temperature", -1)) - scfg.temperature) > 1e-6:
+                        raise RolloutDecodeError(
+                            f"sampled at temperature {rollout.sampling.get('temperature')}, "
+                            f"learner expects sampler.temperature={scfg.temperature}")
+                except RolloutDecodeError as e:
+                    counters.malformed += 1
+                    log.warning("skipping malformed message at %s[%d]@%d: %s",
+                                cfg.run.topic, record.partition, record.offset, e.reason)
+                    continue
+                staleness = version - rollout.policy_version
+                decision = decide_staleness(
+                    staleness, time.time() - rollout.created_at, max_delay_steps=lcfg.max_delay_steps,
+                    max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
+                    reweight_decay=lcfg.reweight_decay)
+                if not decision.keep:
+                    counters.groups_dropped += 1
+                    counters.dropped_by_reason[decision.reason] = counters.dropped_by_reason.get(decision.reason, 0) + 1
+                    continue
+                counters.groups_reweighted += decision.reason == "reweighted"
+                batch.append(rollout)
+                weights.append(decision.weight)
+                batch_staleness.append(staleness)
+                if len(batch) < lcfg.groups_per_step:
+                    continue
+
+                # ---- one optimizer step on whole groups -----------------------------
+                loss, step_metrics = policy_loss(
+                    engine.module, collate_groups(batch, weights), lcfg,
+                    temperature=scfg.temperature, max_completion_length=scfg.max_new_tokens)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {version + 1}")
+                engine.backward(loss)
+                engine.step()
+                version += 1
+                counters.groups_used += len(batch)
+                counters.staleness_used.extend(batch_staleness)
+                elapsed = time.monotonic() - step_started
+                record_values = {
+                    "policy_version": version, "loss": float(loss), **step_metrics,
+                    "staleness_mean": sum(batch_staleness) / len(batch_staleness),
+                    "staleness_max": max(batch_staleness), "groups_used": counters.groups_used,
+                    "groups_dropped": counters.groups_dropped, "groups_reweighted": counters.groups_reweighted,
+                    "groups_consumed": counters.groups_consumed, "malformed": counters.malformed,
+                    "groups_per_s": (counters.groups_consumed - consumed_at_last_step) / max(elapsed, 1e-9),
+                    "step_seconds": elapsed,
+                }
+                metrics.write("learner", version, record_values)
+                handles.state.report_learner({"step": version, **counters.as_dict()})
+                log.info("step %d loss %.4f reward %.3f staleness %.1f/%d kept %d dropped %d",
+                         version, float(loss), step_metrics["reward_mean"], record_values["staleness_mean"],
+                         record_values["staleness_max"], counters.groups_used, counters.groups_dropped)
+                batch, weights, batch_staleness = [], [], []
+                consumed_at_last_step = counters.groups_consumed
+                step_started = time.monotonic()
+                if version % lcfg.sync_every == 0 or version >= lcfg.max_steps:
+                    publish(version)
+                if version >= lcfg.max_steps:
+                    break
+        publisher.close()
+    finally:
+        source.close()
+        metrics.close()
+    summary = {"final_policy_version": version, "start_policy_version": start_version,
+               "final_checkpoint": handles.store.uri(version), "rollout_topic": cfg.run.topic,
+               "offsets": next_offsets, **counters.as_dict()}
+    (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("done: policy v%d at %s", version, summary["final_checkpoint"])
+    return 0

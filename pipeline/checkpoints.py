@@ -1,0 +1,261 @@
+"""Policy checkpoints in S3: upload files, then the manifest; readers verify every byte.
+
+Layout in the bucket: `<run>/v<version>/<file>` for each file of a Hugging Face model
+directory (safetensors weights, config, tokenizer files), then
+`<run>/v<version>/manifest.json` written last:
+
+    {"format": "heterorl-checkpoint/1", "run": ..., "version": 3, "created_at": ...,
+     "files": [{"path": "model.safetensors", "size": 123, "sha256": "..."}, ...],
+     "extra": {...}}          # e.g. the Kafka offsets the learner had consumed
+
+A version without a manifest does not exist: `list_versions` and `fetch` only see
+versions whose manifest is present, so a learner that dies mid-upload leaves nothing
+a sampler could load. Fetching checks size and sha256 of every file and refuses the
+checkpoint (CorruptCheckpointError) on any mismatch; nothing is unpickled, ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Optional
+from urllib.parse import urlparse
+
+import urllib3
+from minio import Minio
+from minio.error import S3Error
+
+from pipeline.services import ServiceUnavailable, Services
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "heterorl-checkpoint/1"
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint whose files do not match its manifest; it must not be loaded."""
+
+
+class CheckpointNotFound(LookupError):
+    pass
+
+
+def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
+    """A MinIO client for any S3-compatible endpoint, with timeouts and bounded retries."""
+    url = urlparse(services.s3_endpoint)
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=timeout_s, read=max(60.0, timeout_s)),
+        retries=urllib3.Retry(total=3, backoff_factor=0.5, status_forcelist=(500, 502, 503, 504)))
+    client = Minio(url.netloc, access_key=services.s3_access_key or None,
+                   secret_key=services.s3_secret_key or None, secure=url.scheme == "https",
+                   region=services.s3_region, http_client=http)
+    try:
+        if not client.bucket_exists(services.bucket):
+            client.make_bucket(services.bucket)
+    except (S3Error, urllib3.exceptions.HTTPError, OSError) as e:
+        raise ServiceUnavailable(
+            f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None
+    return client
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _safe_relpath(name: str) -> str:
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise CorruptCheckpointError(f"manifest names an unsafe path {name!r}")
+    return str(p)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    version: int
+    created_at: float
+    files: list[dict]
+    extra: dict
+    key: str
+
+    @property
+    def prefix(self) -> str:
+        return self.key.rsplit("/", 1)[0] + "/"
+
+
+class CheckpointStore:
+    """publish / list_versions / fetch / prune for one run's checkpoints."""
+
+    def __init__(self, client: Minio, bucket: str, run: str):
+        self.client = client
+        self.bucket = bucket
+        self.run = run
+
+    def version_prefix(self, version: int) -> str:
+        return f"{self.run}/v{version}/"
+
+    def manifest_key(self, version: int) -> str:
+        return self.version_prefix(version) + MANIFEST_NAME
+
+    def uri(self, version: int) -> str:
+        return f"s3://{self.bucket}/{self.version_prefix(version)}"
+
+    def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None) -> str:
+        """Upload every file of `model_dir`, then the manifest; returns the manifest key."""
+        model_dir = Path(model_dir)
+        files = []
+        for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+            rel = path.relative_to(model_dir).as_posix()
+            digest = sha256_file(path)
+            self.client.fput_object(self.bucket, self.version_prefix(version) + rel, str(path))
+            files.append({"path": rel, "size": path.stat().st_size, "sha256": digest})
+        manifest = {"format": MANIFEST_FORMAT, "run": self.run, "version": version,
+                    "created_at": time.time(), "files": files, "extra": extra or {}}
+        body = json.dumps(manifest, indent=1).encode()
+        self.client.put_object(self.bucket, self.manifest_key(version), io.BytesIO(body), len(body),
+                               content_type="application/json")
+        return self.manifest_key(version)
+
+    def list_versions(self) -> list[int]:
+        """Versions whose manifest exists (only those are visible), ascending."""
+        versions = []
+        for obj in self.client.list_objects(self.bucket, prefix=f"{self.run}/", recursive=True):
+            parts = obj.object_name.split("/")
+            if len(parts) == 3 and parts[2] == MANIFEST_NAME and parts[1][:1] == "v" and parts[1][1:].isdigit():
+                versions.append(int(parts[1][1:]))
+        return sorted(versions)
+
+    def read_manifest(self, key: str) -> Manifest:
+        try:
+            resp = self.client.get_object(self.bucket, key)
+            try:
+                raw = resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchBucket"):
+                raise CheckpointNotFound(f"no checkpoint manifest at s3://{self.bucket}/{key}") from None
+            raise
+        try:
+            data = json.loads(raw)
+            if data.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}")
+            files = [{"path": _safe_relpath(f["path"]), "size": int(f["size"]), "sha256": str(f["sha256"])}
+                     for f in data["files"]]
+            return Manifest(run=str(data["run"]), version=int(data["version"]),
+                            created_at=float(data["created_at"]), files=files,
+                            extra=dict(data.get("extra") or {}), key=key)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
+
+    def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3) -> tuple[Path, Manifest]:
+        """Download a checkpoint into `dest_dir` (a fresh directory), verifying every file.
+
+        Retries a mismatching download `attempts` times (a transfer can be cut short),
+        then raises CorruptCheckpointError; the directory only appears once verified.
+        """
+        manifest = self.read_manifest(manifest_key)
+        dest_dir = Path(dest_dir)
+        last_error = ""
+        for _ in range(attempts):
+            tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest_dir.parent))
+            try:
+                for f in manifest.files:
+                    target = tmp / f["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self.client.fget_object(self.bucket, manifest.prefix + f["path"], str(target))
+                    size = target.stat().st_size
+                    if size != f["size"]:
+                        raise CorruptCheckpointError(f"{f['path']}: size {size} != manifest {f['size']}")
+                    digest = sha256_file(target)
+                    if digest != f["sha256"]:
+                        raise CorruptCheckpointError(f"{f['path']}: sha256 {digest[:12]}… != manifest {f['sha256'][:12]}…")
+                if dest_dir.exists():
+                    shutil.rmtree(dest_dir)
+                tmp.rename(dest_dir)
+                return dest_dir, manifest
+            except CorruptCheckpointError as e:
+                last_error = str(e)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        raise CorruptCheckpointError(
+            f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete all but the newest `keep_last` versions: manifest first, so none is half-visible."""
+        versions = self.list_versions()
+        doomed = versions[:-keep_last] if keep_last > 0 else versions
+        for v in doomed:
+            self.client.remove_object(self.bucket, self.manifest_key(v))
+            for obj in self.client.list_objects(self.bucket, prefix=self.version_prefix(v), recursive=True):
+                self.client.remove_object(self.bucket, obj.object_name)
+        return doomed
+
+
+class BackgroundPublisher:
+    """Uploads checkpoints on a thread so training never waits on the network.
+
+    The commit protocol is kept: files, then manifest (in `CheckpointStore.publish`),
+    then the version in Redis, then pruning of old versions. Submissions are handled in
+    order; an upload error stops the publisher and is re-raised by the next `submit` or
+    by `close`, so a broken store is never silently ignored.
+    """
+
+    def __init__(self, store: "CheckpointStore", run_state, keep_last: int):
+        import queue
+        import threading
+
+        self.store = store
+        self.run_state = run_state
+        self.keep_last = keep_last
+        self._queue: "queue.Queue" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self.published: list[int] = []
+        self._thread = threading.Thread(target=self._work, name="checkpoint-publisher", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            version, model_dir, extra, cleanup = item
+            try:
+                key = self.store.publish(version, model_dir, extra)
+                self.run_state.publish_policy(version, key)
+                self.published.append(version)
+                self.store.prune(self.keep_last)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+                return
+            finally:
+                if cleanup:
+                    shutil.rmtree(model_dir, ignore_errors=True)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"checkpoint publishing failed: {self._error}") from self._error
+
+    def submit(self, version: int, model_dir: Path, extra: dict, cleanup: bool = True) -> None:
+        self._raise_if_failed()
+        self._queue.put((version, Path(model_dir), extra, cleanup))
+
+    def close(self, timeout_s: float = 300.0) -> None:
+        """Wait for every submitted checkpoint to be visible."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"checkpoint publishing did not finish within {timeout_s:.0f}s")
+        self._raise_if_failed()

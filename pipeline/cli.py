@@ -1,0 +1,187 @@
+"""`heterorl` (or `python -m pipeline`): one command per role, each a thin entry point.
+
+Every subcommand parses its arguments, loads the typed config, and calls one function.
+Heavy libraries (torch, transformers, deepspeed) are imported inside those functions,
+so `heterorl --help` is instant. User mistakes end in one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DATA_DIR = ".heterorl"
+
+EXAMPLES = """\
+examples:
+  heterorl train --config configs/demo.yaml          # the whole loop on a local stack
+  heterorl up && eval "$(heterorl env)"              # start servers, point kcat/redis-cli/aws at them
+  heterorl learner --config configs/demo.yaml --out runs/x
+  heterorl sampler --config configs/demo.yaml        # start as many as you like, anywhere
+  heterorl status --json
+  heterorl down
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE",
+                   help="YAML run config (see configs/demo.yaml); defaults are used for missing fields")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set learner.lr=3e-4 (repeatable)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help=f"local stack directory (default: services.data_dir, i.e. {DEFAULT_DATA_DIR}/)")
+
+
+def _load(args):
+    from pipeline.config import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "data_dir", None):
+        overrides.append(f"services.data_dir={args.data_dir}")
+    return load_config(args.config, overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="heterorl", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Asynchronous RL post-training over an unreliable WAN: samplers publish "
+                    "version-tagged rollouts to Kafka, a DeepSpeed learner trains with GEPO and "
+                    "publishes weights to S3, Redis holds the current policy version.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("up", help="start the local stack (Kafka-API broker, Redis, S3) on loopback",
+                       description="Start real servers on 127.0.0.1 and record them in DIR/stack.json. "
+                                   "Every other command uses this stack unless service URLs are configured.")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR",
+                   help=f"where server data, logs and the state file live (default {DEFAULT_DATA_DIR})")
+    p.add_argument("--kafka-port", type=int, default=0, help="broker port (default: a free port)")
+    p.add_argument("--redis-port", type=int, default=0, help="Redis port (default: a free port)")
+    p.add_argument("--s3-port", type=int, default=0, help="S3 port (default: a free port)")
+
+    p = sub.add_parser("down", help="stop the servers that `heterorl up` started (data is kept)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
+
+    p = sub.add_parser("status", help="servers, policy version, checkpoints and live samplers",
+                       description="Prints where the servers are and the state of one run. Never prints secrets.")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
+    p.add_argument("--run", metavar="NAME", help="run to describe (default: the most recently started run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    p = sub.add_parser("env", help="print `export` lines for the running local stack",
+                       description='Use as: eval "$(heterorl env)" — then kcat, redis-cli, the aws CLI '
+                                   "and boto3 talk to the local servers.")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
+
+    p = sub.add_parser("sampler", help="run one sampler (generate rollouts, publish to Kafka)")
+    _add_config_args(p)
+    p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
+
+    p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)")
+    _add_config_args(p)
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory for metrics (default: train.out_dir)")
+
+    p = sub.add_parser("train", help="the main job: local stack + learner + samplers + evaluation + report",
+                       description="Starts the local stack unless one is running or URLs are configured, "
+                                   "runs one learner and train.num_samplers samplers as separate processes "
+                                   "with live progress, evaluates before and after, writes metrics.jsonl, "
+                                   "TensorBoard events, summary.json and a PNG plot, then stops what it started.")
+    _add_config_args(p)
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: train.out_dir)")
+    p.add_argument("--keep-stack", action="store_true",
+                   help="leave the local stack running afterwards (with its topic, checkpoints and version)")
+    return parser
+
+
+def _cmd_up(args) -> int:
+    from infra.local_stack import load_stack, start_stack
+
+    existing = load_stack(args.data_dir)
+    if existing is not None:
+        print(f"local stack already running in {args.data_dir}/ (kafka {existing.kafka_bootstrap}, "
+              f"redis {existing.redis_url}, s3 {existing.s3_endpoint})")
+        return 0
+    state = start_stack(args.data_dir, kafka_port=args.kafka_port, redis_port=args.redis_port, s3_port=args.s3_port)
+    print(f"local stack up in {args.data_dir}/: kafka {state.kafka_bootstrap}, redis {state.redis_url}, "
+          f"s3 {state.s3_endpoint} (bucket {state.bucket})")
+    print(f'point tools at it with: eval "$(heterorl env --data-dir {args.data_dir})"')
+    return 0
+
+
+def _cmd_down(args) -> int:
+    from infra.local_stack import stop_stack
+
+    stopped = stop_stack(args.data_dir)
+    print(f"stopped {', '.join(stopped)}" if stopped else f"no local stack running in {args.data_dir}/")
+    return 0
+
+
+def _cmd_env(args) -> int:
+    from infra.local_stack import load_stack, stack_env
+    from pipeline.services import ServiceUnavailable
+
+    state = load_stack(args.data_dir)
+    if state is None:
+        raise ServiceUnavailable(f"no local stack running in {args.data_dir}/: run `heterorl up` first")
+    for key, value in stack_env(state).items():
+        print(f"export {key}={value}")
+    return 0
+
+
+def _cmd_status(args) -> int:
+    from pipeline.status import collect_status, format_status
+
+    status = collect_status(args.data_dir, args.run)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _cmd_sampler(args) -> int:
+    from producers.sampler import run_sampler
+
+    return run_sampler(_load(args), sampler_id=args.sampler_id)
+
+
+def _cmd_learner(args) -> int:
+    from consumers.learner import run_learner
+
+    return run_learner(_load(args), Path(args.out) if args.out else None)
+
+
+def _cmd_train(args) -> int:
+    from pipeline.train import run_train
+
+    return run_train(_load(args), Path(args.out) if args.out else None, keep_stack=args.keep_stack,
+                     config_path=args.config)
+
+
+COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
+            "sampler": _cmd_sampler, "learner": _cmd_learner, "train": _cmd_train}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean a user mistake or an unreachable server: one line, no traceback."""
+    from infra.local_stack import StackError
+    from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
+    from pipeline.config import ConfigError
+    from pipeline.services import ServiceUnavailable
+
+    return (ConfigError, ServiceUnavailable, StackError, CorruptCheckpointError, CheckpointNotFound,
+            FileNotFoundError, FileExistsError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("heterorl: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        print(f"heterorl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Typed configuration: one validated object per role, loaded from YAML with overrides.
+
+A run is described by one YAML file (see `configs/demo.yaml`). Every role reads the
+whole file, so the sampler and the learner agree on the model, the task and the run
+name, and then uses its own section. Unknown keys are rejected and every error names
+the bad field, so a typo in `loss_type` fails when the file loads, not an hour in.
+
+Overrides use dotted paths: `--set learner.lr=3e-4 --set sampler.group_size=4`.
+Service URLs may also come from the environment (the names `heterorl env` prints),
+which is how containers and remote samplers are pointed at a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Kept in sync with pipeline.losses.LOSS_TYPES by a unit test; listed here so that
+# loading a config never imports torch.
+LossType = Literal["gepo", "grpo", "dr_grpo", "bnpo", "gspo", "gmpo", "cispo", "topr"]
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Strict):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    """Run name: prefixes the Kafka topics, the S3 keys and the Redis keys of this run."""
+    seed: int = 0
+    """Base seed; each sampler derives its own stream from it and its sampler id."""
+    rollout_topic: Optional[str] = None
+    """Kafka topic of rollouts; default `<name>.rollouts`."""
+    topic_partitions: int = Field(1, ge=1, le=64)
+    """Partitions of the rollout topic when the run creates it."""
+
+    @property
+    def topic(self) -> str:
+        return self.rollout_topic or f"{self.name}.rollouts"
+
+
+class ServicesConfig(_Strict):
+    """Where the servers are. Leave the URLs empty to use the local stack in `data_dir`."""
+
+    kafka_bootstrap: Optional[str] = None
+    """host:port[,host:port]; env KAFKA_BOOTSTRAP_SERVERS."""
+    redis_url: Optional[str] = None
+    """redis://host:port/db; env REDIS_URL."""
+    s3_endpoint: Optional[str] = None
+    """http(s)://host:port of an S3-compatible server (MinIO, AWS); env AWS_ENDPOINT_URL."""
+    s3_access_key: Optional[str] = None
+    """env AWS_ACCESS_KEY_ID."""
+    s3_secret_key: Optional[str] = None
+    """env AWS_SECRET_ACCESS_KEY."""
+    s3_region: str = "us-east-1"
+    bucket: str = "heterorl"
+    """Bucket holding checkpoints; env HETERORL_S3_BUCKET."""
+    data_dir: str = ".heterorl"
+    """Local stack directory (state file, server data, logs, model cache)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """How long to wait for a server to answer before naming it as unreachable."""
+
+
+class ModelConfig(_Strict):
+    base: str = "builtin:tiny"
+    """`builtin:tiny` (a small Llama-style model warmed up on the task, cached in
+    `<data_dir>/models`) or the path of any local Hugging Face model directory."""
+    hidden_size: int = Field(128, ge=8)
+    """Builtin model only: width."""
+    num_layers: int = Field(2, ge=1)
+    """Builtin model only: transformer blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Builtin model only: attention heads."""
+    intermediate_size: int = Field(256, ge=8)
+    """Builtin model only: MLP width."""
+    max_positions: int = Field(64, ge=8)
+    """Builtin model only: longest prompt + completion in tokens."""
+    seed: int = 0
+    """Builtin model only: initialisation and warm-up data order."""
+    warmup_steps: int = Field(300, ge=0)
+    """Builtin model only: supervised warm-up steps, so RL starts from low but non-zero accuracy."""
+    warmup_lr: float = Field(3e-3, gt=0)
+    warmup_batch_size: int = Field(64, ge=1)
+
+
+class TaskConfig(_Strict):
+    name: Literal["arithmetic"] = "arithmetic"
+    """Built-in verifiable task (generated from `seed`, no download)."""
+    seed: int = 1234
+    digits: int = Field(2, ge=1, le=6)
+    """Operand digits."""
+    ops: str = "+"
+    """Operators drawn from, any of "+-*"."""
+    eval_size: int = Field(200, ge=1)
+    """Held-out problems (disjoint from training by construction)."""
+
+
+class SamplerConfig(_Strict):
+    group_size: int = Field(8, ge=2)
+    """G: completions per prompt (one Kafka message per prompt group)."""
+    prompts_per_batch: int = Field(4, ge=1)
+    """Prompts generated together in one batched generate call."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    max_new_tokens: int = Field(8, ge=1)
+    weight_poll_interval_s: float = Field(1.0, gt=0)
+    """How often the sampler asks Redis for a newer policy version."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    lease_ttl_s: float = Field(10.0, gt=0)
+    """A sampler that misses heartbeats for this long is no longer listed as live."""
+    max_groups: Optional[int] = Field(None, ge=1)
+    """Stop after publishing this many groups (None: run until stopped)."""
+    torch_threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _lease_longer_than_heartbeat(self) -> "SamplerConfig":
+        if self.lease_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError("sampler.lease_ttl_s must exceed sampler.heartbeat_interval_s")
+        return self
+
+
+class LearnerConfig(_Strict):
+    loss_type: LossType = "gepo"
+    """Policy loss; see docs/losses.md."""
+    epsilon_low: Optional[float] = Field(None, ge=0)
+    """Clip range below 1; None = the loss type's documented default."""
+    epsilon_high: Optional[float] = Field(None, ge=0)
+    seq_prob: Literal["geo_mean", "product"] = "geo_mean"
+    """Sequence probability: length-normalised geometric mean (paper) or plain product."""
+    scale_adv_by_std: bool = False
+    """Divide group-relative advantages by the group's reward std (+1e-4), for every loss alike."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Learner–sampler k3 KL penalty (the reference used 0.005)."""
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: int = Field(1, ge=0, le=2)
+    """DeepSpeed ZeRO stage (0, 1 or 2; stage 3 gains nothing with one process)."""
+    groups_per_step: int = Field(8, ge=1)
+    """Prompt groups in one optimizer step (whole groups only)."""
+    max_delay_steps: int = Field(4, ge=0)
+    """Largest staleness τ = learner version − rollout version that is used."""
+    max_delay_seconds: Optional[float] = Field(None, gt=0)
+    """If set, groups older than this (wall clock since creation) are dropped too."""
+    stale_policy: Literal["drop", "reweight"] = "drop"
+    """Past the max delay: drop the group, or keep it with weight decay**(τ − max)."""
+    reweight_decay: float = Field(0.5, gt=0, le=1)
+    sync_every: int = Field(1, ge=1)
+    """Publish a checkpoint (and bump the version in Redis) every this many steps."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """Newest checkpoints kept in S3 (older ones are deleted after a new one is visible)."""
+    max_steps: int = Field(40, ge=1)
+    """Optimizer steps, after which the learner publishes a final checkpoint and exits."""
+    poll_timeout_s: float = Field(1.0, gt=0)
+    """Kafka poll timeout; the learner logs what it waits for while no data arrives."""
+    idle_timeout_s: float = Field(600.0, gt=0)
+    """Give up (exit non-zero) after this long with no new rollout."""
+    torch_threads: int = Field(1, ge=1)
+
+
+class EvalConfig(_Strict):
+    n_samples: int = Field(4, ge=1)
+    """Samples per held-out problem at the sampling temperature (sampled accuracy)."""
+    greedy: bool = True
+    """Also report greedy accuracy."""
+    problems: Optional[int] = Field(None, ge=1)
+    """Evaluate on the first N held-out problems (None: all of task.eval_size)."""
+
+
+class TrainConfig(_Strict):
+    num_samplers: int = Field(2, ge=1)
+    """Sampler processes started by `heterorl train`."""
+    out_dir: Optional[str] = None
+    """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """Abort the run (stopping every process it started) after this long."""
+
+
+class HeteroConfig(_Strict):
+    """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
+
+    run: RunConfig = RunConfig()
+    services: ServicesConfig = ServicesConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    learner: LearnerConfig = LearnerConfig()
+    eval: EvalConfig = EvalConfig()
+    train: TrainConfig = TrainConfig()
+
+
+ENV_OVERRIDES = {
+    "KAFKA_BOOTSTRAP_SERVERS": "kafka_bootstrap",
+    "REDIS_URL": "redis_url",
+    "AWS_ENDPOINT_URL": "s3_endpoint",
+    "AWS_ACCESS_KEY_ID": "s3_access_key",
+    "AWS_SECRET_ACCESS_KEY": "s3_secret_key",
+    "HETERORL_S3_BUCKET": "bucket",
+}
+
+
+def _parse_scalar(text: str) -> Any:
+    """`--set k=v` values are YAML scalars: 3e-4, true, null, [1, 2], "text"."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} is not of the form section.field=value")
+    path, _, raw = assignment.partition("=")
+    keys = [k for k in path.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"override {assignment!r} names no field")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: {key} is not a section")
+    node[keys[-1]] = _parse_scalar(raw)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{field}: {msg}")
+    return f"invalid config {source}: " + "; ".join(parts)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
+                env: Optional[dict[str, str]] = None) -> HeteroConfig:
+    """Load YAML, apply `--set` overrides, then service URLs from the environment.
+
+    Raises ConfigError with one line naming the file and the bad field.
+    """
+    data: dict = {}
+    source = "(defaults)"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections")
+        data = loaded
+    for assignment in overrides:
+        apply_override(data, assignment)
+    env = os.environ if env is None else env
+    services = data.setdefault("services", {}) if isinstance(data.get("services", {}), dict) else None
+    if services is not None:
+        for var, field in ENV_OVERRIDES.items():
+            if env.get(var) and services.get(field) in (None, ""):
+                services[field] = env[var]
+    try:
+        return HeteroConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def dump_config(cfg: HeteroConfig) -> str:
+    """YAML of the effective config without secrets (they travel only in the environment)."""
+    data = cfg.model_dump()
+    data["services"]["s3_access_key"] = None
+    data["services"]["s3_secret_key"] = None
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,52 @@
+"""The learner's DeepSpeed engine, set up for one process (on CPU: gloo backend).
+
+DeepSpeed is imported here and nowhere else, after pointing it at the CPU accelerator
+when no GPU is present, so `heterorl --help` stays instant and the rest of the code
+never sees distributed set-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from pipeline.config import LearnerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_engine(model, cfg: LearnerConfig):
+    """A DeepSpeed engine with AdamW and ZeRO stage `cfg.zero_stage`, one step per batch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                                   verbose=False)
+    ds_config = {
+        "train_batch_size": 1,  # one backward per optimizer step; the batch is whole groups
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                                                  "betas": [0.9, 0.99], "eps": 1e-8, "torch_adam": True}},
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine.train()
+    return engine

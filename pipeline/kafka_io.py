@@ -1,0 +1,160 @@
+"""Kafka transport for rollouts: a sink that sends, a source that reads by explicit assignment.
+
+The source never joins a consumer group: the learner assigns itself every partition
+and keeps its own offsets (stored with each checkpoint), which is both faster with
+the Tansu broker and what crash-safe resumption needs. Values are opaque bytes here;
+`pipeline.rollout` encodes and decodes them, so a malformed message reaches the
+learner as bytes it can count and set aside.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from pipeline.rollout import Rollout, encode_rollout
+from pipeline.services import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+def _unreachable(bootstrap: str, err: Exception) -> ServiceUnavailable:
+    return ServiceUnavailable(f"cannot reach Kafka at {bootstrap} ({type(err).__name__}): "
+                              "start it (`heterorl up` for the local stack) or fix the URL")
+
+
+def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: float = 15.0) -> None:
+    """Create the topic if it does not exist (idempotent)."""
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                                 client_id="heterorl-admin")
+    except KafkaError as e:
+        raise _unreachable(bootstrap, e) from None
+    try:
+        if topic not in admin.list_topics():
+            try:
+                admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+    deadline = time.monotonic() + timeout_s
+    while not topic_partitions(bootstrap, topic):
+        if time.monotonic() > deadline:
+            raise ServiceUnavailable(f"topic {topic} did not appear on Kafka at {bootstrap} within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def topic_partitions(bootstrap: str, topic: str) -> list[int]:
+    consumer = _consumer(bootstrap)
+    try:
+        return sorted(consumer.partitions_for_topic(topic) or [])
+    finally:
+        consumer.close()
+
+
+def _consumer(bootstrap: str, **kwargs) -> KafkaConsumer:
+    try:
+        return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                             client_id="heterorl", request_timeout_ms=30000,
+                             fetch_max_bytes=4 * MAX_MESSAGE_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
+                             **kwargs)
+    except KafkaError as e:
+        raise _unreachable(bootstrap, e) from None
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    """Next offset to be written, per partition (the size of the log)."""
+    consumer = _consumer(bootstrap)
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        return {tp.partition: off for tp, off in consumer.end_offsets(parts).items()} if parts else {}
+    finally:
+        consumer.close()
+
+
+class RolloutSink:
+    """Sends encoded rollouts; `send` returns once the broker has acknowledged (acks=all)."""
+
+    def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0):
+        self.topic = topic
+        self.send_timeout_s = send_timeout_s
+        try:
+            self.producer = KafkaProducer(
+                bootstrap_servers=bootstrap, acks="all", compression_type="gzip", linger_ms=5,
+                max_request_size=MAX_MESSAGE_BYTES, request_timeout_ms=int(send_timeout_s * 1000),
+                retries=5, retry_backoff_ms=200, client_id="heterorl-sampler")
+        except KafkaError as e:
+            raise _unreachable(bootstrap, e) from None
+
+    def send(self, rollout: Rollout) -> tuple[int, int]:
+        """Publish one group; returns (partition, offset) as acknowledged by the broker."""
+        future = self.producer.send(self.topic, value=encode_rollout(rollout),
+                                    key=rollout.rollout_id.encode(), headers=rollout.headers())
+        meta = future.get(timeout=self.send_timeout_s)
+        return meta.partition, meta.offset
+
+    def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None) -> tuple[int, int]:
+        """Publish arbitrary bytes (tests use it to inject malformed messages)."""
+        meta = self.producer.send(self.topic, value=value, headers=headers or []).get(timeout=self.send_timeout_s)
+        return meta.partition, meta.offset
+
+    def close(self) -> None:
+        self.producer.flush(timeout=self.send_timeout_s)
+        self.producer.close(timeout=self.send_timeout_s)
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    partition: int
+    offset: int
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int
+
+
+class RolloutSource:
+    """Reads every partition of a topic from given offsets, without a consumer group."""
+
+    def __init__(self, bootstrap: str, topic: str, start_offsets: Optional[dict[int, int]] = None,
+                 max_records: int = 64):
+        self.topic = topic
+        self.max_records = max_records
+        self.consumer = _consumer(bootstrap, max_poll_records=max_records)
+        partitions = sorted(self.consumer.partitions_for_topic(topic) or [])
+        if not partitions:
+            self.consumer.close()
+            raise ServiceUnavailable(f"topic {topic} does not exist on Kafka at {bootstrap}")
+        self.partitions = [TopicPartition(topic, p) for p in partitions]
+        self.consumer.assign(self.partitions)
+        start_offsets = start_offsets or {}
+        for tp in self.partitions:
+            if tp.partition in start_offsets:
+                self.consumer.seek(tp, int(start_offsets[tp.partition]))
+            else:
+                self.consumer.seek_to_beginning(tp)
+
+    def poll(self, timeout_s: float) -> list[RawRecord]:
+        batches = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
+        records = [RawRecord(r.partition, r.offset, r.value, list(r.headers or []), r.timestamp)
+                   for tp in sorted(batches, key=lambda t: t.partition) for r in batches[tp]]
+        return records
+
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per partition (what a checkpoint stores to resume)."""
+        return {tp.partition: self.consumer.position(tp) for tp in self.partitions}
+
+    def lag(self) -> int:
+        ends = self.consumer.end_offsets(self.partitions)
+        return sum(max(0, ends[tp] - self.consumer.position(tp)) for tp in self.partitions)
+
+    def close(self) -> None:
+        self.consumer.close()

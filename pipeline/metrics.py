@@ -1,0 +1,67 @@
+"""Metrics a user can plot: one JSON line per record, mirrored to TensorBoard.
+
+Every record carries a `kind` ("learner", "eval", ...) so several processes can append
+to one run's `metrics.jsonl` and readers can split them again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, tb_subdir: str = "tb"):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / tb_subdir))
+
+    def write(self, kind: str, step: int, values: dict) -> dict:
+        record = {"kind": kind, "step": int(step), "time": time.time(), **values}
+        line = json.dumps(record, default=float)
+        # One write() of a whole line with O_APPEND keeps concurrent writers' lines intact.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+            self._tb.flush()
+        return record
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path, kind: Optional[str] = None) -> list[dict]:
+    return list(iter_metrics(path, kind))
+
+
+def iter_metrics(path: Path, kind: Optional[str] = None) -> Iterator[dict]:
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            if kind is None or record.get("kind") == kind:
+                yield record

@@ -1,0 +1,56 @@
+"""A run's picture: training reward and held-out accuracy over steps, staleness, drops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.metrics import read_metrics
+
+
+def plot_run(run_dir: Path, out_name: str = "report.png") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    learner = read_metrics(run_dir / "metrics.jsonl", "learner")
+    evals = read_metrics(run_dir / "metrics.jsonl", "eval")
+    fig, (ax_acc, ax_stale) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if learner:
+        steps = [r["step"] for r in learner]
+        ax_acc.plot(steps, [r["reward_mean"] for r in learner], color="tab:blue", alpha=0.35,
+                    label="training reward (per step)")
+        window = max(1, len(learner) // 10)
+        smooth = [sum(r["reward_mean"] for r in learner[max(0, i - window + 1): i + 1])
+                  / len(learner[max(0, i - window + 1): i + 1]) for i in range(len(learner))]
+        ax_acc.plot(steps, smooth, color="tab:blue", label=f"training reward ({window}-step mean)")
+        ax_stale.plot(steps, [r["staleness_mean"] for r in learner], label="mean staleness used")
+        ax_stale.plot(steps, [r["staleness_max"] for r in learner], label="max staleness used")
+        ax_drop = ax_stale.twinx()
+        ax_drop.plot(steps, [r["groups_dropped"] for r in learner], color="tab:red", linestyle="--",
+                     label="groups dropped (cumulative)")
+        ax_drop.set_ylabel("groups dropped")
+        ax_drop.legend(loc="upper right")
+    if evals:
+        ax_acc.plot([r["policy_version"] for r in evals], [r["accuracy_sampled"] for r in evals], "o-",
+                    color="tab:green", label="held-out accuracy (sampled)")
+        greedy = [r for r in evals if r.get("accuracy_greedy") == r.get("accuracy_greedy")]
+        if greedy:
+            ax_acc.plot([r["policy_version"] for r in greedy], [r["accuracy_greedy"] for r in greedy], "s--",
+                        color="tab:olive", label="held-out accuracy (greedy)")
+    ax_acc.set_xlabel("learner step (= policy version)")
+    ax_acc.set_ylabel("accuracy / reward")
+    ax_acc.set_ylim(0, 1)
+    ax_acc.legend(loc="lower right")
+    ax_acc.set_title("reward and held-out accuracy")
+    ax_stale.set_xlabel("learner step")
+    ax_stale.set_ylabel("staleness (steps)")
+    ax_stale.legend(loc="upper left")
+    ax_stale.set_title("staleness of used groups, drops")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    path = run_dir / out_name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

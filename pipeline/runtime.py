@@ -1,0 +1,76 @@
+"""What every role does first: find the servers, open the clients, find the base model.
+
+Kept in one place so the sampler, the learner, the evaluator and `train` connect the
+same way and fail with the same one-line errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.config import HeteroConfig
+from pipeline.redis_state import RunState, connect_redis
+from pipeline.services import Services, check_reachable, require_services
+
+
+@dataclass
+class RunHandles:
+    services: Services
+    state: RunState
+    store: CheckpointStore
+
+
+def connect_run(cfg: HeteroConfig) -> RunHandles:
+    """Resolve the services, check each answers, open Redis and S3 clients for this run."""
+    services = require_services(cfg.services)
+    check_reachable(services, timeout_s=cfg.services.connect_timeout_s)
+    redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s)
+    s3 = connect_s3(services, timeout_s=cfg.services.connect_timeout_s)
+    return RunHandles(services, RunState(redis_client, cfg.run.name),
+                      CheckpointStore(s3, services.bucket, cfg.run.name))
+
+
+def base_model_settings(cfg: HeteroConfig) -> dict:
+    """The builtin model's settings, derived from the model and task sections."""
+    m, t = cfg.model, cfg.task
+    return {
+        "task": t.name,
+        "task_settings": {"digits": t.digits, "ops": t.ops, "eval_size": t.eval_size},
+        "size": {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+                 "intermediate_size": m.intermediate_size, "max_positions": m.max_positions},
+        "warmup_steps": m.warmup_steps, "warmup_batch_size": m.warmup_batch_size,
+        "warmup_lr": m.warmup_lr, "seed": m.seed,
+    }
+
+
+def resolve_base_model(cfg: HeteroConfig) -> Path:
+    """A local HF model directory: the configured path, or the cached builtin model."""
+    if cfg.model.base != "builtin:tiny":
+        path = Path(cfg.model.base)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.base {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    from pipeline.model import ensure_base_model
+
+    return ensure_base_model(Path(cfg.services.data_dir) / "models", base_model_settings(cfg))
+
+
+def make_task_from_config(cfg: HeteroConfig):
+    from pipeline.tasks import make_task
+
+    t = cfg.task
+    return make_task(t.name, seed=t.seed, digits=t.digits, ops=t.ops, eval_size=t.eval_size)
+
+
+def setup_logging(role: str, verbose: bool = False) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("kafka", "urllib3", "DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return logging.getLogger(role)

@@ -1,0 +1,69 @@
+"""Typed config: every shipped file loads, mistakes fail at load time naming the field."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, HeteroConfig, LossType, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path, env={})
+    assert isinstance(cfg, HeteroConfig)
+
+
+def test_loss_type_typo_fails_at_load(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  loss_type: gepoo\n")
+    with pytest.raises(ConfigError, match=r"learner\.loss_type"):
+        load_config(f, env={})
+
+
+def test_unknown_key_is_rejected_and_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("sampler:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"sampler\.group_sise: unknown field"):
+        load_config(f, env={})
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ConfigError, match=r"learner\.max_delay_steps"):
+        load_config(None, ["learner.max_delay_steps=-1"], env={})
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = load_config(None, ["learner.lr=3e-4", "learner.stale_policy=reweight", "eval.problems=null"], env={})
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert cfg.learner.stale_policy == "reweight"
+    assert cfg.eval.problems is None
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["learner.lr"], env={})
+
+
+def test_service_urls_come_from_environment_unless_configured():
+    env = {"KAFKA_BOOTSTRAP_SERVERS": "k:9092", "REDIS_URL": "redis://r:6379/0", "AWS_ENDPOINT_URL": "http://s:9000",
+           "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value"}
+    cfg = load_config(None, ["services.redis_url=redis://other:1/0"], env=env)
+    assert cfg.services.kafka_bootstrap == "k:9092"
+    assert cfg.services.redis_url == "redis://other:1/0"
+    assert cfg.services.s3_secret_key == "s3cr3t-value"
+    assert "s3cr3t-value" not in dump_config(cfg)
+
+
+def test_loss_types_match_the_loss_library():
+    from typing import get_args
+
+    from pipeline.losses import LOSS_TYPES
+
+    assert set(get_args(LossType)) == set(LOSS_TYPES)
+
+
+def test_rollout_topic_defaults_to_run_name():
+    cfg = load_config(None, ["run.name=abc"], env={})
+    assert cfg.run.topic == "abc.rollouts"
