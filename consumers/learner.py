@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.runtime import connect_run, resolve_base_model, setup_logging
+from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
 
 
 @dataclass
@@ -118,6 +118,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     try:
         while version < lcfg.max_steps:
             records = source.poll(lcfg.poll_timeout_s)
+            touch_heartbeat_file()
             if not records:
                 idle = time.monotonic() - last_record_at
                 if idle > lcfg.idle_timeout_s:

@@ -67,10 +67,20 @@ def make_task_from_config(cfg: HeteroConfig):
     return make_task(t.name, seed=t.seed, digits=t.digits, ops=t.ops, eval_size=t.eval_size)
 
 
+def touch_heartbeat_file() -> None:
+    """Liveness for container health checks (infra/Dockerfile): touch $HETERORL_HEARTBEAT_FILE."""
+    path = os.environ.get("HETERORL_HEARTBEAT_FILE")
+    if path:
+        Path(path).touch()
+
+
 def setup_logging(role: str, verbose: bool = False) -> logging.Logger:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("kafka", "urllib3", "DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per weight reload would drown the log
     return logging.getLogger(role)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import HeteroConfig
-from pipeline.runtime import connect_run, make_task_from_config, setup_logging
+from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
 
 
 def new_sampler_id() -> str:
@@ -123,6 +123,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
             "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
             "groups": published, "rollouts_per_min": round(published / minutes, 2), "started_at": started,
         }, scfg.lease_ttl_s)
+        touch_heartbeat_file()
 
     log.info("sampler %s started (topic %s, seed %d)", sampler_id, cfg.run.topic, seed)
     try:

@@ -1,0 +1,125 @@
+"""Steps per minute: the same learner and sampler, synchronous vs asynchronous.
+
+    python bench/async_vs_sync.py [--config configs/demo.yaml] [--steps 20] [--samplers 1]
+
+(a) synchronous: one process alternates — sample `groups_per_step` prompt groups with
+    the current weights, then one optimizer step on them (the classic RL loop, no
+    staleness, no servers). It gets every core of the machine for both phases.
+(b) asynchronous: `heterorl train` — a learner process and sampler process(es) on the
+    local stack, sampling and learning overlapping, rollouts through Kafka, weights
+    through S3, one torch thread per process.
+
+Both use the same config (model, task, batch, loss) and start from the same base model.
+Steps per minute are measured between the first and the last optimizer step of each
+(start-up, model warm-up and evaluation excluded), side by side in one run, because
+this machine is noisy. Prints both and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def steps_per_minute(step_times: list[float]) -> float:
+    if len(step_times) < 2:
+        raise ValueError("need at least two steps to measure a rate")
+    return 60.0 * (len(step_times) - 1) / (step_times[-1] - step_times[0])
+
+
+def run_sync(cfg, steps: int, threads: int) -> list[float]:
+    import torch
+
+    from pipeline.engine import make_engine
+    from pipeline.model import decode_completion, load_policy, sample_groups
+    from pipeline.rollout import Rollout
+    from pipeline.runtime import make_task_from_config, resolve_base_model
+    from pipeline.update import collate_groups, policy_loss
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.run.seed)
+    task = make_task_from_config(cfg)
+    model, tokenizer = load_policy(resolve_base_model(cfg))
+    engine = make_engine(model, cfg.learner)
+    s, lcfg = cfg.sampler, cfg.learner
+    times, index = [], 0
+    for step in range(steps):
+        groups = []
+        while len(groups) < lcfg.groups_per_step:
+            problems = [task.train_problem(index + k) for k in range(s.prompts_per_batch)]
+            index += s.prompts_per_batch
+            with torch.no_grad():
+                sampled = sample_groups(engine.module, tokenizer, [p.prompt for p in problems],
+                                        group_size=s.group_size, temperature=s.temperature, top_p=s.top_p,
+                                        top_k=s.top_k, max_new_tokens=s.max_new_tokens, seed=cfg.run.seed + index)
+            for p, g in zip(problems, sampled):
+                rewards = [task.reward(p, decode_completion(tokenizer, c)) for c in g.completion_ids]
+                groups.append(Rollout(prompt_id=p.problem_id, task=task.name, sampler_id="sync", policy_version=step,
+                                      prompt_ids=g.prompt_ids, completion_ids=g.completion_ids,
+                                      sampler_logps=g.sampler_logps, rewards=rewards))
+        groups = groups[: lcfg.groups_per_step]
+        loss, _ = policy_loss(engine.module, collate_groups(groups, [1.0] * len(groups)), lcfg,
+                              temperature=s.temperature, max_completion_length=s.max_new_tokens)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.time())
+        print(f"  sync step {step + 1}/{steps} loss {float(loss):.4f}", file=sys.stderr)
+    return times
+
+
+def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path) -> list[float]:
+    from pipeline.metrics import read_metrics
+
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", config, "--out", str(out),
+           "--set", f"learner.max_steps={steps}", "--set", f"train.num_samplers={samplers}",
+           "--set", "eval.problems=8", "--set", "eval.n_samples=1"]
+    for o in overrides:
+        cmd += ["--set", o]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return [r["time"] for r in read_metrics(out / "metrics.jsonl", "learner")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="run config both modes use")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps in each mode")
+    parser.add_argument("--samplers", type=int, default=1, help="sampler processes in the asynchronous mode")
+    parser.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the synchronous process (default: all cores)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override applied to both modes (repeatable)")
+    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    args = parser.parse_args()
+
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"machine: {os.cpu_count()} cores; sync: 1 process x {args.sync_threads} torch threads; "
+          f"async: 1 learner + {args.samplers} sampler process(es) x 1 torch thread, plus the local servers",
+          file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        async_times = run_async(args.config, args.steps, args.samplers, args.overrides, Path(tmp) / "run")
+    sync_times = run_sync(cfg, args.steps, args.sync_threads)
+    sync_rate, async_rate = steps_per_minute(sync_times), steps_per_minute(async_times)
+    result = {"steps": args.steps, "groups_per_step": cfg.learner.groups_per_step, "samplers": args.samplers,
+              "sync_steps_per_min": round(sync_rate, 2), "async_steps_per_min": round(async_rate, 2),
+              "async_over_sync": round(async_rate / sync_rate, 3), "cores": os.cpu_count()}
+    print(f"\nsynchronous : {sync_rate:7.2f} steps/min")
+    print(f"asynchronous: {async_rate:7.2f} steps/min  ({args.samplers} sampler(s))")
+    print(f"ratio async/sync: {async_rate / sync_rate:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

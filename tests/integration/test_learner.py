@@ -1,0 +1,66 @@
+"""The learner against real servers: the max-delay boundary, malformed messages, resumable offsets."""
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.kafka_io import RolloutSink, ensure_topic
+from pipeline.rollout import Rollout
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def crafted_group(tokenizer, version: int, tag: str) -> Rollout:
+    prompt = tokenizer("12+34=", add_special_tokens=True)["input_ids"]
+    right = tokenizer("46", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    wrong = tokenizer("47", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return Rollout(prompt_id=tag, task="arithmetic", sampler_id="test", policy_version=version,
+                   prompt_ids=prompt, completion_ids=[right, wrong, wrong, right],
+                   sampler_logps=[[-1.0] * len(right), [-2.0] * len(wrong), [-2.5] * len(wrong), [-0.5] * len(right)],
+                   rewards=[1.0, 0.0, 0.0, 1.0], sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                                                           "max_new_tokens": 4})
+
+
+def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_path):
+    from consumers.learner import run_learner
+    from pipeline.model import build_tokenizer
+    from pipeline.runtime import connect_run
+
+    run = f"boundary-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(ROOT / "configs/smoke.yaml", [
+        f"run.name={run}", "learner.max_delay_steps=1", "learner.groups_per_step=1", "learner.max_steps=3",
+        f"services.data_dir={tmp_path / 'data'}"])
+    tok = build_tokenizer()
+    ensure_topic(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    # Learner versions when each is read: 0, 1, 2, 2, 2 (it steps after every kept group).
+    sink.send(crafted_group(tok, 0, "tau0"))        # τ = 0      -> used, learner v1
+    sink.send(crafted_group(tok, 0, "tau1"))        # τ = 1 = max -> used, learner v2
+    sink.send(crafted_group(tok, 0, "tau2"))        # τ = 2 = max+1 -> dropped
+    sink.send_raw(b"\x00definitely not msgpack")    # malformed -> counted, skipped
+    sink.send(crafted_group(tok, 2, "fresh"))       # τ = 0      -> used, learner v3 = max_steps
+    sink.close()
+
+    assert run_learner(cfg, tmp_path / "run") == 0
+
+    summary = json.loads((tmp_path / "run" / "learner_summary.json").read_text())
+    assert summary["groups_consumed"] == 5
+    assert summary["groups_used"] == 3
+    assert summary["groups_dropped"] == 1
+    assert summary["dropped_by_reason"] == {"too_stale_steps": 1}
+    assert summary["malformed"] == 1
+    assert summary["max_staleness_used"] == 1
+    assert summary["offsets"] == {"0": 5} or summary["offsets"] == {0: 5}
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["staleness_max"] for s in steps if s["kind"] == "learner"] == [0, 1, 0]
+
+    handles = connect_run(cfg)
+    version, manifest_key = handles.state.policy()
+    assert version == 3
+    assert handles.store.list_versions() == [1, 2, 3]  # keep_checkpoints = 3: v0 pruned
+    _, manifest = handles.store.fetch(manifest_key, tmp_path / "final")
+    assert manifest.extra["offsets"] == {"0": 5}  # a restarted learner resumes after everything it consumed

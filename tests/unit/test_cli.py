@@ -1,0 +1,65 @@
+"""The command line as users meet it: instant help, one-line errors, never a traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def heterorl(*args, env=None, timeout=60):
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "AWS_ENDPOINT_URL")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_command():
+    out = heterorl("--help").stdout
+    for command in ("up", "down", "status", "env", "sampler", "learner", "train"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["up", "down", "status", "env", "sampler", "learner", "train"])
+def test_every_option_is_explained(command):
+    out = heterorl(command, "--help").stdout
+    assert "usage: heterorl " + command in out
+    options = [line.split()[0] for line in out.splitlines() if line.strip().startswith("--")]
+    for line in out.splitlines():
+        if line.strip().startswith("--") and len(line.split()) == 1:
+            raise AssertionError(f"option without help text: {line}")
+    assert options or command in ("down",)
+
+
+def test_unreachable_service_is_named_in_one_line(tmp_path):
+    proc = heterorl("learner", "--config", "configs/smoke.yaml", "--data-dir", str(tmp_path),
+                    env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
+                         "AWS_ENDPOINT_URL": "http://127.0.0.1:3"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "cannot reach Kafka at 127.0.0.1:1" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_no_stack_and_no_urls_says_what_to_do(tmp_path):
+    proc = heterorl("status", "--data-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert "run `heterorl up`" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_field_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  loss_type: gepoo\n")
+    proc = heterorl("learner", "--config", str(bad))
+    assert proc.returncode == 2
+    assert "learner.loss_type" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_config_file(tmp_path):
+    proc = heterorl("sampler", "--config", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "config file not found" in proc.stderr
