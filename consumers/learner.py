@@ -52,15 +52,11 @@ class LearnerCounters:
                 "mean_staleness_used": (sum(used) / len(used)) if used else None}
 
 
-def _start_policy(cfg: HeteroConfig, handles, work_dir: Path, log):
-    """(model dir, version, Kafka offsets) to start from: the newest checkpoint, or v0."""
+def _start_policy(handles, work_dir: Path, base_model: Path, log):
+    """(model dir, version, Kafka offsets) to start from: the newest checkpoint, or the base as v0."""
     version, manifest_key = handles.state.policy()
     if version is None:
-        base = resolve_base_model(cfg)
-        key = handles.store.publish(0, base, extra={"offsets": {}, "step": 0})
-        handles.state.publish_policy(0, key)
-        log.info("published base model %s as policy v0", base)
-        return base, 0, {}
+        return base_model, 0, {}
     path, manifest = handles.store.fetch(manifest_key, work_dir / f"resume-v{version}")
     offsets = {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
     log.info("resuming from policy v%d at offsets %s", version, offsets)
@@ -92,9 +88,15 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     handles.state.register_run(cfg.run.topic)
     work_dir = Path(tempfile.mkdtemp(prefix="learner-", dir=run_dir))
 
-    model_dir, version, offsets = _start_policy(cfg, handles, work_dir, log)
+    base_model = resolve_base_model(cfg) if handles.state.policy_version() is None else None
+    model_dir, version, offsets = _start_policy(handles, work_dir, base_model, log)
     model, tokenizer = load_policy(model_dir)
     engine = make_engine(model, lcfg)
+    if base_model is not None:
+        # Published only once the engine is ready, so samplers do not run ahead of a
+        # learner that is still starting.
+        handles.state.publish_policy(0, handles.store.publish(0, base_model, extra={"offsets": {}, "step": 0}))
+        log.info("published base model %s as policy v0", base_model)
     publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
     source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
     next_offsets = source.positions()
@@ -175,7 +177,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                 counters.staleness_used.extend(batch_staleness)
                 elapsed = time.monotonic() - step_started
                 record_values = {
-                    "policy_version": version, "loss": float(loss), **step_metrics,
+                    "policy_version": version, "loss": loss.item(), **step_metrics,
                     "staleness_mean": sum(batch_staleness) / len(batch_staleness),
                     "staleness_max": max(batch_staleness), "groups_used": counters.groups_used,
                     "groups_dropped": counters.groups_dropped, "groups_reweighted": counters.groups_reweighted,
@@ -186,7 +188,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                 metrics.write("learner", version, record_values)
                 handles.state.report_learner({"step": version, **counters.as_dict()})
                 log.info("step %d loss %.4f reward %.3f staleness %.1f/%d kept %d dropped %d",
-                         version, float(loss), step_metrics["reward_mean"], record_values["staleness_mean"],
+                         version, loss.item(), step_metrics["reward_mean"], record_values["staleness_mean"],
                          record_values["staleness_max"], counters.groups_used, counters.groups_dropped)
                 batch, weights, batch_staleness = [], [], []
                 consumed_at_last_step = counters.groups_consumed
