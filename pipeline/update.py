@@ -63,7 +63,7 @@ def policy_loss(model, batch: GroupBatch, cfg: LearnerConfig, *, temperature: fl
         cfg.loss_type, learner_logps, sampler_logps, mask.to(learner_logps.dtype), advantages, batch.group_ids,
         epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, seq_prob=cfg.seq_prob,
         max_completion_length=max_completion_length, kl_coef=cfg.kl_coef,
-        sequence_weights=batch.sequence_weights)
+        sequence_weights=batch.sequence_weights, rewards=batch.rewards)
     metrics = dict(metrics)
     metrics["reward_mean"] = float(batch.rewards.mean())
     metrics["sequences"] = batch.num_sequences
