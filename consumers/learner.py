@@ -134,6 +134,10 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                     last_wait_log = time.monotonic()
                 continue
             last_record_at = time.monotonic()
+            read_up_to = dict(next_offsets)
+            for record in records:
+                read_up_to[record.partition] = max(read_up_to.get(record.partition, 0), record.offset + 1)
+            handles.state.report_learner_offsets(read_up_to)  # samplers pace themselves on it
             for record in records:
                 next_offsets[record.partition] = record.offset + 1
                 counters.groups_consumed += 1

@@ -73,20 +73,25 @@ class ModelConfig(_Strict):
     base: str = "builtin:tiny"
     """`builtin:tiny` (a small Llama-style model warmed up on the task, cached in
     `<data_dir>/models`) or the path of any local Hugging Face model directory."""
-    hidden_size: int = Field(128, ge=8)
+    hidden_size: int = Field(64, ge=8)
     """Builtin model only: width."""
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(4, ge=1)
     """Builtin model only: transformer blocks."""
     num_heads: int = Field(4, ge=1)
     """Builtin model only: attention heads."""
-    intermediate_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(128, ge=8)
     """Builtin model only: MLP width."""
     max_positions: int = Field(64, ge=8)
     """Builtin model only: longest prompt + completion in tokens."""
     seed: int = 0
     """Builtin model only: initialisation and warm-up data order."""
-    warmup_steps: int = Field(300, ge=0)
-    """Builtin model only: supervised warm-up steps, so RL starts from low but non-zero accuracy."""
+    warmup_steps: int = Field(2000, ge=0)
+    """Builtin model only: most supervised warm-up steps (it usually stops earlier, on target)."""
+    warmup_target_accuracy: Optional[float] = Field(0.25, gt=0, le=1)
+    """Builtin model only: stop the warm-up once sampled accuracy on train problems reaches
+    this, so RL starts from low but non-zero accuracy whatever the seed (None: all steps)."""
+    warmup_label_smoothing: float = Field(0.2, ge=0, lt=1)
+    """Builtin model only: keeps the base model's sampling distribution wide."""
     warmup_lr: float = Field(3e-3, gt=0)
     warmup_batch_size: int = Field(64, ge=1)
 
@@ -113,8 +118,11 @@ class SamplerConfig(_Strict):
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(8, ge=1)
-    weight_poll_interval_s: float = Field(1.0, gt=0)
+    weight_poll_interval_s: float = Field(0.25, gt=0)
     """How often the sampler asks Redis for a newer policy version."""
+    max_backlog_groups: Optional[int] = Field(512, ge=1)
+    """Pause generating while more than this many groups in the topic are still unread by
+    the learner (None: never pause), so samplers do not run far ahead of the learner."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
     lease_ttl_s: float = Field(10.0, gt=0)
     """A sampler that misses heartbeats for this long is no longer listed as live."""
@@ -141,7 +149,9 @@ class LearnerConfig(_Strict):
     """Divide group-relative advantages by the group's reward std (+1e-4), for every loss alike."""
     kl_coef: float = Field(0.0, ge=0)
     """Learner–sampler k3 KL penalty (the reference used 0.005)."""
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    lr_warmup_steps: int = Field(10, ge=0)
+    """Linear learning-rate warm-up from 0 over this many optimizer steps."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: int = Field(1, ge=0, le=2)

@@ -47,6 +47,11 @@ def make_engine(model, cfg: LearnerConfig):
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.lr_warmup_steps > 0:
+        # Linear from lr/warmup to lr: step k (0-based) uses lr·(k+1)/warmup, so none is wasted at 0.
+        ds_config["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": cfg.lr / (cfg.lr_warmup_steps + 1), "warmup_max_lr": cfg.lr,
+            "warmup_num_steps": cfg.lr_warmup_steps, "warmup_type": "linear"}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     engine.train()
     return engine

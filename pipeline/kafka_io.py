@@ -97,10 +97,14 @@ class RolloutSink:
 
     def send(self, rollout: Rollout) -> tuple[int, int]:
         """Publish one group; returns (partition, offset) as acknowledged by the broker."""
-        future = self.producer.send(self.topic, value=encode_rollout(rollout),
-                                    key=rollout.rollout_id.encode(), headers=rollout.headers())
-        meta = future.get(timeout=self.send_timeout_s)
-        return meta.partition, meta.offset
+        return self.send_many([rollout])[0]
+
+    def send_many(self, rollouts: list[Rollout]) -> list[tuple[int, int]]:
+        """Publish groups in order, pipelined; returns once every one is acknowledged."""
+        futures = [self.producer.send(self.topic, value=encode_rollout(r), key=r.rollout_id.encode(),
+                                      headers=r.headers()) for r in rollouts]
+        metas = [f.get(timeout=self.send_timeout_s) for f in futures]
+        return [(m.partition, m.offset) for m in metas]
 
     def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None) -> tuple[int, int]:
         """Publish arbitrary bytes (tests use it to inject malformed messages)."""

@@ -15,6 +15,7 @@ Keys (all under `heterorl:<run>:`):
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Optional
 
@@ -113,3 +114,11 @@ class RunState:
 
     def learner_progress(self) -> dict:
         return self.client.hgetall(self.prefix + "learner")
+
+    def report_learner_offsets(self, offsets: dict[int, int]) -> None:
+        """Next offset the learner will read, per partition (samplers derive their backlog)."""
+        self.client.hset(self.prefix + "learner", "offsets", json.dumps({str(p): o for p, o in offsets.items()}))
+
+    def learner_offsets(self) -> dict[int, int]:
+        raw = self.client.hget(self.prefix + "learner", "offsets")
+        return {int(p): int(o) for p, o in json.loads(raw).items()} if raw else {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.metrics import read_metrics
@@ -48,7 +49,9 @@ def plot_run(run_dir: Path, out_name: str = "report.png") -> Path:
     ax_stale.set_ylabel("staleness (steps)")
     ax_stale.legend(loc="upper left")
     ax_stale.set_title("staleness of used groups, drops")
-    fig.suptitle(run_dir.name)
+    summary = run_dir / "summary.json"
+    title = json.loads(summary.read_text()).get("run", run_dir.name) if summary.exists() else run_dir.name
+    fig.suptitle(title)
     fig.tight_layout()
     path = run_dir / out_name
     fig.savefig(path, dpi=110)

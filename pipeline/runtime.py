@@ -36,15 +36,16 @@ def connect_run(cfg: HeteroConfig) -> RunHandles:
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:
-    """The builtin model's settings, derived from the model and task sections."""
+    """The builtin model's settings (pipeline.model.BaseModelSettings), from the config."""
     m, t = cfg.model, cfg.task
     return {
         "task": t.name,
-        "task_settings": {"digits": t.digits, "ops": t.ops, "eval_size": t.eval_size},
+        "task_settings": {"digits": t.digits, "ops": t.ops},
         "size": {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
                  "intermediate_size": m.intermediate_size, "max_positions": m.max_positions},
-        "warmup_steps": m.warmup_steps, "warmup_batch_size": m.warmup_batch_size,
-        "warmup_lr": m.warmup_lr, "seed": m.seed,
+        "warmup_steps": m.warmup_steps, "warmup_batch_size": m.warmup_batch_size, "warmup_lr": m.warmup_lr,
+        "warmup_target_accuracy": m.warmup_target_accuracy, "warmup_label_smoothing": m.warmup_label_smoothing,
+        "seed": m.seed,
     }
 
 

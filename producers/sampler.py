@@ -114,6 +114,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     seed = sampler_seed(cfg.run.seed, sampler_id)
     started = time.time()
     published = 0
+    acked_up_to: dict[int, int] = {}  # partition -> 1 + highest offset acknowledged to us
+    paused_s = 0.0
     last_heartbeat = last_poll = 0.0
     last_wait_log = time.monotonic()
 
@@ -122,6 +124,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         state.renew_sampler_lease(sampler_id, {
             "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
             "groups": published, "rollouts_per_min": round(published / minutes, 2), "started_at": started,
+            "paused_s": round(paused_s, 1),
         }, scfg.lease_ttl_s)
         touch_heartbeat_file()
 
@@ -143,6 +146,14 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 time.sleep(0.5)
                 continue
 
+            if scfg.max_backlog_groups is not None and acked_up_to:
+                read = state.learner_offsets()
+                backlog = sum(max(0, end - read.get(p, 0)) for p, end in acked_up_to.items())
+                if backlog > scfg.max_backlog_groups:  # the learner is behind: wait, don't waste compute
+                    time.sleep(0.05)
+                    paused_s += 0.05
+                    continue
+
             indices = state.claim_prompts(scfg.prompts_per_batch)
             problems = [task.train_problem(i) for i in indices]
             version = policy.version
@@ -150,16 +161,18 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
                 temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
                 max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
-            for problem, group in zip(problems, groups):
-                rewards = [task.reward(problem, decode_completion(policy.tokenizer, c)) for c in group.completion_ids]
-                rollout = Rollout(
-                    prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id, policy_version=version,
-                    prompt_ids=group.prompt_ids, completion_ids=group.completion_ids,
-                    sampler_logps=group.sampler_logps, rewards=rewards,
-                    sampling={"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
-                              "max_new_tokens": scfg.max_new_tokens})
-                sink.send(rollout)
-                published += 1
+            rollouts = [
+                Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id, policy_version=version,
+                        prompt_ids=group.prompt_ids, completion_ids=group.completion_ids,
+                        sampler_logps=group.sampler_logps,
+                        rewards=[task.reward(problem, decode_completion(policy.tokenizer, c))
+                                 for c in group.completion_ids],
+                        sampling={"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
+                                  "max_new_tokens": scfg.max_new_tokens})
+                for problem, group in zip(problems, groups)]
+            for partition, offset in sink.send_many(rollouts):
+                acked_up_to[partition] = max(acked_up_to.get(partition, 0), offset + 1)
+            published += len(rollouts)
             if scfg.max_groups is not None and published >= scfg.max_groups:
                 log.info("published %d groups (sampler.max_groups); stopping", published)
                 break
