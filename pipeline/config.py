@@ -47,8 +47,17 @@ class RunConfig(_Strict):
         return self.rollout_topic or f"{self.name}.rollouts"
 
 
+class LocalStackPorts(_Strict):
+    """Loopback ports of a local stack that `heterorl train` starts (0: a free port)."""
+
+    kafka_port: int = Field(0, ge=0, le=65535)
+    redis_port: int = Field(0, ge=0, le=65535)
+    s3_port: int = Field(0, ge=0, le=65535)
+
+
 class ServicesConfig(_Strict):
-    """Where the servers are. Leave the URLs empty to use the local stack in `data_dir`."""
+    """Where the servers are. Leave the URLs empty to use the local stack in `data_dir`;
+    a URL that is set replaces that server of the local stack (e.g. an existing Kafka)."""
 
     kafka_bootstrap: Optional[str] = None
     """host:port[,host:port]; env KAFKA_BOOTSTRAP_SERVERS."""
@@ -65,6 +74,8 @@ class ServicesConfig(_Strict):
     """Bucket holding checkpoints; env HETERORL_S3_BUCKET."""
     data_dir: str = ".heterorl"
     """Local stack directory (state file, server data, logs, model cache)."""
+    local_stack: LocalStackPorts = LocalStackPorts()
+    """Ports for a local stack started by `heterorl train`."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long to wait for a server to answer before naming it as unreachable."""
 
@@ -165,6 +176,9 @@ class LearnerConfig(_Strict):
     stale_policy: Literal["drop", "reweight"] = "drop"
     """Past the max delay: drop the group, or keep it with weight decay**(τ − max)."""
     reweight_decay: float = Field(0.5, gt=0, le=1)
+    """With stale_policy=reweight: a group τ − max steps past the limit gets weight decay**(τ − max)."""
+    reweight_max_extra_steps: Optional[int] = Field(None, ge=0)
+    """With stale_policy=reweight: still drop groups more than this many steps past the limit."""
     sync_every: int = Field(1, ge=1)
     """Publish a checkpoint (and bump the version in Redis) every this many steps."""
     keep_checkpoints: int = Field(3, ge=1)
@@ -209,14 +223,27 @@ class HeteroConfig(_Strict):
     train: TrainConfig = TrainConfig()
 
 
+# The environment variables that point every process at the servers (`heterorl env`
+# prints them; containers and remote samplers set them), and the field each fills.
 ENV_OVERRIDES = {
     "KAFKA_BOOTSTRAP_SERVERS": "kafka_bootstrap",
     "REDIS_URL": "redis_url",
     "AWS_ENDPOINT_URL": "s3_endpoint",
     "AWS_ACCESS_KEY_ID": "s3_access_key",
     "AWS_SECRET_ACCESS_KEY": "s3_secret_key",
+    "AWS_DEFAULT_REGION": "s3_region",
     "HETERORL_S3_BUCKET": "bucket",
 }
+
+
+def strip_password(url: Optional[str]) -> Optional[str]:
+    """A URL with any password replaced by ***, for logs, status and saved configs."""
+    if not url:
+        return url
+    from urllib.parse import urlparse
+
+    password = urlparse(url).password
+    return url.replace(f":{password}@", ":***@") if password else url
 
 
 def _parse_scalar(text: str) -> Any:
@@ -290,4 +317,5 @@ def dump_config(cfg: HeteroConfig) -> str:
     data = cfg.model_dump()
     data["services"]["s3_access_key"] = None
     data["services"]["s3_secret_key"] = None
+    data["services"]["redis_url"] = strip_password(data["services"]["redis_url"])
     return yaml.safe_dump(data, sort_keys=False)

@@ -44,6 +44,8 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: flo
                 admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
             except TopicAlreadyExistsError:
                 pass
+    except KafkaError as e:
+        raise _unreachable(bootstrap, e) from None
     finally:
         admin.close()
     deadline = time.monotonic() + timeout_s
@@ -63,7 +65,10 @@ def topic_partitions(bootstrap: str, topic: str) -> list[int]:
 
 def _consumer(bootstrap: str, **kwargs) -> KafkaConsumer:
     try:
+        # earliest: a stored offset past the end of the log (a broker that lost data) must
+        # re-read what exists, never silently skip to new messages.
         return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest",
                              client_id="heterorl", request_timeout_ms=30000,
                              fetch_max_bytes=4 * MAX_MESSAGE_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
                              **kwargs)
@@ -154,11 +159,12 @@ class RolloutSource:
 
     def positions(self) -> dict[int, int]:
         """Next offset to read per partition (what a checkpoint stores to resume)."""
-        return {tp.partition: self.consumer.position(tp) for tp in self.partitions}
+        return {tp.partition: self.consumer.position(tp, timeout_ms=30000) for tp in self.partitions}
 
     def lag(self) -> int:
         ends = self.consumer.end_offsets(self.partitions)
-        return sum(max(0, ends[tp] - self.consumer.position(tp)) for tp in self.partitions)
+        positions = self.positions()
+        return sum(max(0, ends[tp] - positions[tp.partition]) for tp in self.partitions)
 
     def close(self) -> None:
         self.consumer.close()

@@ -110,14 +110,15 @@ class RunState:
 
     # ---- learner progress ------------------------------------------------------------
     def report_learner(self, progress: dict) -> None:
-        self.client.hset(self.prefix + "learner", mapping={k: str(v) for k, v in progress.items()})
+        """Every value is stored as JSON, so readers get numbers, null and maps back."""
+        self.client.hset(self.prefix + "learner", mapping={k: json.dumps(v) for k, v in progress.items()})
 
     def learner_progress(self) -> dict:
-        return self.client.hgetall(self.prefix + "learner")
+        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "learner").items()}
 
     def report_learner_offsets(self, offsets: dict[int, int]) -> None:
         """Next offset the learner will read, per partition (samplers derive their backlog)."""
-        self.client.hset(self.prefix + "learner", "offsets", json.dumps({str(p): o for p, o in offsets.items()}))
+        self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}})
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
-from pipeline.config import ServicesConfig
+from pipeline.config import ENV_OVERRIDES, ServicesConfig, strip_password
 
 
 class ServiceUnavailable(RuntimeError):
@@ -33,39 +33,38 @@ class Services:
 
     def public(self) -> dict:
         """Everything but the secrets."""
-        return {"kafka_bootstrap": self.kafka_bootstrap, "redis_url": _strip_password(self.redis_url),
+        return {"kafka_bootstrap": self.kafka_bootstrap, "redis_url": strip_password(self.redis_url),
                 "s3_endpoint": self.s3_endpoint, "bucket": self.bucket}
 
 
-def _strip_password(url: str) -> str:
-    p = urlparse(url)
-    if p.password:
-        return url.replace(f":{p.password}@", ":***@")
-    return url
-
-
-def _configured(cfg: ServicesConfig) -> bool:
-    return bool(cfg.kafka_bootstrap and cfg.redis_url and cfg.s3_endpoint)
+def services_env(services: Services) -> dict[str, str]:
+    """The environment variables (config.ENV_OVERRIDES) that point a process at `services`."""
+    return {var: str(getattr(services, field)) for var, field in ENV_OVERRIDES.items()}
 
 
 def resolve_services(cfg: ServicesConfig) -> Optional[Services]:
-    """The configured servers, else the running local stack, else None."""
-    if _configured(cfg):
+    """The configured servers, completed by the running local stack; None if neither suffices.
+
+    A URL that is configured always wins; the local stack fills in the rest (this is how
+    an existing Kafka is combined with the local Redis and S3).
+    """
+    configured = {"kafka_bootstrap": cfg.kafka_bootstrap, "redis_url": cfg.redis_url, "s3_endpoint": cfg.s3_endpoint}
+    if all(configured.values()):
         return Services(cfg.kafka_bootstrap, cfg.redis_url, cfg.s3_endpoint, cfg.s3_access_key or "",
                         cfg.s3_secret_key or "", cfg.s3_region, cfg.bucket)
-    partial = [n for n in ("kafka_bootstrap", "redis_url", "s3_endpoint") if getattr(cfg, n)]
-    if partial:
-        missing = sorted({"kafka_bootstrap", "redis_url", "s3_endpoint"} - set(partial))
-        raise ServiceUnavailable(
-            f"services.{', services.'.join(missing)} not set while {', '.join(partial)} is: "
-            "configure all three service URLs, or none to use the local stack")
     from infra.local_stack import load_stack
 
     state = load_stack(cfg.data_dir)
     if state is None:
         return None
-    return Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
-                    state.s3_secret_key, state.s3_region, state.bucket, from_local_stack=True)
+    s3_from_config = bool(cfg.s3_endpoint)
+    return Services(
+        cfg.kafka_bootstrap or state.kafka_bootstrap, cfg.redis_url or state.redis_url,
+        cfg.s3_endpoint or state.s3_endpoint,
+        (cfg.s3_access_key or "") if s3_from_config else state.s3_access_key,
+        (cfg.s3_secret_key or "") if s3_from_config else state.s3_secret_key,
+        cfg.s3_region if s3_from_config else state.s3_region,
+        cfg.bucket if s3_from_config else state.bucket, from_local_stack=True)
 
 
 def require_services(cfg: ServicesConfig) -> Services:
@@ -99,7 +98,7 @@ def check_reachable(services: Services, timeout_s: float = 5.0) -> None:
     r = urlparse(services.redis_url)
     err = _tcp_probe(r.hostname or "localhost", r.port or 6379, timeout_s)
     if err:
-        raise ServiceUnavailable(f"cannot reach Redis at {_strip_password(services.redis_url)} ({err}): {hint}")
+        raise ServiceUnavailable(f"cannot reach Redis at {strip_password(services.redis_url)} ({err}): {hint}")
     s = urlparse(services.s3_endpoint)
     err = _tcp_probe(s.hostname or "localhost", s.port or (443 if s.scheme == "https" else 80), timeout_s)
     if err:

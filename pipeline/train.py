@@ -29,12 +29,9 @@ from pipeline.runtime import connect_run, make_task_from_config, resolve_base_mo
 
 
 def _child_env(services) -> dict:
-    env = dict(os.environ)
-    env.update({"KAFKA_BOOTSTRAP_SERVERS": services.kafka_bootstrap, "REDIS_URL": services.redis_url,
-                "AWS_ENDPOINT_URL": services.s3_endpoint, "AWS_ACCESS_KEY_ID": services.s3_access_key,
-                "AWS_SECRET_ACCESS_KEY": services.s3_secret_key, "HETERORL_S3_BUCKET": services.bucket,
-                "PYTHONUNBUFFERED": "1"})
-    return env
+    from pipeline.services import services_env
+
+    return {**os.environ, **services_env(services), "PYTHONUNBUFFERED": "1"}
 
 
 class Processes:
@@ -100,7 +97,7 @@ def _watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, log) -> None:
                 r = records[-1]
                 bar.update(r["step"] - bar.n)
                 bar.set_postfix_str(
-                    f"v{r['policy_version']} reward {r['reward_mean']:.2f} stale {r['staleness_mean']:.1f}"
+                    f"v{r['policy_version']} train-acc {r['reward_mean']:.2f} stale {r['staleness_mean']:.1f}"
                     f"/{r['staleness_max']} kept {r['groups_used']} dropped {r['groups_dropped']} "
                     f"{r['groups_per_s']:.1f} groups/s")
                 seen = len(records)
@@ -141,7 +138,9 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     services = resolve_services(cfg.services)
     if services is None:
         log.info("no servers configured: starting the local stack in %s/", cfg.services.data_dir)
-        start_stack(cfg.services.data_dir)
+        ports = cfg.services.local_stack
+        start_stack(cfg.services.data_dir, kafka_port=ports.kafka_port, redis_port=ports.redis_port,
+                    s3_port=ports.s3_port, external_kafka=cfg.services.kafka_bootstrap)
         started_stack = True
         services = resolve_services(cfg.services)
     procs: Optional[Processes] = None

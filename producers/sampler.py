@@ -31,6 +31,19 @@ from pipeline.config import HeteroConfig
 from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
 
 
+def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
+    """One Rollout per prompt group: rewards from the task's verifier on the decoded completions."""
+    from pipeline.model import decode_completion
+    from pipeline.rollout import Rollout
+
+    return [Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id,
+                    policy_version=policy_version, prompt_ids=group.prompt_ids,
+                    completion_ids=group.completion_ids, sampler_logps=group.sampler_logps,
+                    rewards=[task.reward(problem, decode_completion(tokenizer, c)) for c in group.completion_ids],
+                    sampling=sampling)
+            for problem, group in zip(problems, groups)]
+
+
 def new_sampler_id() -> str:
     return f"{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -65,6 +78,9 @@ class PolicyHolder:
 
     def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
         """Load `version` if it is newer than ours; False (keep current weights) on failure."""
+        import urllib3
+        from minio.error import S3Error
+
         from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
         from pipeline.model import load_policy
 
@@ -82,6 +98,10 @@ class PolicyHolder:
         except CheckpointNotFound as e:  # pruned between the Redis read and the fetch
             self.log.warning("%s; will pick up a newer version", e)
             return False
+        except (S3Error, urllib3.exceptions.HTTPError, OSError) as e:  # the network, not the data
+            self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
+                             version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
+            return False
         model, tokenizer = load_policy(path)
         old = self.version
         self.model, self.tokenizer, self.version = model, tokenizer, version
@@ -95,8 +115,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     import torch
 
     from pipeline.kafka_io import RolloutSink, ensure_topic
-    from pipeline.model import decode_completion, sample_groups
-    from pipeline.rollout import Rollout
+    from pipeline.model import sample_groups
 
     sampler_id = sampler_id or new_sampler_id()
     log = setup_logging(f"sampler {sampler_id}")
@@ -112,6 +131,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     policy = PolicyHolder(store, work_dir, log)
     stop = _StopFlag()
     seed = sampler_seed(cfg.run.seed, sampler_id)
+    sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
+                "max_new_tokens": scfg.max_new_tokens}
     started = time.time()
     published = 0
     acked_up_to: dict[int, int] = {}  # partition -> 1 + highest offset acknowledged to us
@@ -161,15 +182,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
                 temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
                 max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
-            rollouts = [
-                Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id, policy_version=version,
-                        prompt_ids=group.prompt_ids, completion_ids=group.completion_ids,
-                        sampler_logps=group.sampler_logps,
-                        rewards=[task.reward(problem, decode_completion(policy.tokenizer, c))
-                                 for c in group.completion_ids],
-                        sampling={"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
-                                  "max_new_tokens": scfg.max_new_tokens})
-                for problem, group in zip(problems, groups)]
+            rollouts = score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
+                                    policy_version=version, sampling=sampling)
             for partition, offset in sink.send_many(rollouts):
                 acked_up_to[partition] = max(acked_up_to.get(partition, 0), offset + 1)
             published += len(rollouts)

@@ -83,9 +83,10 @@ def test_malicious_manifest_path_is_refused(local_stack, tmp_path):
 
 def test_prune_keeps_the_newest(local_stack, tiny_model_dir):
     store = _store(local_stack, "ckpt-prune")
-    for v in range(4):
+    for v in range(5):
         store.publish(v, tiny_model_dir)
-    assert store.prune(keep_last=2) == [0, 1]
-    assert store.list_versions() == [2, 3]
+    # v4 stands for a version an earlier, crashed learner published past the current v3.
+    assert store.prune(keep_last=2, current=3) == [0, 1]
+    assert store.list_versions() == [2, 3, 4]
     leftover = [o.object_name for o in store.client.list_objects(store.bucket, prefix="ckpt-prune/v0/", recursive=True)]
     assert leftover == []
