@@ -26,9 +26,11 @@ def make_engine(model, cfg: LearnerConfig):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
+        # One process: a private rendezvous on a free port. An inherited MASTER_PORT (say,
+        # from a parent that ran a learner itself) would collide with the parent's.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
     import deepspeed
 
     for name in ("DeepSpeed", "deepspeed"):

@@ -1,4 +1,4 @@
-"""`heterorl train` as a user runs it: one learner and one sampler as real processes."""
+"""`heterorl train` as a user runs it, then `status`, `env` and `down` on the stack it kept."""
 
 import json
 import math
@@ -9,21 +9,29 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import ENV_OVERRIDES, load_config
+from tests.integration.test_local_stack import _gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_short_training_run(local_stack_env, tmp_path):
+def heterorl(*args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # no URLs: the local stack
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
+    from infra.local_stack import load_stack
     from pipeline.metrics import read_metrics
     from pipeline.runtime import connect_run
 
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(ROOT / "configs/smoke.yaml"),
-           "--out", str(out), "--data-dir", str(tmp_path / "data"), "--set", "learner.max_steps=4"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    data, out = tmp_path / "data", tmp_path / "run"
+    proc = heterorl("train", "--config", "configs/smoke.yaml", "--out", str(out), "--data-dir", str(data),
+                    "--keep-stack", "--set", "learner.max_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out accuracy" in proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_accuracy_before", "eval_accuracy_after", "final_policy_version", "final_checkpoint",
@@ -31,13 +39,14 @@ def test_short_training_run(local_stack_env, tmp_path):
         assert key in summary, key
     assert summary["final_policy_version"] == 4
     assert summary["groups_consumed"] >= 4 * 2  # groups_per_step = 2
-    assert summary["final_checkpoint"] == f"s3://{local_stack_env.bucket}/{summary['run']}/v4/"
-    assert summary["local_stack_kept"] is True  # it used the running stack and left it alone
+    stack = load_stack(data)
+    assert stack is not None, "--keep-stack must leave the servers running"
+    assert summary["final_checkpoint"] == f"s3://{stack.bucket}/{summary['run']}/v4/"
 
     # The version advanced in Redis and checkpoints with valid manifests exist in S3.
-    cfg = load_config(ROOT / "configs/smoke.yaml", [f"run.name={summary['run']}"])
+    cfg = load_config(ROOT / "configs/smoke.yaml", [f"run.name={summary['run']}", f"services.data_dir={data}"], env={})
     handles = connect_run(cfg)
-    version, manifest_key = handles.state.policy()
+    version, _ = handles.state.policy()
     assert version == 4
     versions = handles.store.list_versions()
     assert versions[-1] == 4 and len(versions) == cfg.learner.keep_checkpoints
@@ -48,8 +57,33 @@ def test_short_training_run(local_stack_env, tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert all(s["staleness_max"] <= cfg.learner.max_delay_steps for s in steps)
-    evals = read_metrics(out / "metrics.jsonl", "eval")
-    assert [e["policy_version"] for e in evals] == [0, 4]
+    assert [e["policy_version"] for e in read_metrics(out / "metrics.jsonl", "eval")] == [0, 4]
     assert (out / "report.png").stat().st_size > 10_000
     assert list((out / "tb").glob("events.out.tfevents.*"))
-    assert "held-out accuracy" in proc.stdout
+
+    # status --json describes the run, without secrets.
+    status_proc = heterorl("status", "--json", "--data-dir", str(data))
+    assert status_proc.returncode == 0, status_proc.stderr
+    status = json.loads(status_proc.stdout)
+    assert status["run"] == summary["run"]
+    assert status["rollout_topic"] == summary["rollout_topic"]
+    assert status["policy_version"] == 4
+    assert status["checkpoints"] == versions
+    assert status["kafka_bootstrap"] == stack.kafka_bootstrap and status["s3_endpoint"] == stack.s3_endpoint
+    assert status["redis_url"] == stack.redis_url and status["bucket"] == stack.bucket
+    assert status["samplers"] == {}  # the run's sampler released its lease
+    assert sum(status["topic_end_offsets"].values()) >= summary["groups_consumed"]  # samplers may run ahead
+    assert stack.s3_secret_key not in status_proc.stdout
+
+    # env prints export lines that standard tools can use.
+    env_lines = heterorl("env", "--data-dir", str(data)).stdout.splitlines()
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in env_lines)
+    assert set(exported) == set(ENV_OVERRIDES)
+    assert exported["KAFKA_BOOTSTRAP_SERVERS"] == stack.kafka_bootstrap
+
+    # down stops exactly what was started.
+    pids = dict(stack.processes)
+    down = heterorl("down", "--data-dir", str(data))
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert load_stack(data) is None
+    assert all(_gone(pid) for pid in pids.values())
