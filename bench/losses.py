@@ -10,6 +10,11 @@ the same case (its own warm cache and allocator state, not what the previous cas
 The table reports medians over rounds: times, and the per-pair ratio loss/floor. The
 issue's budget: GEPO within 3x of the floor (exit status 1 if it is not).
 
+Memory: the script restarts itself with glibc's MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ raised, so freed tensors stay in the heap instead of being
+page-faulted in afresh on every call (that cost varied between runs by more than the
+floor itself); gradients accumulate into one kept, zeroed buffer, as in training.
+
 Timings include everything compute_policy_loss does: input validation, the loss, the
 k3 KL (a metric even with kl_coef=0) and the metrics dict. With --threads 1 (default)
 the clock is the thread's CPU time, so time the scheduler gives to other processes on
@@ -19,6 +24,7 @@ a shared machine is not counted; with more threads it is wall time.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -92,7 +98,15 @@ def cases(x: dict, seq_len: int, names: list[str]) -> dict:
     return out
 
 
+STABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and any(os.environ.get(k) != v for k, v in STABLE_MALLOC.items()):
+        # glibc otherwise hands large tensors back to the OS and page-faults them in again,
+        # at a cost that varies from run to run by more than the floor itself; keeping
+        # freed memory in the heap makes both sides of each ratio steady. Restart with it.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STABLE_MALLOC})
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     x = make_inputs(args.batch, args.seq_len, args.group_size, DTYPES[args.dtype], args.seed)
@@ -109,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
     def timed(fn) -> float:
-        x["learner"].grad = None
+        # Gradients accumulate into one kept buffer (zeroed, not freed), as in a training
+        # loop: otherwise each backward allocates fresh pages and the page faults, which
+        # vary from process to process, swamp the floor being compared against.
         fn()  # untimed warm-up call: each case starts from its own warm state
-        x["learner"].grad = None
+        x["learner"].grad.zero_()
         start = clock()
         fn()
         return (clock() - start) * 1e3
