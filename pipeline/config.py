@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Attribute docstrings become field descriptions: the docs live beside each field.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class RunConfig(_Strict):
@@ -51,8 +52,11 @@ class LocalStackPorts(_Strict):
     """Loopback ports of a local stack that `heterorl train` starts (0: a free port)."""
 
     kafka_port: int = Field(0, ge=0, le=65535)
+    """Broker port."""
     redis_port: int = Field(0, ge=0, le=65535)
+    """Redis port."""
     s3_port: int = Field(0, ge=0, le=65535)
+    """S3 server port."""
 
 
 class ServicesConfig(_Strict):
@@ -70,6 +74,7 @@ class ServicesConfig(_Strict):
     s3_secret_key: Optional[str] = None
     """env AWS_SECRET_ACCESS_KEY."""
     s3_region: str = "us-east-1"
+    """Region used to sign S3 requests; env AWS_DEFAULT_REGION."""
     bucket: str = "heterorl"
     """Bucket holding checkpoints; env HETERORL_S3_BUCKET."""
     data_dir: str = ".heterorl"
@@ -104,13 +109,16 @@ class ModelConfig(_Strict):
     warmup_label_smoothing: float = Field(0.2, ge=0, lt=1)
     """Builtin model only: keeps the base model's sampling distribution wide."""
     warmup_lr: float = Field(3e-3, gt=0)
+    """Builtin model only: warm-up learning rate."""
     warmup_batch_size: int = Field(64, ge=1)
+    """Builtin model only: problems per warm-up step."""
 
 
 class TaskConfig(_Strict):
     name: Literal["arithmetic"] = "arithmetic"
     """Built-in verifiable task (generated from `seed`, no download)."""
     seed: int = 1234
+    """Orders the endless train stream (the held-out split does not depend on it)."""
     digits: int = Field(2, ge=1, le=6)
     """Operand digits."""
     ops: str = "+"
@@ -125,21 +133,26 @@ class SamplerConfig(_Strict):
     prompts_per_batch: int = Field(4, ge=1)
     """Prompts generated together in one batched generate call."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the recorded log-probs and the learner's use the same one."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1.0 disables); only picks tokens, log-probs stay full-vocabulary."""
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(8, ge=1)
+    """Longest completion; also dr_grpo's normaliser."""
     weight_poll_interval_s: float = Field(0.25, gt=0)
     """How often the sampler asks Redis for a newer policy version."""
     max_backlog_groups: Optional[int] = Field(512, ge=1)
     """Pause generating while more than this many groups in the topic are still unread by
     the learner (None: never pause), so samplers do not run far ahead of the learner."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
+    """How often the sampler renews its lease in Redis."""
     lease_ttl_s: float = Field(10.0, gt=0)
     """A sampler that misses heartbeats for this long is no longer listed as live."""
     max_groups: Optional[int] = Field(None, ge=1)
     """Stop after publishing this many groups (None: run until stopped)."""
     torch_threads: int = Field(1, ge=1)
+    """CPU threads for generation (several samplers share a machine's cores)."""
 
     @model_validator(mode="after")
     def _lease_longer_than_heartbeat(self) -> "SamplerConfig":
@@ -154,6 +167,7 @@ class LearnerConfig(_Strict):
     epsilon_low: Optional[float] = Field(None, ge=0)
     """Clip range below 1; None = the loss type's documented default."""
     epsilon_high: Optional[float] = Field(None, ge=0)
+    """Clip range above 1; None = the loss type's documented default."""
     seq_prob: Literal["geo_mean", "product"] = "geo_mean"
     """Sequence probability: length-normalised geometric mean (paper) or plain product."""
     scale_adv_by_std: bool = False
@@ -161,10 +175,13 @@ class LearnerConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0)
     """Learner–sampler k3 KL penalty (the reference used 0.005)."""
     lr: float = Field(5e-4, gt=0)
+    """AdamW learning rate (after the warm-up)."""
     lr_warmup_steps: int = Field(10, ge=0)
-    """Linear learning-rate warm-up from 0 over this many optimizer steps."""
+    """Linear warm-up: step k (0-based) of the first n uses lr·(k+1)/(n+1); 0 disables it."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clipping."""
     zero_stage: int = Field(1, ge=0, le=2)
     """DeepSpeed ZeRO stage (0, 1 or 2; stage 3 gains nothing with one process)."""
     groups_per_step: int = Field(8, ge=1)
@@ -190,6 +207,7 @@ class LearnerConfig(_Strict):
     idle_timeout_s: float = Field(600.0, gt=0)
     """Give up (exit non-zero) after this long with no new rollout."""
     torch_threads: int = Field(1, ge=1)
+    """CPU threads for the learner's forward and backward."""
 
 
 class EvalConfig(_Strict):
@@ -214,13 +232,21 @@ class HeteroConfig(_Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
     run: RunConfig = RunConfig()
+    """Name, seed and topic of the run."""
     services: ServicesConfig = ServicesConfig()
+    """Kafka, Redis and S3 (or the local stack)."""
     model: ModelConfig = ModelConfig()
+    """The policy to start from."""
     task: TaskConfig = TaskConfig()
+    """The verifiable task prompts come from."""
     sampler: SamplerConfig = SamplerConfig()
+    """Every sampler's settings."""
     learner: LearnerConfig = LearnerConfig()
+    """The learner's loss, optimizer, staleness rule and checkpointing."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation by `heterorl train`."""
     train: TrainConfig = TrainConfig()
+    """What `heterorl train` starts and where it writes."""
 
 
 # The environment variables that point every process at the servers (`heterorl env`

@@ -31,8 +31,18 @@ def make_engine(model, cfg: LearnerConfig):
         # from a parent that ran a learner itself) would collide with the parent's.
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")
+    import importlib
+
     import deepspeed
 
+    # (not `import deepspeed.comm.torch as m`: deepspeed.comm's attribute `torch` is PyTorch)
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        # DeepSpeed JIT-compiles a shared-memory all-reduce kernel whenever it sets up
+        # communication (about 40 s and a C++ compiler on first use). One process never
+        # all-reduces over shared memory, and DeepSpeed skips the kernel when it is None.
+        ds_comm_torch.build_shm_op = lambda: None
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():

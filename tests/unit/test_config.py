@@ -67,3 +67,16 @@ def test_loss_types_match_the_loss_library():
 def test_rollout_topic_defaults_to_run_name():
     cfg = load_config(None, ["run.name=abc"], env={})
     assert cfg.run.topic == "abc.rollouts"
+
+
+def test_every_field_is_documented_where_it_is_declared():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            yield f"{prefix}{name}", field
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from walk(field.annotation, f"{prefix}{name}.")
+
+    undocumented = [path for path, field in walk(HeteroConfig, "") if not field.description]
+    assert undocumented == []
