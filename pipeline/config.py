@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.delays import DelayModelConfig
+
 # Kept in sync with pipeline.losses.LOSS_TYPES by a unit test; listed here so that
 # loading a config never imports torch.
 LossType = Literal["gepo", "grpo", "dr_grpo", "bnpo", "gspo", "gmpo", "cispo", "topr"]
@@ -153,6 +155,8 @@ class SamplerConfig(_Strict):
     """Stop after publishing this many groups (None: run until stopped)."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads for generation (several samplers share a machine's cores)."""
+    delays: DelayModelConfig = DelayModelConfig()
+    """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
 
     @model_validator(mode="after")
     def _lease_longer_than_heartbeat(self) -> "SamplerConfig":

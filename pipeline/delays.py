@@ -74,7 +74,7 @@ class DelayDistributionConfig(BaseModel):
     """One delay distribution. Only the fields of the chosen ``kind`` are used; the
     others keep their (valid) defaults, so switching ``kind`` never needs other edits."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     kind: DelayKind = "none"
     """`none`: no delay (draws 0). `fixed`: always `value`. `lognormal`: fitted so that
@@ -107,7 +107,7 @@ class DelayDistributionConfig(BaseModel):
 class DelayModelConfig(BaseModel):
     """The delay model of a sampler (off by default: both distributions `none`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     unit: Literal["seconds", "steps"] = "seconds"
     """Unit of the refresh delay. `seconds`: wait that long after first seeing a newer

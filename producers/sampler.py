@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import HeteroConfig
+from pipeline.rollout import Rollout
 from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
 
 
 def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
     """One Rollout per prompt group: rewards from the task's verifier on the decoded completions."""
     from pipeline.model import decode_completion
-    from pipeline.rollout import Rollout
 
     return [Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id,
                     policy_version=policy_version, prompt_ids=group.prompt_ids,
@@ -111,9 +111,36 @@ class PolicyHolder:
         return True
 
 
+class Outbox:
+    """Finished groups held for their simulated transit delay, then published in order."""
+
+    def __init__(self, sink, transit):
+        self.sink = sink
+        self.transit = transit  # DelayStream: seconds each group travels (0 when the delay model is off)
+        self.held: list[tuple[float, Rollout]] = []
+        self.acked_up_to: dict[int, int] = {}  # partition -> 1 + highest offset acknowledged to us
+        self.published = 0
+
+    def add(self, rollouts: list[Rollout]) -> None:
+        now = time.monotonic()
+        self.held += [(now + self.transit.draw(), r) for r in rollouts]
+        self.flush()
+
+    def flush(self, everything: bool = False) -> None:
+        now = time.monotonic()
+        due = [r for t, r in self.held if everything or t <= now]
+        if not due:
+            return
+        self.held = [(t, r) for t, r in self.held if not (everything or t <= now)]
+        for partition, offset in self.sink.send_many(due):
+            self.acked_up_to[partition] = max(self.acked_up_to.get(partition, 0), offset + 1)
+        self.published += len(due)
+
+
 def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     import torch
 
+    from pipeline.delays import RefreshGate, transit_stream
     from pipeline.kafka_io import RolloutSink, ensure_topic
     from pipeline.model import sample_groups
 
@@ -125,7 +152,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     state, store = handles.state, handles.store
     task = make_task_from_config(cfg)
     ensure_topic(handles.services.kafka_bootstrap, cfg.run.topic, cfg.run.topic_partitions)
-    sink = RolloutSink(handles.services.kafka_bootstrap, cfg.run.topic)
+    outbox = Outbox(RolloutSink(handles.services.kafka_bootstrap, cfg.run.topic), transit_stream(scfg.delays, sampler_id))
+    gate = RefreshGate(scfg.delays, sampler_id)
     work_dir = Path(cfg.services.data_dir) / "samplers" / sampler_id
     work_dir.mkdir(parents=True, exist_ok=True)
     policy = PolicyHolder(store, work_dir, log)
@@ -134,9 +162,9 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
                 "max_new_tokens": scfg.max_new_tokens}
     started = time.time()
-    published = 0
-    acked_up_to: dict[int, int] = {}  # partition -> 1 + highest offset acknowledged to us
-    paused_s = 0.0
+    generated = 0
+    newest = None
+    waited = {"paused_backlog_s": 0.0, "stalled_behind_s": 0.0, "stalls_behind": 0, "forced_refreshes": 0}
     last_heartbeat = last_poll = 0.0
     last_wait_log = time.monotonic()
 
@@ -144,12 +172,42 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         minutes = max((time.time() - started) / 60, 1e-9)
         state.renew_sampler_lease(sampler_id, {
             "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
-            "groups": published, "rollouts_per_min": round(published / minutes, 2), "started_at": started,
-            "paused_s": round(paused_s, 1),
+            "groups": outbox.published, "rollouts_per_min": round(outbox.published / minutes, 2),
+            "started_at": started, "held_in_transit": len(outbox.held),
+            **{k: round(v, 1) for k, v in waited.items()}, **gate.stats,
         }, scfg.lease_ttl_s)
         touch_heartbeat_file()
 
-    log.info("sampler %s started (topic %s, seed %d)", sampler_id, cfg.run.topic, seed)
+    def too_far_behind() -> bool:
+        """Everything generated now would be past the learner's max delay, so dropped."""
+        return newest is not None and policy.version is not None and \
+            newest - policy.version > cfg.learner.max_delay_steps
+
+    def refresh() -> None:
+        """Load a newer policy once the (simulated) refresh delay allows it."""
+        nonlocal newest
+        newest, manifest_key = state.policy()
+        if newest is None or (policy.version is not None and newest <= policy.version):
+            return
+        # A delay counted in learner steps can only run out if the learner keeps getting
+        # data; a sampler already too far behind to give it any refreshes now.
+        forced = scfg.delays.unit == "steps" and too_far_behind()
+        if (gate.should_load(policy.version, newest) or forced) and policy.update(newest, manifest_key):
+            gate.loaded()
+            waited["forced_refreshes"] += forced
+
+    def wait(reason: str, seconds: float = 0.05) -> None:
+        time.sleep(seconds)
+        waited[reason] += seconds
+
+    def backlog() -> int:
+        """Groups the learner has not read yet: in the topic (as of our last acknowledgement)
+        and still held in simulated transit here."""
+        read = state.learner_offsets()
+        return len(outbox.held) + sum(max(0, end - read.get(p, 0)) for p, end in outbox.acked_up_to.items())
+
+    log.info("sampler %s started (topic %s, seed %d, delays: refresh %s, transit %s)", sampler_id,
+             cfg.run.topic, seed, scfg.delays.refresh.kind, scfg.delays.transit.kind)
     try:
         while not stop.stop:
             now = time.monotonic()
@@ -157,8 +215,9 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 heartbeat()
                 last_heartbeat = now
             if now - last_poll >= scfg.weight_poll_interval_s or policy.model is None:
-                policy.update(*state.policy())
+                refresh()
                 last_poll = now
+            outbox.flush()
             if policy.model is None:
                 if time.monotonic() - last_wait_log > 5:
                     log.info("waiting for the learner to publish a policy version (Redis %s)",
@@ -166,33 +225,31 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                     last_wait_log = time.monotonic()
                 time.sleep(0.5)
                 continue
-
-            if scfg.max_backlog_groups is not None and acked_up_to:
-                read = state.learner_offsets()
-                backlog = sum(max(0, end - read.get(p, 0)) for p, end in acked_up_to.items())
-                if backlog > scfg.max_backlog_groups:  # the learner is behind: wait, don't waste compute
-                    time.sleep(0.05)
-                    paused_s += 0.05
-                    continue
+            if too_far_behind():  # don't waste compute on data that will be dropped: refresh first
+                waited["stalls_behind"] += 1
+                wait("stalled_behind_s", scfg.weight_poll_interval_s)
+                continue
+            if scfg.max_backlog_groups is not None and backlog() > scfg.max_backlog_groups:
+                wait("paused_backlog_s")  # the learner is behind: don't waste compute
+                continue
 
             indices = state.claim_prompts(scfg.prompts_per_batch)
             problems = [task.train_problem(i) for i in indices]
-            version = policy.version
             groups = sample_groups(
                 policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
                 temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
                 max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
-            rollouts = score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
-                                    policy_version=version, sampling=sampling)
-            for partition, offset in sink.send_many(rollouts):
-                acked_up_to[partition] = max(acked_up_to.get(partition, 0), offset + 1)
-            published += len(rollouts)
-            if scfg.max_groups is not None and published >= scfg.max_groups:
-                log.info("published %d groups (sampler.max_groups); stopping", published)
+            outbox.add(score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
+                                    policy_version=policy.version, sampling=sampling))
+            generated += len(groups)
+            if scfg.max_groups is not None and generated >= scfg.max_groups:
+                log.info("generated %d groups (sampler.max_groups); stopping", generated)
                 break
     finally:
-        sink.close()
+        outbox.flush(everything=True)  # nothing generated is lost, held or not
+        outbox.sink.close()
         state.release_sampler_lease(sampler_id)
         shutil.rmtree(work_dir, ignore_errors=True)
-        log.info("sampler %s stopped after %d groups", sampler_id, published)
+        log.info("sampler %s stopped after %d groups (%s, refreshes %s)", sampler_id, outbox.published,
+                 ", ".join(f"{k} {v:.1f}" for k, v in waited.items()), gate.stats)
     return 0
