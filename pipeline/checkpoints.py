@@ -170,6 +170,7 @@ class CheckpointStore:
         """
         manifest = self.read_manifest(manifest_key)
         dest_dir = Path(dest_dir)
+        dest_dir.parent.mkdir(parents=True, exist_ok=True)
         last_error = ""
         for _ in range(attempts):
             tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest_dir.parent))

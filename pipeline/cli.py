@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", metavar="RUN_DIR", help="run directory for metrics (default: train.out_dir)")
 
+    p = sub.add_parser("evaluator", help="score published policy versions on the held-out split as they appear",
+                       description="Watches Redis for new policy versions of the run, scores every "
+                                   "eval.every-th (and the last) on the held-out split, appends the results "
+                                   "to RUN_DIR/metrics.jsonl, and exits after the last version.")
+    _add_config_args(p)
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records")
+
     p = sub.add_parser("train", help="the main job: local stack + learner + samplers + evaluation + report",
                        description="Starts the local stack unless one is running or URLs are configured, "
                                    "runs one learner and train.num_samplers samplers as separate processes "
@@ -152,6 +159,12 @@ def _cmd_learner(args) -> int:
     return run_learner(_load(args), Path(args.out) if args.out else None)
 
 
+def _cmd_evaluator(args) -> int:
+    from consumers.evaluator import run_evaluator
+
+    return run_evaluator(_load(args), Path(args.out) if args.out else None)
+
+
 def _cmd_train(args) -> int:
     from pipeline.train import run_train
 
@@ -160,7 +173,7 @@ def _cmd_train(args) -> int:
 
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
-            "sampler": _cmd_sampler, "learner": _cmd_learner, "train": _cmd_train}
+            "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -221,6 +221,11 @@ class EvalConfig(_Strict):
     """Also report greedy accuracy."""
     problems: Optional[int] = Field(None, ge=1)
     """Evaluate on the first N held-out problems (None: all of task.eval_size)."""
+    every: Optional[int] = Field(None, ge=1)
+    """If set, `train` runs an evaluator process that scores every k-th published version
+    (and the last) while training runs; best and last accuracy come from these records."""
+    torch_threads: int = Field(1, ge=1)
+    """CPU threads of the evaluator process."""
 
 
 class TrainConfig(_Strict):

@@ -16,7 +16,7 @@ def plot_run(run_dir: Path, out_name: str = "report.png") -> Path:
 
     run_dir = Path(run_dir)
     learner = read_metrics(run_dir / "metrics.jsonl", "learner")
-    evals = read_metrics(run_dir / "metrics.jsonl", "eval")
+    evals = sorted(read_metrics(run_dir / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
     fig, (ax_acc, ax_stale) = plt.subplots(1, 2, figsize=(12, 4.5))
     if learner:
         steps = [r["step"] for r in learner]

@@ -68,6 +68,18 @@ def make_task_from_config(cfg: HeteroConfig):
     return make_task(t.name, seed=t.seed, digits=t.digits, ops=t.ops, eval_size=t.eval_size)
 
 
+def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
+    """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy."""
+    from pipeline.model import evaluate_policy, load_policy
+
+    model, tokenizer = load_policy(model_dir)
+    problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
+    return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
+                           temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,
+                           max_new_tokens=cfg.sampler.max_new_tokens, seed=cfg.run.seed,
+                           top_p=cfg.sampler.top_p, top_k=cfg.sampler.top_k)
+
+
 def touch_heartbeat_file() -> None:
     """Liveness for container health checks (infra/Dockerfile): touch $HETERORL_HEARTBEAT_FILE."""
     path = os.environ.get("HETERORL_HEARTBEAT_FILE")

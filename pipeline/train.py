@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.runtime import connect_run, make_task_from_config, resolve_base_model, setup_logging
+from pipeline.runtime import (connect_run, evaluate_checkpoint, make_task_from_config, resolve_base_model,
+                              setup_logging)
 
 
 def _child_env(services) -> dict:
@@ -61,23 +63,16 @@ class Processes:
                 os.killpg(self.procs[n].pid, signal.SIGKILL)
                 self.procs[n].wait()
 
+    def wait(self, name: str, timeout_s: float) -> None:
+        """Let one process finish by itself; stop it if it has not within timeout_s."""
+        try:
+            self.procs[name].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop([name])
+
     def log_tail(self, name: str, lines: int = 5) -> str:
         text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:])
-
-
-def _evaluate(cfg: HeteroConfig, model_dir: Path, task) -> dict:
-    import torch
-
-    from pipeline.model import evaluate_policy, load_policy
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, tokenizer = load_policy(model_dir)
-    problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
-    return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
-                           temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,
-                           max_new_tokens=cfg.sampler.max_new_tokens, seed=cfg.run.seed,
-                           top_p=cfg.sampler.top_p, top_k=cfg.sampler.top_k)
 
 
 def _watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, log) -> None:
@@ -121,7 +116,9 @@ def _watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, log) -> None:
 def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = False,
               config_path: Optional[str] = None) -> int:
     from infra.local_stack import start_stack, stop_stack
-    from pipeline.metrics import MetricsWriter
+    import torch
+
+    from pipeline.metrics import MetricsWriter, read_metrics
     from pipeline.report import plot_run
     from pipeline.services import resolve_services
 
@@ -151,7 +148,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
-        before = _evaluate(cfg, base, task)
+        torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
+        before = evaluate_checkpoint(cfg, base, task)
         metrics.write("eval", 0, {"policy_version": 0, **before})
         log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
                  before["accuracy_sampled"], before["accuracy_greedy"])
@@ -163,20 +161,30 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         procs.start("learner", ["learner", *common, "--out", str(run_dir)])
         for i in range(cfg.train.num_samplers):
             procs.start(f"sampler-{i}", ["sampler", *common, "--id", f"{run_name}-s{i}"])
+        if cfg.eval.every:
+            procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)])
         log.info("run %s: learner + %d samplers started, logs in %s/logs/", run_name,
                  cfg.train.num_samplers, run_dir)
         _watch(cfg, procs, run_dir, log)
-        procs.stop()
+        procs.stop([n for n in procs.procs if n.startswith("sampler")])
+        if "evaluator" in procs.procs:  # it exits once it has scored the last version
+            procs.wait("evaluator", timeout_s=300)
 
         learner_summary = json.loads((run_dir / "learner_summary.json").read_text())
         version, manifest_key = handles.state.policy()
-        final_dir, _ = handles.store.fetch(manifest_key, run_dir / "final_policy")
-        after = _evaluate(cfg, final_dir, task)
-        metrics.write("eval", version, {"policy_version": version, **after})
+        scored = {r["policy_version"]: r for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+        if version not in scored:
+            final_dir, _ = handles.store.fetch(manifest_key, run_dir / "final_policy")
+            metrics.write("eval", version, {"policy_version": version, **evaluate_checkpoint(cfg, final_dir, task)})
+            shutil.rmtree(final_dir, ignore_errors=True)
         metrics.close()
+        evals = sorted(read_metrics(run_dir / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
+        after = evals[-1]
         summary = {
             "run": run_name, "loss_type": cfg.learner.loss_type,
             "eval_accuracy_before": before["accuracy_sampled"], "eval_accuracy_after": after["accuracy_sampled"],
+            "eval_best_accuracy": max(r["accuracy_sampled"] for r in evals),
+            "eval_last_accuracy": after["accuracy_sampled"], "eval_versions": [r["policy_version"] for r in evals],
             "eval_greedy_before": before["accuracy_greedy"], "eval_greedy_after": after["accuracy_greedy"],
             "eval_metric": f"mean exact-match over {cfg.eval.n_samples} samples per held-out problem "
                            f"at temperature {cfg.sampler.temperature}",

@@ -29,7 +29,7 @@ def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
 
     data, out = tmp_path / "data", tmp_path / "run"
     proc = heterorl("train", "--config", "configs/smoke.yaml", "--out", str(out), "--data-dir", str(data),
-                    "--keep-stack", "--set", "learner.max_steps=4")
+                    "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout
 
@@ -57,7 +57,13 @@ def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert all(s["staleness_max"] <= cfg.learner.max_delay_steps for s in steps)
-    assert [e["policy_version"] for e in read_metrics(out / "metrics.jsonl", "eval")] == [0, 4]
+    evals = read_metrics(out / "metrics.jsonl", "eval")
+    scored = [e["policy_version"] for e in evals]
+    assert scored[0] == 0 and scored[-1] == 4 and len(set(scored)) == len(scored)  # the evaluator skips v0
+    assert summary["eval_versions"] == sorted(scored)
+    assert summary["eval_best_accuracy"] == max(e["accuracy_sampled"] for e in evals)
+    assert summary["eval_last_accuracy"] == summary["eval_accuracy_after"]
+    assert "v4: held-out accuracy" in (out / "logs" / "evaluator.log").read_text()
     assert (out / "report.png").stat().st_size > 10_000
     assert list((out / "tb").glob("events.out.tfevents.*"))
 

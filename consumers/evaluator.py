@@ -1,0 +1,77 @@
+"""Evaluator: score published policy versions on the held-out split while training runs.
+
+Run: `heterorl evaluator --config C --out RUN_DIR` (`heterorl train` starts one when
+`eval.every` is set).
+
+The loop: watch Redis for the newest policy version; once it has reached the next
+multiple of `eval.every` (or is the learner's last, `learner.max_steps`), download
+its checkpoint from S3 (verified like any sampler's), score it, and append an
+`{"kind": "eval"}` record to RUN_DIR/metrics.jsonl. Versions already scored there (for
+instance v0 by `train`) are skipped. It exits after scoring the last version. When it
+falls behind it scores the newest eligible version and skips the ones in between, so
+it never slows the run down by queueing work.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import HeteroConfig
+from pipeline.runtime import connect_run, evaluate_checkpoint, make_task_from_config, setup_logging
+
+
+def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
+    """Due once it reaches the next multiple of eval.every past the newest scored version
+    (published versions need not be exact multiples: see learner.sync_every), or is the last."""
+    every = cfg.eval.every or 1
+    newest_scored = max(scored, default=-1)
+    return version > newest_scored and (version >= (newest_scored // every + 1) * every
+                                        or version >= cfg.learner.max_steps)
+
+
+def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5) -> int:
+    import torch
+
+    from pipeline.checkpoints import CheckpointNotFound
+    from pipeline.metrics import MetricsWriter, read_metrics
+
+    log = setup_logging("evaluator")
+    torch.set_num_threads(cfg.eval.torch_threads)
+    run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
+    handles = connect_run(cfg)
+    task = make_task_from_config(cfg)
+    metrics = MetricsWriter(run_dir, tb_subdir="tb-eval")
+    work_dir = run_dir / ".evaluator"
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    done = {int(r["policy_version"]) for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+    log.info("evaluator for run %s: every %s versions, %s problems x %d samples", cfg.run.name,
+             cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size, cfg.eval.n_samples)
+    try:
+        while not stopping:
+            version, manifest_key = handles.state.policy()
+            if version is None or not _due(version, done, cfg):
+                time.sleep(poll_s)
+                continue
+            try:
+                model_dir, _ = handles.store.fetch(manifest_key, work_dir / f"v{version}")
+            except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
+                continue
+            started = time.monotonic()
+            result = evaluate_checkpoint(cfg, model_dir, task)
+            shutil.rmtree(model_dir, ignore_errors=True)
+            metrics.write("eval", version, {"policy_version": version, **result,
+                                            "eval_seconds": time.monotonic() - started})
+            done.add(version)
+            log.info("v%d: held-out accuracy sampled %.3f greedy %.3f", version, result["accuracy_sampled"],
+                     result["accuracy_greedy"])
+            if version >= cfg.learner.max_steps:
+                break
+    finally:
+        metrics.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return 0
