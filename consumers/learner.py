@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import shutil
 import tempfile
 import time
@@ -62,7 +63,8 @@ class LearnerCounters:
                 "malformed": self.malformed,
                 "dropped_by_reason": {r: counts[r] for r in ("too_stale_steps", "too_old_seconds") if counts[r]},
                 "max_staleness_used": max(used) if used else None,
-                "mean_staleness_used": (sum(used) / len(used)) if used else None}
+                "mean_staleness_used": (sum(used) / len(used)) if used else None,
+                "staleness_histogram": {str(t): n for t, n in sorted(Counter(used).items())}}
 
 
 def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: float) -> None:

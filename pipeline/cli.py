@@ -91,6 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records")
 
+    p = sub.add_parser("study", help="experiments made of many real runs (see `heterorl study delay --help`)")
+    studies = p.add_subparsers(dest="study", metavar="STUDY", required=True)
+    p = studies.add_parser("delay", help="loss x max-delay grid with simulated WAN delays, the paper's table",
+                           description="Runs every (loss, max delay, seed) cell as a real pipeline run "
+                                       "(local stack, learner, delayed samplers, evaluator) and writes "
+                                       "delay_study.json, delay_study.md and plots into --out.")
+    p.add_argument("--losses", default="gepo,gspo,grpo", help="comma-separated loss types (default gepo,gspo,grpo)")
+    p.add_argument("--max-delays", default="0,4,16,64", help="comma-separated max delays in steps (default 0,4,16,64)")
+    p.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
+    p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid (gepo,grpo x 0,16; 50 steps) unless --losses/--max-delays are given")
+    p.add_argument("--config", "-c", default="configs/study.yaml", metavar="FILE",
+                   help="base run config (default configs/study.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of every cell (repeatable)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
+
     p = sub.add_parser("train", help="the main job: local stack + learner + samplers + evaluation + report",
                        description="Starts the local stack unless one is running or URLs are configured, "
                                    "runs one learner and train.num_samplers samplers as separate processes "
@@ -165,6 +183,27 @@ def _cmd_evaluator(args) -> int:
     return run_evaluator(_load(args), Path(args.out) if args.out else None)
 
 
+def _cmd_study(args) -> int:
+    from pipeline.study import QUICK, run_delay_study
+
+    explicit = {a.split("=")[0] for a in sys.argv if a.startswith("--")}
+    losses, delays, overrides = args.losses, args.max_delays, list(args.overrides)
+    if args.quick:
+        losses = losses if "--losses" in explicit else QUICK["losses"]
+        delays = delays if "--max-delays" in explicit else QUICK["max_delays"]
+        overrides = [*QUICK["overrides"], *overrides]
+    try:
+        loss_list = [x.strip() for x in losses.split(",") if x.strip()]
+        delay_list = sorted({int(x) for x in delays.split(",") if x.strip()})
+        seed_list = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError as e:
+        from pipeline.config import ConfigError
+
+        raise ConfigError(f"--max-delays and --seeds take comma-separated integers ({e})") from None
+    return run_delay_study(args.config, loss_list, delay_list, seed_list, Path(args.out), overrides, args.data_dir,
+                           "heterorl " + " ".join(sys.argv[1:]))
+
+
 def _cmd_train(args) -> int:
     from pipeline.train import run_train
 
@@ -173,7 +212,8 @@ def _cmd_train(args) -> int:
 
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
-            "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train}
+            "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
+            "study": _cmd_study}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

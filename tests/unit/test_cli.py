@@ -20,7 +20,7 @@ def heterorl(*args, env=None, timeout=60):
 
 def test_help_lists_every_command():
     out = heterorl("--help").stdout
-    for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train"):
+    for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train", "study"):
         assert command in out
 
 
@@ -31,8 +31,11 @@ def test_every_option_of_every_command_has_help_text():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train"}
-    for name, sub in commands.choices.items():
+    assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
+                                     "study"}
+    studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {**commands.choices, **{f"study {k}": v for k, v in studies.choices.items()}}
+    for name, sub in parsers.items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"heterorl {name} {action.option_strings[0]} has no help text"

@@ -1,0 +1,201 @@
+"""`heterorl study delay`: loss × max-delay grid, each cell a real pipeline run.
+
+Every cell is `heterorl train` on the study config (configs/study.yaml: delay model on,
+evaluator on) with the cell's loss, max delay and seed, on one shared local stack. Then:
+
+- DIR/delay_study.json: one record per (loss, max_delay, seed);
+- DIR/delay_study.md: the paper-shaped table (rows loss, columns max delay, Best / Last),
+  best-to-last gap per loss, GEPO's degradation from delay 0 to the largest delay;
+- DIR/accuracy_curves.png, DIR/iw_variance_vs_kl.png, DIR/staleness_histogram.png.
+
+Cells already finished in DIR (a summary.json in their directory) are not run again, so an
+interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+QUICK = {"losses": "gepo,grpo", "max_delays": "0,16", "overrides": ["learner.max_steps=50", "eval.every=10"]}
+
+
+def _cell_name(loss: str, max_delay: int, seed: int) -> str:
+    return f"{loss}-d{max_delay}-s{seed}"
+
+
+def _mean(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
+    from pipeline.metrics import read_metrics
+
+    summary = json.loads((cell_dir / "summary.json").read_text())
+    learner = json.loads((cell_dir / "learner_summary.json").read_text())
+    steps = read_metrics(cell_dir / "metrics.jsonl", "learner")
+    evals = sorted(read_metrics(cell_dir / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
+    return {
+        "loss": loss, "max_delay": max_delay, "seed": seed, "run": summary["run"],
+        "accuracy_at_start": evals[0]["accuracy_sampled"], "best_accuracy": max(e["accuracy_sampled"] for e in evals),
+        "last_accuracy": evals[-1]["accuracy_sampled"],
+        "eval_curve": [[e["policy_version"], e["accuracy_sampled"]] for e in evals],
+        "max_staleness_used": learner["max_staleness_used"], "mean_staleness_used": learner["mean_staleness_used"],
+        "staleness_histogram": learner["staleness_histogram"],
+        "groups_used": learner["groups_used"], "groups_dropped": learner["groups_dropped"],
+        "mean_learner_sampler_kl": _mean([s.get("kl") for s in steps]),
+        "mean_iw_variance": _mean([s.get("iw_var") for s in steps]),
+        "kl_iw_var_per_step": [[s.get("kl"), s.get("iw_var")] for s in steps],
+        "wall_seconds": summary["wall_seconds"],
+    }
+
+
+def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[str]:
+    def cell(loss, d, key):
+        vals = [r[key] for r in records if r["loss"] == loss and r["max_delay"] == d]
+        return f"{100 * statistics.fmean(vals):.1f}" if vals else "–"
+
+    head = "| loss | " + " | ".join(f"delay {d} Best | delay {d} Last" for d in delays) + " |"
+    rule = "|---|" + "---|---|" * len(delays)
+    rows = [f"| {loss} | " + " | ".join(f"{cell(loss, d, 'best_accuracy')} | {cell(loss, d, 'last_accuracy')}"
+                                        for d in delays) + " |" for loss in losses]
+    return [head, rule, *rows]
+
+
+def write_report(out: Path, records: list[dict], losses: list[str], delays: list[int], command: str) -> None:
+    (out / "delay_study.json").write_text(json.dumps(records, indent=1))
+    start = _mean([r["accuracy_at_start"] for r in records])
+    lines = [
+        "# Delay study", "", f"Command: `{command}`", "",
+        f"Held-out accuracy (mean exact match over 8 samples per problem, 200 problems, in %); "
+        f"every cell starts from the same base model ({100 * start:.1f} %). Best = highest evaluated "
+        "version, Last = the final version.", "", *_table(records, losses, delays), "",
+        "## Best-to-last gap (points, averaged over max delays and seeds)", "",
+        "| loss | gap |", "|---|---|"]
+    for loss in losses:
+        gaps = [100 * (r["best_accuracy"] - r["last_accuracy"]) for r in records if r["loss"] == loss]
+        lines.append(f"| {loss} | {statistics.fmean(gaps):.1f} |" if gaps else f"| {loss} | – |")
+    lines += ["", "## Staleness actually used, KL and importance-weight variance", "",
+              "| loss | max delay | max τ used | mean τ used | groups used | dropped | mean KL | mean IW var | wall s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
+        lines.append(f"| {r['loss']} | {r['max_delay']} | {r['max_staleness_used']} | "
+                     f"{r['mean_staleness_used']:.2f} | {r['groups_used']} | {r['groups_dropped']} | "
+                     f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | {r['wall_seconds']} |")
+    if "gepo" in losses and len(delays) > 1:
+        first = [r["last_accuracy"] for r in records if r["loss"] == "gepo" and r["max_delay"] == delays[0]]
+        last = [r["last_accuracy"] for r in records if r["loss"] == "gepo" and r["max_delay"] == delays[-1]]
+        if first and last:
+            lines += ["", f"GEPO degradation (Last) from max delay {delays[0]} to {delays[-1]}: "
+                          f"{100 * (statistics.fmean(first) - statistics.fmean(last)):.1f} points."]
+    lines += ["", "Plots: `accuracy_curves.png`, `iw_variance_vs_kl.png`, `staleness_histogram.png`."]
+    (out / "delay_study.md").write_text("\n".join(lines) + "\n")
+    _plots(out, records, losses, delays)
+
+
+def _plots(out: Path, records: list[dict], losses: list[str], delays: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {loss: f"C{i}" for i, loss in enumerate(losses)}
+    fig, axes = plt.subplots(1, len(delays), figsize=(4.5 * len(delays), 4), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], delays):
+        for r in records:
+            if r["max_delay"] == d:
+                xs, ys = zip(*r["eval_curve"])
+                ax.plot(xs, ys, "o-", color=colors[r["loss"]], label=f"{r['loss']} (seed {r['seed']})")
+        ax.set_title(f"max delay {d}")
+        ax.set_xlabel("learner step")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("held-out accuracy (sampled)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_curves.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for loss in losses:
+        pts = [(k, v) for r in records if r["loss"] == loss for k, v in r["kl_iw_var_per_step"]
+               if k is not None and v is not None and k > 0 and v > 0]
+        if pts:
+            ax.scatter(*zip(*pts), s=8, alpha=0.5, color=colors[loss], label=loss)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("learner–sampler KL (k3, per token)")
+    ax.set_ylabel("importance-weight variance")
+    ax.set_title("importance-weight variance vs KL, per learner step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "iw_variance_vs_kl.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in delays:
+        hist: dict[int, int] = {}
+        for r in records:
+            if r["max_delay"] == d:
+                for t, n in r["staleness_histogram"].items():
+                    hist[int(t)] = hist.get(int(t), 0) + n
+        if hist:
+            xs = sorted(hist)
+            ax.step(xs, [hist[x] for x in xs], where="mid", label=f"max delay {d}")
+    ax.set_xlabel("staleness τ of used groups (steps)")
+    ax.set_ylabel("groups")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "staleness_histogram.png", dpi=100)
+    plt.close(fig)
+
+
+def run_delay_study(config: str, losses: list[str], delays: list[int], seeds: list[int], out: Path,
+                    overrides: list[str], data_dir: str, command: str) -> int:
+    from infra.local_stack import start_stack, stop_stack
+    from pipeline.config import load_config
+    from pipeline.services import resolve_services
+
+    cfg = load_config(config, overrides)  # fail on a bad config before starting anything
+    for loss in losses:
+        load_config(config, [*overrides, f"learner.loss_type={loss}"])
+    out.mkdir(parents=True, exist_ok=True)
+    started_stack = False
+    if resolve_services(cfg.services.model_copy(update={"data_dir": data_dir})) is None:
+        start_stack(data_dir)
+        started_stack = True
+    records = []
+    try:
+        cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
+        for i, (loss, d, seed) in enumerate(cells, 1):
+            cell_dir = out / "cells" / _cell_name(loss, d, seed)
+            if not (cell_dir / "summary.json").exists():
+                print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
+                if cell_dir.exists():
+                    import shutil
+
+                    shutil.rmtree(cell_dir)
+                cmd = [sys.executable, "-m", "pipeline", "train", "--config", config, "--out", str(cell_dir),
+                       "--data-dir", data_dir, "--set", f"learner.loss_type={loss}",
+                       "--set", f"learner.max_delay_steps={d}", "--set", f"run.seed={seed}",
+                       "--set", f"sampler.delays.seed={seed}", "--set", f"run.name=study-{loss}-d{d}-s{seed}"]
+                for o in overrides:
+                    cmd += ["--set", o]
+                proc = subprocess.run(cmd, env=dict(os.environ))
+                if proc.returncode != 0:
+                    print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {proc.returncode}); "
+                          f"logs in {cell_dir}/logs/", file=sys.stderr)
+                    return 1
+            records.append(_cell_record(cell_dir, loss, d, seed))
+            write_report(out, records, losses, delays, command)
+    finally:
+        if started_stack:
+            stop_stack(data_dir)
+    print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")
+    return 0

@@ -1,0 +1,30 @@
+"""The delay study's report: the paper-shaped table and its derived numbers."""
+
+import json
+
+from pipeline.study import write_report
+
+
+def record(loss, d, best, last):
+    return {"loss": loss, "max_delay": d, "seed": 1, "run": f"study-{loss}-d{d}", "accuracy_at_start": 0.2,
+            "best_accuracy": best, "last_accuracy": last, "eval_curve": [[0, 0.2], [50, best], [100, last]],
+            "max_staleness_used": d, "mean_staleness_used": d / 2, "staleness_histogram": {"0": 5, str(d): 3},
+            "groups_used": 6400, "groups_dropped": 10 * d, "mean_learner_sampler_kl": 1e-3 * (d + 1),
+            "mean_iw_variance": 1e-2 * (d + 1), "kl_iw_var_per_step": [[1e-3 * (d + 1), 1e-2 * (d + 1)]],
+            "wall_seconds": 60.0}
+
+
+def test_report_table_gap_and_degradation(tmp_path):
+    records = [record("gepo", 0, 0.50, 0.48), record("gepo", 16, 0.45, 0.40),
+               record("grpo", 0, 0.52, 0.30), record("grpo", 16, 0.40, 0.20)]
+    write_report(tmp_path, records, ["gepo", "grpo"], [0, 16], "heterorl study delay --quick")
+    md = (tmp_path / "delay_study.md").read_text()
+    assert "| loss | delay 0 Best | delay 0 Last | delay 16 Best | delay 16 Last |" in md
+    assert "| gepo | 50.0 | 48.0 | 45.0 | 40.0 |" in md
+    assert "| grpo | 52.0 | 30.0 | 40.0 | 20.0 |" in md
+    assert "| gepo | 3.5 |" in md   # best-to-last gap: mean of 2 and 5 points
+    assert "| grpo | 21.0 |" in md  # mean of 22 and 20
+    assert "from max delay 0 to 16: 8.0 points" in md
+    assert json.loads((tmp_path / "delay_study.json").read_text()) == records
+    for png in ("accuracy_curves.png", "iw_variance_vs_kl.png", "staleness_histogram.png"):
+        assert (tmp_path / png).stat().st_size > 5000
