@@ -6,13 +6,17 @@ reach the three servers; start or stop them at any time).
 The loop, top to bottom:
   1. announce: take a lease in Redis (id, host, version, rate), renewed by heartbeats;
   2. wait for a published policy version, download its checkpoint from S3, verify it;
-  3. repeat: if Redis shows a newer version, fetch + verify + swap weights in place;
+  3. repeat: if Redis shows a newer version (and the simulated refresh delay, if any,
+     has run out), fetch + verify + swap weights in place; hold back while too far
+     behind to produce usable data, or while the learner's backlog is over its bound;
      claim the next prompts of the shared stream; sample G completions per prompt,
      recording the sampler's token log-probs; score them with the task's verifier;
-     publish one message per prompt group, tagged with the policy version used.
+     publish one message per prompt group, tagged with the policy version used (after
+     the simulated transit delay, if any).
 
 A checkpoint that fails verification is refused and the sampler keeps generating with
-the weights it has; nothing received is ever unpickled.
+the weights it has; nothing received is ever unpickled. Simulated WAN delays:
+docs/delays.md.
 """
 
 from __future__ import annotations
