@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Runs every (loss, max delay, seed) cell as a real pipeline run "
                                        "(local stack, learner, delayed samplers, evaluator) and writes "
                                        "delay_study.json, delay_study.md and plots into --out.")
-    p.add_argument("--losses", default="gepo,gspo,grpo", help="comma-separated loss types (default gepo,gspo,grpo)")
-    p.add_argument("--max-delays", default="0,4,16,64", help="comma-separated max delays in steps (default 0,4,16,64)")
+    p.add_argument("--losses", help="comma-separated loss types (default gepo,gspo,grpo; --quick: gepo,grpo)")
+    p.add_argument("--max-delays", help="comma-separated max delays in steps (default 0,4,16,64; --quick: 0,16)")
     p.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
     p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
     p.add_argument("--quick", action="store_true",
@@ -186,12 +186,9 @@ def _cmd_evaluator(args) -> int:
 def _cmd_study(args) -> int:
     from pipeline.study import QUICK, run_delay_study
 
-    explicit = {a.split("=")[0] for a in sys.argv if a.startswith("--")}
-    losses, delays, overrides = args.losses, args.max_delays, list(args.overrides)
-    if args.quick:
-        losses = losses if "--losses" in explicit else QUICK["losses"]
-        delays = delays if "--max-delays" in explicit else QUICK["max_delays"]
-        overrides = [*QUICK["overrides"], *overrides]
+    grid = QUICK if args.quick else {"losses": "gepo,gspo,grpo", "max_delays": "0,4,16,64", "overrides": []}
+    losses, delays = args.losses or grid["losses"], args.max_delays or grid["max_delays"]
+    overrides = [*grid["overrides"], *args.overrides]
     try:
         loss_list = [x.strip() for x in losses.split(",") if x.strip()]
         delay_list = sorted({int(x) for x in delays.split(",") if x.strip()})

@@ -240,6 +240,17 @@ class TrainConfig(_Strict):
 class HeteroConfig(_Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
+    @model_validator(mode="after")
+    def _refresh_delay_shorter_than_idle_timeout(self) -> "HeteroConfig":
+        # Samplers too far behind wait out their refresh delay; if every one does, the
+        # learner gets no data for that long and gives up after learner.idle_timeout_s.
+        d = self.sampler.delays
+        longest = {"fixed": d.refresh.value, "lognormal": d.refresh.upper}.get(d.refresh.kind, 0.0)
+        if d.unit == "seconds" and longest >= self.learner.idle_timeout_s:
+            raise ValueError(f"sampler.delays.refresh allows waits up to {longest:g}s, not below "
+                             f"learner.idle_timeout_s={self.learner.idle_timeout_s:g}: raise the timeout")
+        return self
+
     run: RunConfig = RunConfig()
     """Name, seed and topic of the run."""
     services: ServicesConfig = ServicesConfig()

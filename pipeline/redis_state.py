@@ -7,6 +7,7 @@ Keys (all under `heterorl:<run>:`):
 - `sampler:<id>`      hash {host, policy_version, groups, rollouts_per_min, started_at,
                       heartbeat_at}, with a TTL renewed by each heartbeat (the lease).
 - `learner`           hash of the learner's latest progress (step, groups used/dropped).
+- `sampler_stats`     hash sampler id -> JSON totals written when a sampler stops.
 - `meta`              hash {rollout_topic, started_at} written by the learner; the run is
                       also listed in the global sorted set `heterorl:runs` (by start time).
 - `prompt_cursor`     counter: samplers claim the next prompt indices with INCRBY, so
@@ -92,6 +93,13 @@ class RunState:
 
     def release_sampler_lease(self, sampler_id: str) -> None:
         self.client.delete(f"{self.prefix}sampler:{sampler_id}")
+
+    def record_sampler_stats(self, sampler_id: str, stats: dict) -> None:
+        """A stopping sampler's totals (generated, published, waits, refreshes), kept for the run."""
+        self.client.hset(self.prefix + "sampler_stats", sampler_id, json.dumps(stats))
+
+    def sampler_stats(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "sampler_stats").items()}
 
     def live_samplers(self) -> dict[str, dict]:
         """Samplers whose lease has not expired."""

@@ -8,8 +8,9 @@ evaluator on) with the cell's loss, max delay and seed, on one shared local stac
   best-to-last gap per loss, GEPO's degradation from delay 0 to the largest delay;
 - DIR/accuracy_curves.png, DIR/iw_variance_vs_kl.png, DIR/staleness_histogram.png.
 
-Cells already finished in DIR (a summary.json in their directory) are not run again, so an
-interrupted study resumes where it stopped.
+Cells already finished in DIR with the same config and overrides (recorded in each cell's
+cell.json) are not run again, so an interrupted study resumes where it stopped. The
+analysis section of delay_study.md (below its marker) is kept when the report is rewritten.
 """
 
 from __future__ import annotations
@@ -53,7 +54,22 @@ def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
         "mean_iw_variance": _mean([s.get("iw_var") for s in steps]),
         "kl_iw_var_per_step": [[s.get("kl"), s.get("iw_var")] for s in steps],
         "wall_seconds": summary["wall_seconds"],
+        "eval_samples": evals[0].get("n_samples", None) or _eval_setting(cell_dir, "n_samples"),
+        "eval_problems": evals[0].get("n_problems", None) or _eval_setting(cell_dir, "problems"),
+        "groups_generated": sum(s.get("generated", 0) for s in summary.get("sampler_stats", {}).values()),
+        "sampler_stalls": sum(s.get("stalls_behind", 0) for s in summary.get("sampler_stats", {}).values()),
+        "forced_refreshes": sum(s.get("forced_refreshes", 0) for s in summary.get("sampler_stats", {}).values()),
     }
+
+
+def _eval_setting(cell_dir: Path, key: str):
+    """eval.n_samples / the number of held-out problems, from the cell's saved config."""
+    import yaml
+
+    cfg = yaml.safe_load((cell_dir / "config.yaml").read_text())
+    if key == "problems":
+        return cfg["eval"]["problems"] or cfg["task"]["eval_size"]
+    return cfg["eval"][key]
 
 
 def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[str]:
@@ -68,25 +84,35 @@ def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[st
     return [head, rule, *rows]
 
 
+ANALYSIS_MARKER = "<!-- analysis: written by a person, kept when the report is regenerated -->"
+
+
 def write_report(out: Path, records: list[dict], losses: list[str], delays: list[int], command: str) -> None:
     (out / "delay_study.json").write_text(json.dumps(records, indent=1))
+    md_path = out / "delay_study.md"
+    old = md_path.read_text() if md_path.exists() else ""
+    analysis = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
     start = _mean([r["accuracy_at_start"] for r in records])
     lines = [
         "# Delay study", "", f"Command: `{command}`", "",
-        f"Held-out accuracy (mean exact match over 8 samples per problem, 200 problems, in %); "
-        f"every cell starts from the same base model ({100 * start:.1f} %). Best = highest evaluated "
-        "version, Last = the final version.", "", *_table(records, losses, delays), "",
+        f"Held-out accuracy (mean exact match over {records[0]['eval_samples']} samples per problem, "
+        f"{records[0]['eval_problems']} problems, in %); every cell starts from the same base model "
+        f"({100 * start:.1f} %). Best = highest evaluated version, Last = the final version.", "",
+        *_table(records, losses, delays), "",
         "## Best-to-last gap (points, averaged over max delays and seeds)", "",
         "| loss | gap |", "|---|---|"]
     for loss in losses:
         gaps = [100 * (r["best_accuracy"] - r["last_accuracy"]) for r in records if r["loss"] == loss]
         lines.append(f"| {loss} | {statistics.fmean(gaps):.1f} |" if gaps else f"| {loss} | – |")
-    lines += ["", "## Staleness actually used, KL and importance-weight variance", "",
-              "| loss | max delay | max τ used | mean τ used | groups used | dropped | mean KL | mean IW var | wall s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Staleness actually used, KL, importance-weight variance, sampler waste", "",
+              "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo.", "",
+              "| loss | max delay | max τ used | mean τ used | groups used | dropped | generated | sampler stalls "
+              "| forced refreshes | mean KL | mean IW var | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
         lines.append(f"| {r['loss']} | {r['max_delay']} | {r['max_staleness_used']} | "
                      f"{r['mean_staleness_used']:.2f} | {r['groups_used']} | {r['groups_dropped']} | "
+                     f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
                      f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | {r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
         first = [r["last_accuracy"] for r in records if r["loss"] == "gepo" and r["max_delay"] == delays[0]]
@@ -94,8 +120,8 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
         if first and last:
             lines += ["", f"GEPO degradation (Last) from max delay {delays[0]} to {delays[-1]}: "
                           f"{100 * (statistics.fmean(first) - statistics.fmean(last)):.1f} points."]
-    lines += ["", "Plots: `accuracy_curves.png`, `iw_variance_vs_kl.png`, `staleness_histogram.png`."]
-    (out / "delay_study.md").write_text("\n".join(lines) + "\n")
+    lines += ["", "Plots: `accuracy_curves.png`, `iw_variance_vs_kl.png`, `staleness_histogram.png`.", ""]
+    md_path.write_text("\n".join(lines) + "\n" + (analysis or f"{ANALYSIS_MARKER}\n"))
     _plots(out, records, losses, delays)
 
 
@@ -175,7 +201,11 @@ def run_delay_study(config: str, losses: list[str], delays: list[int], seeds: li
         cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
         for i, (loss, d, seed) in enumerate(cells, 1):
             cell_dir = out / "cells" / _cell_name(loss, d, seed)
-            if not (cell_dir / "summary.json").exists():
+            spec = {"config": config, "config_text": Path(config).read_text(), "loss": loss, "max_delay": d,
+                    "seed": seed, "overrides": overrides}
+            done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
+                json.loads((cell_dir / "cell.json").read_text()) == spec
+            if not done:  # never reuse a cell made with another config or other overrides
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
                     import shutil
@@ -188,6 +218,7 @@ def run_delay_study(config: str, losses: list[str], delays: list[int], seeds: li
                 for o in overrides:
                     cmd += ["--set", o]
                 proc = subprocess.run(cmd, env=dict(os.environ))
+                (cell_dir / "cell.json").write_text(json.dumps(spec, indent=1))
                 if proc.returncode != 0:
                     print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {proc.returncode}); "
                           f"logs in {cell_dir}/logs/", file=sys.stderr)

@@ -194,7 +194,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             "malformed": learner_summary["malformed"],
             "max_staleness_used": learner_summary["max_staleness_used"],
             "mean_staleness_used": learner_summary["mean_staleness_used"],
-            "num_samplers": cfg.train.num_samplers, "wall_seconds": round(time.time() - wall_start, 1),
+            "num_samplers": cfg.train.num_samplers, "sampler_stats": handles.state.sampler_stats(),
+            "wall_seconds": round(time.time() - wall_start, 1),
             "services": services.public(), "local_stack_kept": bool(keep_stack or not started_stack),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -135,8 +135,9 @@ class Outbox:
         due = [r for t, r in self.held if everything or t <= now]
         if not due:
             return
+        acks = self.sink.send_many(due)  # raises before anything is forgotten
         self.held = [(t, r) for t, r in self.held if not (everything or t <= now)]
-        for partition, offset in self.sink.send_many(due):
+        for partition, offset in acks:
             self.acked_up_to[partition] = max(self.acked_up_to.get(partition, 0), offset + 1)
         self.published += len(due)
 
@@ -144,7 +145,7 @@ class Outbox:
 def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     import torch
 
-    from pipeline.delays import RefreshGate, transit_stream
+    from pipeline.delays import RefreshGate, too_far_behind, transit_stream
     from pipeline.kafka_io import RolloutSink, ensure_topic
     from pipeline.model import sample_groups
 
@@ -168,7 +169,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     started = time.time()
     generated = 0
     newest = None
-    waited = {"paused_backlog_s": 0.0, "stalled_behind_s": 0.0, "stalls_behind": 0, "forced_refreshes": 0}
+    waited = {"paused_backlog_s": 0.0, "stalled_behind_s": 0.0, "stalls_behind": 0}
+    stalled = False
     last_heartbeat = last_poll = 0.0
     last_wait_log = time.monotonic()
 
@@ -182,10 +184,9 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         }, scfg.lease_ttl_s)
         touch_heartbeat_file()
 
-    def too_far_behind() -> bool:
-        """Everything generated now would be past the learner's max delay, so dropped."""
-        return newest is not None and policy.version is not None and \
-            newest - policy.version > cfg.learner.max_delay_steps
+    def behind() -> bool:
+        return too_far_behind(newest, policy.version, backlog(), cfg.learner.groups_per_step,
+                              cfg.learner.max_delay_steps)
 
     def refresh() -> None:
         """Load a newer policy once the (simulated) refresh delay allows it."""
@@ -195,10 +196,10 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
             return
         # A delay counted in learner steps can only run out if the learner keeps getting
         # data; a sampler already too far behind to give it any refreshes now.
-        forced = scfg.delays.unit == "steps" and too_far_behind()
-        if (gate.should_load(policy.version, newest) or forced) and policy.update(newest, manifest_key):
-            gate.loaded()
-            waited["forced_refreshes"] += forced
+        allowed = gate.should_load(policy.version, newest)
+        forced = not allowed and scfg.delays.unit == "steps" and behind()
+        if (allowed or forced) and policy.update(newest, manifest_key):
+            gate.loaded(forced=forced)
 
     def wait(reason: str, seconds: float = 0.05) -> None:
         time.sleep(seconds)
@@ -229,10 +230,12 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                     last_wait_log = time.monotonic()
                 time.sleep(0.5)
                 continue
-            if too_far_behind():  # don't waste compute on data that will be dropped: refresh first
-                waited["stalls_behind"] += 1
-                wait("stalled_behind_s", scfg.weight_poll_interval_s)
+            if behind():  # don't waste compute on data that will be dropped: wait for a refresh
+                waited["stalls_behind"] += not stalled  # episodes, not polls
+                stalled = True
+                wait("stalled_behind_s", 0.05)
                 continue
+            stalled = False
             if scfg.max_backlog_groups is not None and backlog() > scfg.max_backlog_groups:
                 wait("paused_backlog_s")  # the learner is behind: don't waste compute
                 continue
@@ -252,6 +255,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     finally:
         outbox.flush(everything=True)  # nothing generated is lost, held or not
         outbox.sink.close()
+        state.record_sampler_stats(sampler_id, {"generated": generated, "published": outbox.published,
+                                                **{k: round(v, 1) for k, v in waited.items()}, **gate.stats})
         state.release_sampler_lease(sampler_id)
         shutil.rmtree(work_dir, ignore_errors=True)
         log.info("sampler %s stopped after %d groups (%s, refreshes %s)", sampler_id, outbox.published,

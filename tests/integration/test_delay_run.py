@@ -37,12 +37,13 @@ def test_delayed_samplers_never_feed_the_learner_past_its_max_delay(local_stack_
     assert summary["groups_dropped"] == sum(summary["dropped_by_reason"].values())
     assert summary["groups_consumed"] == summary["groups_used"] + summary["groups_dropped"] + summary["malformed"]
     assert summary["groups_used"] == 8 * 2
-    # The samplers did refresh late: each either waited out its drawn delay or, once too far
-    # behind to produce usable data, stopped and refreshed.
+    # The delays bit: each sampler waited out a drawn refresh delay, or stopped generating
+    # because its data would have arrived past the max delay (and refreshed early).
     import re
 
     for i in range(2):
         line = [x for x in (out / "logs" / f"sampler-{i}.log").read_text().splitlines() if "stopped after" in x][-1]
-        forced = float(re.search(r"forced_refreshes ([0-9.]+)", line).group(1))
+        forced = int(re.search(r"'forced_refreshes': (\d+)", line).group(1))
         delayed = int(re.search(r"'delayed_refreshes': (\d+)", line).group(1))
-        assert forced + delayed > 0, line
+        stalls = float(re.search(r"stalls_behind ([0-9.]+)", line).group(1))
+        assert forced + delayed + stalls > 0, line

@@ -250,7 +250,7 @@ def test_first_load_is_immediate_and_not_a_refresh():
     assert gate.should_load(None, 0)
     assert gate.should_load(None, 17)
     gate.loaded()
-    assert gate.stats == {"refreshes": 0, "delayed_refreshes": 0, "refresh_wait_s": 0.0}
+    assert gate.stats == {"refreshes": 0, "delayed_refreshes": 0, "forced_refreshes": 0, "refresh_wait_s": 0.0}
     assert gate.pending_wait is None  # nothing drawn for the first load
 
 
@@ -270,7 +270,7 @@ def test_seconds_waits_and_does_not_restart_on_a_newer_version():
     clock.t = 115.0
     assert gate.should_load(0, 4)                   # stays allowed until loaded() (a failed load retries)
     gate.loaded()
-    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "refresh_wait_s": 100.0}
+    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "forced_refreshes": 0, "refresh_wait_s": 100.0}
     assert gate.pending_wait is None
     clock.t = 500.0
     assert not gate.should_load(4, 4)
@@ -281,7 +281,7 @@ def test_seconds_waits_and_does_not_restart_on_a_newer_version():
     clock.t = 1100.0
     assert gate.should_load(4, 5)
     gate.loaded()
-    assert gate.stats == {"refreshes": 2, "delayed_refreshes": 2, "refresh_wait_s": 200.0}
+    assert gate.stats == {"refreshes": 2, "delayed_refreshes": 2, "forced_refreshes": 0, "refresh_wait_s": 200.0}
 
 
 def test_seconds_draws_anew_after_each_load_from_the_refresh_stream():
@@ -313,7 +313,7 @@ def test_seconds_none_loads_at_once_and_counts_undelayed_refreshes():
         clock.t += 5.0
         assert gate.should_load(v - 1, v)
         gate.loaded()
-    assert gate.stats == {"refreshes": 3, "delayed_refreshes": 0, "refresh_wait_s": 0.0}
+    assert gate.stats == {"refreshes": 3, "delayed_refreshes": 0, "forced_refreshes": 0, "refresh_wait_s": 0.0}
 
 
 def test_wait_counts_from_first_sight_not_from_the_decision_poll():
@@ -326,7 +326,7 @@ def test_wait_counts_from_first_sight_not_from_the_decision_poll():
     clock.t = 145.0
     assert gate.should_load(0, 1)
     gate.loaded()
-    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "refresh_wait_s": 45.0}
+    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "forced_refreshes": 0, "refresh_wait_s": 45.0}
 
 
 def test_gates_of_different_samplers_wait_differently():
@@ -360,10 +360,10 @@ def test_steps_loads_exactly_when_k_behind():
     clock.t = 9.0
     assert gate.should_load(5, 8)                   # 3 behind
     gate.loaded()
-    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "refresh_wait_s": 8.0}
+    assert gate.stats == {"refreshes": 1, "delayed_refreshes": 1, "forced_refreshes": 0, "refresh_wait_s": 8.0}
     assert gate.should_load(8, 20)                  # 12 behind at first sight: load at once
     gate.loaded()
-    assert gate.stats == {"refreshes": 2, "delayed_refreshes": 1, "refresh_wait_s": 8.0}
+    assert gate.stats == {"refreshes": 2, "delayed_refreshes": 1, "forced_refreshes": 0, "refresh_wait_s": 8.0}
 
 
 def test_steps_k_zero_or_one_loads_on_any_newer_version():
@@ -461,3 +461,32 @@ def test_assignment_is_validated_and_defaults_are_off():
     # from YAML-like dicts, as the sampler config will load it
     m = DelayModelConfig.model_validate({"unit": "steps", "refresh": {"kind": "fixed", "value": 4}, "seed": 2})
     assert m.refresh.value == 4.0 and m.seed == 2
+
+
+# --------------------------------------------------------------- too far behind, forced loads
+
+
+def test_too_far_behind_counts_versions_behind_and_queued_steps():
+    from pipeline.delays import too_far_behind
+
+    assert not too_far_behind(None, 3, 0, 64, 4)          # nothing published yet
+    assert not too_far_behind(10, 6, 0, 64, 4)            # 4 behind = max: still usable
+    assert too_far_behind(10, 5, 0, 64, 4)                # 5 behind: would be dropped
+    assert not too_far_behind(10, 6, 63, 64, 4)           # queued groups fill the current step
+    assert too_far_behind(10, 6, 64, 64, 4)               # a full step queued ahead: 5 at use
+    assert too_far_behind(0, 0, 128, 64, 1)               # on the newest version, but 2 steps queued
+    assert not too_far_behind(0, 0, 0, 64, 0)             # max delay 0: only with nothing queued
+
+
+def test_forced_load_is_counted_as_a_refresh_and_apart():
+    t = [0.0]
+    gate = RefreshGate(DelayModelConfig(unit="steps", refresh=DelayDistributionConfig(kind="fixed", value=5)),
+                       "s", clock=lambda: t[0])
+    assert gate.should_load(None, 0)
+    gate.loaded()
+    assert not gate.should_load(0, 2)   # 2 behind, k = 5
+    t[0] = 3.0
+    gate.loaded(forced=True)            # the sampler had to refresh early
+    assert gate.stats["refreshes"] == 1 and gate.stats["forced_refreshes"] == 1
+    assert gate.stats["refresh_wait_s"] == 3.0
+    assert not gate.should_load(2, 3)   # re-armed: a new k is drawn

@@ -11,7 +11,8 @@ def record(loss, d, best, last):
             "max_staleness_used": d, "mean_staleness_used": d / 2, "staleness_histogram": {"0": 5, str(d): 3},
             "groups_used": 6400, "groups_dropped": 10 * d, "mean_learner_sampler_kl": 1e-3 * (d + 1),
             "mean_iw_variance": 1e-2 * (d + 1), "kl_iw_var_per_step": [[1e-3 * (d + 1), 1e-2 * (d + 1)]],
-            "wall_seconds": 60.0}
+            "wall_seconds": 60.0, "eval_samples": 8, "eval_problems": 200, "groups_generated": 7000,
+            "sampler_stalls": 3, "forced_refreshes": 2}
 
 
 def test_report_table_gap_and_degradation(tmp_path):
@@ -28,3 +29,17 @@ def test_report_table_gap_and_degradation(tmp_path):
     assert json.loads((tmp_path / "delay_study.json").read_text()) == records
     for png in ("accuracy_curves.png", "iw_variance_vs_kl.png", "staleness_histogram.png"):
         assert (tmp_path / png).stat().st_size > 5000
+    assert "8 samples per problem, 200 problems" in md
+
+
+def test_a_written_analysis_survives_regeneration(tmp_path):
+    from pipeline.study import ANALYSIS_MARKER
+
+    records = [record("gepo", 0, 0.5, 0.5)]
+    write_report(tmp_path, records, ["gepo"], [0], "cmd")
+    md = tmp_path / "delay_study.md"
+    md.write_text(md.read_text() + "We conclude that the test works.\n")
+    write_report(tmp_path, records + [record("gepo", 16, 0.4, 0.4)], ["gepo"], [0, 16], "cmd")
+    text = md.read_text()
+    assert text.count(ANALYSIS_MARKER) == 1 and text.endswith("We conclude that the test works.\n")
+    assert "| gepo | 50.0 | 50.0 | 40.0 | 40.0 |" in text
