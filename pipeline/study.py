@@ -95,8 +95,8 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
     start = _mean([r["accuracy_at_start"] for r in records])
     lines = [
         "# Delay study", "", f"Command: `{command}`", "",
-        f"Held-out accuracy (mean exact match over {records[0]['eval_samples']} samples per problem, "
-        f"{records[0]['eval_problems']} problems, in %); every cell starts from the same base model "
+        f"Held-out accuracy (mean exact match over {int(records[0]['eval_samples'])} samples per problem, "
+        f"{int(records[0]['eval_problems'])} problems, in %); every cell starts from the same base model "
         f"({100 * start:.1f} %). Best = highest evaluated version, Last = the final version.", "",
         *_table(records, losses, delays), "",
         "## Best-to-last gap (points, averaged over max delays and seeds)", "",
