@@ -23,6 +23,15 @@ def heterorl(*args, timeout=600):
 
 
 def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
+    from infra.local_stack import stop_stack
+
+    try:
+        _train_inspect_and_stop(tmp_path)
+    finally:  # a failure half-way must not leave the servers running
+        stop_stack(tmp_path / "data")
+
+
+def _train_inspect_and_stop(tmp_path):
     from infra.local_stack import load_stack
     from pipeline.metrics import read_metrics
     from pipeline.runtime import connect_run
