@@ -46,6 +46,26 @@ class MetricsWriter:
             self._tb.close()
 
 
+class MetricsTail:
+    """New records of a growing metrics.jsonl, reading each byte once (for live progress)."""
+
+    def __init__(self, path: Path, kind: Optional[str] = None):
+        self.path = Path(path)
+        self.kind = kind
+        self.offset = 0
+
+    def new_records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for next time
+        self.offset += len(complete)
+        records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        return [r for r in records if self.kind is None or r.get("kind") == self.kind]
+
+
 def read_metrics(path: Path, kind: Optional[str] = None) -> list[dict]:
     return list(iter_metrics(path, kind))
 

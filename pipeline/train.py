@@ -79,23 +79,21 @@ def _watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, log) -> None:
     """Show live progress until the learner exits; raise if it or every sampler fails."""
     from tqdm import tqdm
 
-    from pipeline.metrics import iter_metrics
+    from pipeline.metrics import MetricsTail
 
-    metrics_path = run_dir / "metrics.jsonl"
-    seen = 0
+    learner_records = MetricsTail(run_dir / "metrics.jsonl", "learner")
     started = time.monotonic()
     bar = tqdm(total=cfg.learner.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     try:
         while True:
-            records = list(iter_metrics(metrics_path, "learner"))
-            if len(records) > seen:
+            records = learner_records.new_records()
+            if records:
                 r = records[-1]
                 bar.update(r["step"] - bar.n)
                 bar.set_postfix_str(
                     f"v{r['policy_version']} train-acc {r['reward_mean']:.2f} stale {r['staleness_mean']:.1f}"
                     f"/{r['staleness_max']} kept {r['groups_used']} dropped {r['groups_dropped']} "
                     f"{r['groups_per_s']:.1f} groups/s")
-                seen = len(records)
             code = procs.procs["learner"].poll()
             if code is not None:
                 if code != 0:
