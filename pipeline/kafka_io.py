@@ -111,9 +111,11 @@ class RolloutSink:
         metas = [f.get(timeout=self.send_timeout_s) for f in futures]
         return [(m.partition, m.offset) for m in metas]
 
-    def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None) -> tuple[int, int]:
-        """Publish arbitrary bytes (tests use it to inject malformed messages)."""
-        meta = self.producer.send(self.topic, value=value, headers=headers or []).get(timeout=self.send_timeout_s)
+    def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None,
+                 key: Optional[bytes] = None) -> tuple[int, int]:
+        """Publish arbitrary bytes (the update log; tests inject malformed messages with it)."""
+        meta = self.producer.send(self.topic, value=value, key=key,
+                                  headers=headers or []).get(timeout=self.send_timeout_s)
         return meta.partition, meta.offset
 
     def close(self) -> None:
@@ -168,3 +170,32 @@ class RolloutSource:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0,
+               start_offsets: Optional[dict[int, int]] = None) -> list[RawRecord]:
+    """Every record of a topic up to its end offsets at call time, partition by partition.
+
+    Raises ServiceUnavailable if the log's end cannot be reached within `timeout_s` of
+    no progress (a broker that reports more than it serves).
+    """
+    source = RolloutSource(bootstrap, topic, start_offsets=start_offsets, max_records=500)
+    try:
+        ends = source.consumer.end_offsets(source.partitions)
+        wanted = {tp.partition: end for tp, end in ends.items()}
+        records: list[RawRecord] = []
+        last_progress = time.monotonic()
+        while any(source.consumer.position(tp) < wanted[tp.partition] for tp in source.partitions):
+            batch = source.poll(1.0)
+            fresh = [r for r in batch if r.offset < wanted[r.partition]]
+            if fresh:
+                records.extend(fresh)
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > timeout_s:
+                have = {p: source.consumer.position(TopicPartition(topic, p)) for p in wanted}
+                raise ServiceUnavailable(f"reading {topic} at {bootstrap} stalled at offsets {have} "
+                                         f"before the end offsets {wanted}")
+        records.sort(key=lambda r: (r.partition, r.offset))
+        return records
+    finally:
+        source.close()

@@ -1,0 +1,160 @@
+"""The learner's update log: which recorded rollouts went into which optimizer step.
+
+One entry per optimizer step, written by the learner to the Kafka topic
+`<rollout topic>.updates` (key = step) and to `RUN_DIR/updates.jsonl`. Replay follows it
+(`--exact-batches`), takes the recorded staleness from it, and the chaos audit counts
+`used` from it, independently of the broker's own count of what was produced.
+
+An entry (JSON object; docs/schema.md is the normative description):
+
+    {"schema": 1, "step": 7, "policy_version": 7, "loss_type": "gepo", "time": 1763800000.0,
+     "used":    [{"partition": 0, "offset": 412, "rollout_id": "ab12…", "policy_version": 5,
+                  "staleness": 2, "weight": 1.0}, …],
+     "dropped": [{"partition": 0, "offset": 409, "rollout_id": "…", "policy_version": 1,
+                  "staleness": 5, "reason": "too_stale_steps"}, …],
+     "malformed": [{"partition": 0, "offset": 410, "reason": "not msgpack: …"}],
+     "duplicates": [{"partition": 0, "offset": 411, "rollout_id": "…"}]}
+
+`used` is in batch order. `dropped`/`malformed`/`duplicates` are the messages judged so
+since the previous step (their verdict is final), so every consumed offset appears in
+exactly one entry of one step, except those read after the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+UPDATE_LOG_SCHEMA = 1
+UPDATE_LOG_FILE = "updates.jsonl"
+
+
+def updates_topic(rollout_topic: str) -> str:
+    """Kafka topic of a run's update log."""
+    return f"{rollout_topic}.updates"
+
+
+@dataclass(frozen=True)
+class UsedGroup:
+    partition: int
+    offset: int
+    rollout_id: str
+    policy_version: int
+    """Version of the policy that sampled the group."""
+    staleness: int
+    """Learner version − policy_version when the group was used."""
+    weight: float
+    """Sequence weight of the group in the loss (1, or the stale-reweight factor)."""
+
+
+@dataclass(frozen=True)
+class DroppedGroup:
+    partition: int
+    offset: int
+    rollout_id: str
+    policy_version: int
+    staleness: int
+    reason: str
+    """`too_stale_steps` or `too_old_seconds`."""
+
+
+@dataclass(frozen=True)
+class SkippedMessage:
+    partition: int
+    offset: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class DuplicateGroup:
+    partition: int
+    offset: int
+    rollout_id: str
+
+
+@dataclass
+class UpdateEntry:
+    step: int
+    policy_version: int
+    """The version this step produced (= step for a learner that starts from v0)."""
+    loss_type: str
+    time: float
+    used: list[UsedGroup] = field(default_factory=list)
+    dropped: list[DroppedGroup] = field(default_factory=list)
+    malformed: list[SkippedMessage] = field(default_factory=list)
+    duplicates: list[DuplicateGroup] = field(default_factory=list)
+    schema: int = UPDATE_LOG_SCHEMA
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UpdateEntry":
+        if d.get("schema") != UPDATE_LOG_SCHEMA:
+            raise ValueError(f"update log schema {d.get('schema')!r} is not {UPDATE_LOG_SCHEMA}")
+        return cls(step=int(d["step"]), policy_version=int(d["policy_version"]), loss_type=str(d["loss_type"]),
+                   time=float(d["time"]), used=[UsedGroup(**g) for g in d.get("used", [])],
+                   dropped=[DroppedGroup(**g) for g in d.get("dropped", [])],
+                   malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
+                   duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])])
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "UpdateEntry":
+        return cls.from_dict(json.loads(text))
+
+
+def append_entry(run_dir: Path, entry: UpdateEntry) -> None:
+    """Append one entry to RUN_DIR/updates.jsonl with one write (lines stay whole)."""
+    fd = os.open(Path(run_dir) / UPDATE_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (entry.to_json() + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_entries_file(path: Path) -> list[UpdateEntry]:
+    """Entries of an updates.jsonl, by step; a torn last line (crash mid-write) is ignored."""
+    entries = []
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            entries.append(UpdateEntry.from_json(line))
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise
+    return dedup_by_step(entries)
+
+
+def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
+    """One entry per step, the last one written winning, in step order.
+
+    A learner that crashes after logging step k but before its checkpoint redoes the
+    steps since that checkpoint: the redone entries replace the lost ones.
+    """
+    by_step: dict[int, UpdateEntry] = {}
+    for e in entries:
+        by_step[e.step] = e
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:
+    """The update log of a rollout topic from Kafka, or None if the run wrote none."""
+    from pipeline.kafka_io import read_topic, topic_partitions
+
+    topic = updates_topic(rollout_topic)
+    if not topic_partitions(bootstrap, topic):
+        return None
+    return dedup_by_step(UpdateEntry.from_json(r.value) for r in read_topic(bootstrap, topic, timeout_s=timeout_s))
+
+
+def iter_used(entries: Iterable[UpdateEntry]) -> Iterator[tuple[UpdateEntry, UsedGroup]]:
+    for e in entries:
+        for g in e.used:
+            yield e, g
