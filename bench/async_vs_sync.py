@@ -43,7 +43,7 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
     from pipeline.engine import make_engine
     from pipeline.model import load_policy, sample_groups
     from pipeline.runtime import make_task_from_config, resolve_base_model
-    from pipeline.update import collate_groups, policy_loss
+    from pipeline.update import optimizer_step
     from producers.sampler import score_groups
 
     torch.set_num_threads(threads)
@@ -65,12 +65,10 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
             groups += score_groups(task, tokenizer, problems, sampled, sampler_id="sync", policy_version=step,
                                    sampling={"temperature": s.temperature})
         groups = groups[: lcfg.groups_per_step]
-        loss, _ = policy_loss(engine.module, collate_groups(groups, [1.0] * len(groups)), lcfg,
-                              temperature=s.temperature, max_completion_length=s.max_new_tokens)
-        engine.backward(loss)
-        engine.step()
+        result = optimizer_step(engine, groups, [1.0] * len(groups), lcfg,
+                                temperature=s.temperature, max_completion_length=s.max_new_tokens)
         times.append(time.time())
-        print(f"  sync step {step + 1}/{steps} loss {float(loss):.4f}", file=sys.stderr)
+        print(f"  sync step {step + 1}/{steps} loss {result['loss']:.4f}", file=sys.stderr)
     return times
 
 

@@ -7,10 +7,13 @@ The loop, top to bottom:
      with it), or publish the base model as version 0;
   2. read the rollout topic by explicit partition assignment;
   3. for each message: decode (undecodable ones are counted, logged with their offset,
-     skipped); staleness τ = learner version − rollout version; drop or reweight past
+     skipped); a second copy of a rollout id already judged is ignored and counted;
+     staleness τ = learner version − rollout version; drop or reweight past
      `max_delay_steps` / `max_delay_seconds` (every drop counted);
   4. once `groups_per_step` whole groups are kept: one loss, one DeepSpeed step; the
-     version is the number of steps taken;
+     version is the number of steps taken; the step's entry goes to the update log
+     (`<topic>.updates` and RUN_DIR/updates.jsonl: which offsets were used, dropped,
+     set aside), which replay and the chaos audit read;
   5. every `sync_every` steps save the weights and hand them to the background
      publisher (S3 files → manifest with the consumed offsets → version in Redis).
 
@@ -35,6 +38,8 @@ from pipeline.config import HeteroConfig, dump_config
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
 from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
+from pipeline.update_log import (DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup, append_entry,
+                                 read_entries_kafka, updates_topic)
 
 
 @dataclass
@@ -42,7 +47,10 @@ class PendingGroup:
     """A group admitted into the batch being filled, with what its admission decided."""
 
     rollout: Rollout
+    partition: int
+    offset: int
     staleness: int
+    age_s: float
     decision: StalenessDecision
 
 
@@ -51,6 +59,8 @@ class LearnerCounters:
     groups_consumed: int = 0
     """Every message read, whatever happened to it."""
     malformed: int = 0
+    duplicates: int = 0
+    """Second copies of a rollout id already judged (producer retries), ignored."""
     staleness: StalenessCounter = field(default_factory=StalenessCounter)
     """Final verdict of every decodable group: fresh / reweighted (used), or dropped by reason."""
     staleness_used: list = field(default_factory=list)
@@ -60,7 +70,7 @@ class LearnerCounters:
         counts = self.staleness.counts
         return {"groups_consumed": self.groups_consumed, "groups_used": self.staleness.kept,
                 "groups_dropped": self.staleness.dropped, "groups_reweighted": self.staleness.reweighted,
-                "malformed": self.malformed,
+                "malformed": self.malformed, "duplicates_ignored": self.duplicates,
                 "dropped_by_reason": {r: counts[r] for r in ("too_stale_steps", "too_old_seconds") if counts[r]},
                 "max_staleness_used": max(used) if used else None,
                 "mean_staleness_used": (sum(used) / len(used)) if used else None,
@@ -91,6 +101,16 @@ def _start_policy(handles, work_dir: Path, base_model: Path, log):
     return path, version, offsets
 
 
+def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int) -> set[str]:
+    """Rollout ids the update log records as judged by steps <= `up_to_step`.
+
+    A resumed learner starts with these, so a copy that reaches the log after the
+    checkpoint is still recognised as a duplicate.
+    """
+    entries = read_entries_kafka(bootstrap, topic) or []
+    return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
+
+
 def _write_once(path: Path, text: str) -> None:
     """Write a file other processes may be reading, only if absent, atomically."""
     if not path.exists():
@@ -104,10 +124,10 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
 
     from pipeline.checkpoints import BackgroundPublisher
     from pipeline.engine import make_engine
-    from pipeline.kafka_io import RolloutSource, ensure_topic
+    from pipeline.kafka_io import RolloutSink, RolloutSource, ensure_topic
     from pipeline.metrics import MetricsWriter
-    from pipeline.model import load_policy
-    from pipeline.update import collate_groups, policy_loss
+    from pipeline.model import load_policy, tokenizer_fingerprint
+    from pipeline.update import optimizer_step
 
     log = setup_logging("learner")
     lcfg, scfg = cfg.learner, cfg.sampler
@@ -118,7 +138,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     _write_once(run_dir / "config.yaml", dump_config(cfg))
     handles = connect_run(cfg)
     bootstrap = handles.services.kafka_bootstrap
-    ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions)
+    ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions, retention_ms=cfg.run.topic_retention_ms)
+    ensure_topic(bootstrap, updates_topic(cfg.run.topic), 1, retention_ms=cfg.run.topic_retention_ms)
     handles.state.register_run(cfg.run.topic)
     work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=run_dir))
 
@@ -126,6 +147,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     model_dir, version, offsets = _start_policy(handles, work_dir, base_model, log)
     model, tokenizer = load_policy(model_dir)
     vocab_size = model.get_input_embeddings().num_embeddings
+    tokenizer_sha = tokenizer_fingerprint(tokenizer)
+    seen_ids = judged_rollout_ids(bootstrap, cfg.run.topic, version) if version > 0 else set()
     engine = make_engine(model, lcfg)
     if base_model is not None:
         # Published only once the engine is ready, so samplers do not run ahead of a
@@ -134,6 +157,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         log.info("published base model %s as policy v0", base_model)
     publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
     source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
+    update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
+    judged: dict[str, list] = {"dropped": [], "malformed": [], "duplicates": []}  # since the last step
     next_offsets = source.positions()
     metrics = MetricsWriter(run_dir)
     counters = LearnerCounters()
@@ -142,63 +167,83 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     last_record_at = last_wait_log = step_started = time.monotonic()
     consumed_at_last_step = 0
 
-    def decide(rollout: Rollout, staleness: int) -> StalenessDecision:
+    def decide(staleness: int, age_s: float) -> StalenessDecision:
         return decide_staleness(
-            staleness, time.time() - rollout.created_at, max_delay_steps=lcfg.max_delay_steps,
+            staleness, age_s, max_delay_steps=lcfg.max_delay_steps,
             max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
             reweight_decay=lcfg.reweight_decay, reweight_max_extra_steps=lcfg.reweight_max_extra_steps)
 
+    def drop(group: PendingGroup) -> None:
+        counters.staleness.record(group.decision)
+        judged["dropped"].append(DroppedGroup(group.partition, group.offset, group.rollout.rollout_id,
+                                              group.rollout.policy_version, group.staleness,
+                                              group.decision.reason, group.age_s))
+
     def admit(record) -> None:
-        """Decode, validate and judge one message; a kept group joins `pending`."""
+        """Decode, validate, deduplicate and judge one message; a kept group joins `pending`."""
         try:
             rollout = decode_rollout(record.value)
             check_usable(rollout, version, vocab_size, scfg.temperature)
         except RolloutDecodeError as e:
             counters.malformed += 1
+            judged["malformed"].append(SkippedMessage(record.partition, record.offset, e.reason))
             log.warning("skipping malformed message at %s[%d]@%d: %s",
                         cfg.run.topic, record.partition, record.offset, e.reason)
             return
-        staleness = version - rollout.policy_version
-        decision = decide(rollout, staleness)
-        if decision.keep:
-            pending.append(PendingGroup(rollout, staleness, decision))
+        if rollout.rollout_id in seen_ids:
+            counters.duplicates += 1
+            judged["duplicates"].append(DuplicateGroup(record.partition, record.offset, rollout.rollout_id))
+            log.warning("ignoring a second copy of rollout %s at %s[%d]@%d", rollout.rollout_id,
+                        cfg.run.topic, record.partition, record.offset)
+            return
+        seen_ids.add(rollout.rollout_id)
+        staleness, age_s = version - rollout.policy_version, time.time() - rollout.created_at
+        group = PendingGroup(rollout, record.partition, record.offset, staleness, age_s, decide(staleness, age_s))
+        if group.decision.keep:
+            pending.append(group)
         else:
-            counters.staleness.record(decision)
+            drop(group)
 
     def recheck_pending() -> None:
         """Judge the waiting groups again at use: a wall-clock limit may have passed meanwhile."""
         still = []
         for group in pending:
-            decision = decide(group.rollout, group.staleness)
-            if decision.keep:
-                still.append(PendingGroup(group.rollout, group.staleness, decision))
+            age_s = time.time() - group.rollout.created_at
+            group = PendingGroup(group.rollout, group.partition, group.offset, group.staleness, age_s,
+                                 decide(group.staleness, age_s))
+            if group.decision.keep:
+                still.append(group)
             else:
-                counters.staleness.record(decision)
+                drop(group)
         pending[:] = still
 
     def train_step(batch: list[PendingGroup]) -> None:
         nonlocal version, consumed_at_last_step, step_started
         for group in batch:
             counters.staleness.record(group.decision)
-        loss, step_metrics = policy_loss(
-            engine.module, collate_groups([g.rollout for g in batch], [g.decision.weight for g in batch]), lcfg,
-            temperature=scfg.temperature, max_completion_length=scfg.max_new_tokens)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {version + 1}")
-        engine.backward(loss)
-        engine.step()
+        step_metrics = optimizer_step(engine, [g.rollout for g in batch], [g.decision.weight for g in batch], lcfg,
+                                      temperature=scfg.temperature, max_completion_length=scfg.max_new_tokens)
         version += 1
+        entry = UpdateEntry(
+            step=version, policy_version=version, loss_type=lcfg.loss_type, time=time.time(),
+            used=[UsedGroup(g.partition, g.offset, g.rollout.rollout_id, g.rollout.policy_version, g.staleness,
+                            g.decision.weight, g.age_s) for g in batch],
+            dropped=judged["dropped"], malformed=judged["malformed"], duplicates=judged["duplicates"],
+            vocab_size=vocab_size, tokenizer_sha=tokenizer_sha)
+        update_log.send_raw(entry.to_json().encode(), key=str(version).encode())
+        append_entry(run_dir, entry)
+        judged.update(dropped=[], malformed=[], duplicates=[])
         staleness = [g.staleness for g in batch]
         counters.staleness_used.extend(staleness)
         progress = counters.as_dict()
         elapsed = time.monotonic() - step_started
         values = {
-            "policy_version": version, "loss": loss.item(), **step_metrics,
+            "policy_version": version, **step_metrics,
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
             **{k: progress[k] for k in ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed",
-                                        "malformed")},
+                                        "malformed", "duplicates_ignored")},
             "groups_per_s": (counters.groups_consumed - consumed_at_last_step) / max(elapsed, 1e-9),
-            "step_seconds": elapsed, "lr": engine.get_lr()[0],
+            "step_seconds": elapsed,
         }
         metrics.write("learner", version, values)
         handles.state.report_learner({"step": version, **progress})
@@ -258,6 +303,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
             except Exception as e:  # noqa: BLE001 - the original error matters more
                 log.error("%s", e)
         source.close()
+        update_log.close()
         metrics.close()
         shutil.rmtree(work_dir, ignore_errors=True)
     summary = {"final_policy_version": version, "start_policy_version": start_version,

@@ -205,8 +205,9 @@ class CheckpointStore:
 
     def prune(self, keep_last: int, current: int) -> list[int]:
         """Delete all but the newest `keep_last` versions up to `current`: manifest first, so none
-        is half-visible. Versions above `current` (left by an earlier, crashed learner) are not touched."""
-        versions = [v for v in self.list_versions() if v <= current]
+        is half-visible. Versions above `current` (left by an earlier, crashed learner) are not touched,
+        and neither is v0, the base model: `heterorl replay` starts from it."""
+        versions = [v for v in self.list_versions() if 0 < v <= current]
         doomed = versions[:-keep_last] if keep_last > 0 else versions
         for v in doomed:
             self.client.remove_object(self.bucket, self.manifest_key(v))
@@ -225,6 +226,7 @@ class BackgroundPublisher:
     """
 
     def __init__(self, store: "CheckpointStore", run_state, keep_last: int):
+        """`run_state` None: publish to S3 only (a replay announces no version in Redis)."""
         import queue
         import threading
 
@@ -248,7 +250,8 @@ class BackgroundPublisher:
             version, model_dir, extra, cleanup = item
             try:
                 key = self.store.publish(version, model_dir, extra)
-                self.run_state.publish_policy(version, key)
+                if self.run_state is not None:
+                    self.run_state.publish_policy(version, key)
                 self.published.append(version)
                 self.store.prune(self.keep_last, current=version)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread

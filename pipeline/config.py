@@ -44,6 +44,9 @@ class RunConfig(_Strict):
     """Kafka topic of rollouts; default `<name>.rollouts`."""
     topic_partitions: int = Field(1, ge=1, le=64)
     """Partitions of the rollout topic when the run creates it."""
+    topic_retention_ms: int = Field(-1, ge=-1)
+    """Retention (`retention.ms`) of the topics the run creates; -1 keeps everything, so the
+    rollout topic is a complete record a replay can train on."""
 
     @property
     def topic(self) -> str:

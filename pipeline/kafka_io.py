@@ -31,8 +31,9 @@ def _unreachable(bootstrap: str, err: Exception) -> ServiceUnavailable:
                               "start it (`heterorl up` for the local stack) or fix the URL")
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: float = 15.0) -> None:
-    """Create the topic if it does not exist (idempotent)."""
+def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: float = 15.0,
+                 retention_ms: int = -1) -> None:
+    """Create the topic if it does not exist (idempotent); retention -1 keeps every message."""
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
                                  client_id="heterorl-admin")
@@ -41,7 +42,8 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: flo
     try:
         if topic not in admin.list_topics():
             try:
-                admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+                admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1,
+                                              topic_configs={"retention.ms": str(retention_ms)})])
             except TopicAlreadyExistsError:
                 pass
     except KafkaError as e:

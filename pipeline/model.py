@@ -181,6 +181,16 @@ def load_policy(path: str | os.PathLike):
     return model, tokenizer
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map and special tokens: equal iff ids mean the same text."""
+    import hashlib
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
+
+
 def _eos_ids(model, tokenizer) -> list[int]:
     ids: list[int] = []
     if tokenizer.eos_token_id is not None:

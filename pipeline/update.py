@@ -69,3 +69,19 @@ def policy_loss(model, batch: GroupBatch, cfg: LearnerConfig, *, temperature: fl
     metrics["sequences"] = batch.num_sequences
     metrics["completion_tokens"] = float(mask.sum())
     return loss, metrics
+
+
+def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: LearnerConfig, *,
+                   temperature: float, max_completion_length: int) -> dict:
+    """One loss, one backward, one DeepSpeed step on whole groups; returns the step's metrics.
+
+    The learner and `heterorl replay` both step through here: with the same weights,
+    optimizer state and batches they produce the same parameters.
+    """
+    loss, metrics = policy_loss(engine.module, collate_groups(groups, weights), cfg,
+                                temperature=temperature, max_completion_length=max_completion_length)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {loss.item()}")
+    engine.backward(loss)
+    engine.step()
+    return {"loss": loss.item(), **metrics, "lr": engine.get_lr()[0]}

@@ -13,7 +13,10 @@ An entry (JSON object; docs/schema.md is the normative description):
      "dropped": [{"partition": 0, "offset": 409, "rollout_id": "…", "policy_version": 1,
                   "staleness": 5, "reason": "too_stale_steps"}, …],
      "malformed": [{"partition": 0, "offset": 410, "reason": "not msgpack: …"}],
-     "duplicates": [{"partition": 0, "offset": 411, "rollout_id": "…"}]}
+     "duplicates": [{"partition": 0, "offset": 411, "rollout_id": "…"}],
+     "vocab_size": 20, "tokenizer_sha": "…"}
+
+(`used`/`dropped` items also carry `age_s`, seconds from creation to the verdict.)
 
 `used` is in batch order. `dropped`/`malformed`/`duplicates` are the messages judged so
 since the previous step (their verdict is final), so every consumed offset appears in
@@ -48,6 +51,8 @@ class UsedGroup:
     """Learner version − policy_version when the group was used."""
     weight: float
     """Sequence weight of the group in the loss (1, or the stale-reweight factor)."""
+    age_s: Optional[float] = None
+    """Seconds from the group's creation to its use (what `max_delay_seconds` judged)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class DroppedGroup:
     staleness: int
     reason: str
     """`too_stale_steps` or `too_old_seconds`."""
+    age_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,10 @@ class UpdateEntry:
     dropped: list[DroppedGroup] = field(default_factory=list)
     malformed: list[SkippedMessage] = field(default_factory=list)
     duplicates: list[DuplicateGroup] = field(default_factory=list)
+    vocab_size: Optional[int] = None
+    """Vocabulary size of the learner's model (replay refuses a base that differs)."""
+    tokenizer_sha: Optional[str] = None
+    """pipeline.model.tokenizer_fingerprint of the learner's tokenizer."""
     schema: int = UPDATE_LOG_SCHEMA
 
     def to_json(self) -> str:
@@ -99,7 +109,8 @@ class UpdateEntry:
                    time=float(d["time"]), used=[UsedGroup(**g) for g in d.get("used", [])],
                    dropped=[DroppedGroup(**g) for g in d.get("dropped", [])],
                    malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
-                   duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])])
+                   duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
+                   vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "UpdateEntry":

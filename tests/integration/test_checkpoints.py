@@ -86,7 +86,8 @@ def test_prune_keeps_the_newest(local_stack, tiny_model_dir):
     for v in range(5):
         store.publish(v, tiny_model_dir)
     # v4 stands for a version an earlier, crashed learner published past the current v3.
-    assert store.prune(keep_last=2, current=3) == [0, 1]
-    assert store.list_versions() == [2, 3, 4]
-    leftover = [o.object_name for o in store.client.list_objects(store.bucket, prefix="ckpt-prune/v0/", recursive=True)]
+    # v0, the base model, stays: a replay of the run starts from it.
+    assert store.prune(keep_last=2, current=3) == [1]
+    assert store.list_versions() == [0, 2, 3, 4]
+    leftover = [o.object_name for o in store.client.list_objects(store.bucket, prefix="ckpt-prune/v1/", recursive=True)]
     assert leftover == []

@@ -38,7 +38,8 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     ensure_topic(local_stack_env.kafka_bootstrap, cfg.run.topic)
     sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
     # Learner versions when each is read: 0, 1, 2, 2, 2 (it steps after every kept group).
-    sink.send(crafted_group(tok, 0, "tau0"))        # τ = 0      -> used, learner v1
+    first = crafted_group(tok, 0, "tau0")
+    sink.send(first)                                # τ = 0      -> used, learner v1
     sink.send(crafted_group(tok, 0, "tau1"))        # τ = 1 = max -> used, learner v2
     sink.send(crafted_group(tok, 0, "tau2"))        # τ = 2 = max+1 -> dropped
     sink.send_raw(b"\x00definitely not msgpack")    # malformed -> counted, skipped
@@ -61,13 +62,24 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     handles = connect_run(cfg)
     version, manifest_key = handles.state.policy()
     assert version == 3
-    assert handles.store.list_versions() == [1, 2, 3]  # keep_checkpoints = 3: v0 pruned
+    assert handles.store.list_versions() == [0, 1, 2, 3]  # keep_checkpoints = 3, plus the base v0
     _, manifest = handles.store.fetch(manifest_key, tmp_path / "final")
     assert manifest.extra["offsets"] == {"0": 5}  # a restarted learner resumes after everything it consumed
+
+    # The update log accounts for every offset once: used in a step, dropped, or set aside.
+    from pipeline.update_log import read_entries_file, read_entries_kafka
+    entries = read_entries_file(tmp_path / "run" / "updates.jsonl")
+    assert entries == read_entries_kafka(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    assert [(e.step, [(g.offset, g.staleness, g.weight) for g in e.used]) for e in entries] == [
+        (1, [(0, 0, 1.0)]), (2, [(1, 1, 1.0)]), (3, [(4, 0, 1.0)])]
+    assert [(d.offset, d.staleness, d.reason) for d in entries[2].dropped] == [(2, 2, "too_stale_steps")]
+    assert [m.offset for m in entries[2].malformed] == [3]
+    assert entries[0].used[0].rollout_id == first.rollout_id
 
     # A restarted learner resumes at v3 and offset 5: it reads only what came after.
     sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
     sink.send(crafted_group(tok, 3, "after-restart-1"))
+    sink.send(first)  # a producer retry's second copy, arriving after the checkpoint: ignored
     sink.send(crafted_group(tok, 3, "after-restart-2"))
     sink.close()
     cfg = load_config(ROOT / "configs/smoke.yaml", [
@@ -76,8 +88,9 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert run_learner(cfg, tmp_path / "run2") == 0
     resumed = json.loads((tmp_path / "run2" / "learner_summary.json").read_text())
     assert resumed["start_policy_version"] == 3 and resumed["final_policy_version"] == 5
-    assert resumed["groups_consumed"] == 2 and resumed["groups_used"] == 2
-    assert resumed["offsets"] == {"0": 7}
+    assert resumed["groups_consumed"] == 3 and resumed["groups_used"] == 2
+    assert resumed["duplicates_ignored"] == 1
+    assert resumed["offsets"] == {"0": 8}
     assert handles.state.policy()[0] == 5
 
 
