@@ -21,7 +21,10 @@ examples:
   heterorl learner --config configs/demo.yaml --out runs/x
   heterorl sampler --config configs/demo.yaml        # start as many as you like, anywhere
   heterorl status --json
-  heterorl down
+  heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
+  heterorl export --topic demo.rollouts --out demo.parquet
+  heterorl compare runs/demo runs/gspo
+  heterorl down                                      # data is kept; --wipe deletes it
 """
 
 
@@ -118,6 +121,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: train.out_dir)")
     p.add_argument("--keep-stack", action="store_true",
                    help="leave the local stack running afterwards (with its topic, checkpoints and version)")
+
+    p = sub.add_parser("replay", help="train a fresh learner on a recorded rollout topic (offline ablations)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Trains from --base on the groups recorded in --source, with no sampler. "
+                                   "Each group keeps the staleness the original learner recorded in its update "
+                                   "log, and the replay's own learner.* rules judge it again. Writes "
+                                   "metrics.jsonl, TensorBoard events, updates.jsonl, checkpoints and "
+                                   "summary.json (with final_checkpoint) into --out; with eval.every set, the "
+                                   "same held-out accuracy records as a training run.",
+                       epilog="Pass the original run's config (RUN_DIR/config.yaml) to replay it as it was; with "
+                              "--exact-batches and the same loss it reproduces the original weights.")
+    _add_config_args(p)
+    p.add_argument("--source", required=True, metavar="SOURCE",
+                   help="kafka://HOST:PORT/TOPIC (kafka:///TOPIC: the configured or local-stack broker) or "
+                        "the path of a .parquet file written by `heterorl export`")
+    p.add_argument("--base", required=True, metavar="CHECKPOINT",
+                   help="starting weights: s3://BUCKET/PREFIX of a published version (e.g. the original "
+                        "run's v0; endpoint and credentials from the config or the local stack) or a local "
+                        "Hugging Face model directory")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="new run directory for the replay")
+    p.add_argument("--loss", metavar="L", help="loss type to replay with (same as --set learner.loss_type=L)")
+    p.add_argument("--exact-batches", action="store_true",
+                   help="follow the original update log step by step (same groups, same batches); "
+                        "default: groups in the order the original judged them, batched by learner.groups_per_step")
+    p.add_argument("--from-time", metavar="T", help="only groups created at or after T (Unix seconds or ISO 8601)")
+    p.add_argument("--to-time", metavar="T", help="only groups created at or before T")
+    p.add_argument("--from-version", type=int, metavar="V", help="only groups sampled by policy version >= V")
+    p.add_argument("--to-version", type=int, metavar="V", help="only groups sampled by policy version <= V")
+    p.add_argument("--checkpoints", metavar="s3://BUCKET/PREFIX",
+                   help="publish the replay's checkpoints to S3 (default: RUN_DIR/checkpoints/vN)")
+
+    p = sub.add_parser("export", help="write a rollout topic and its update log to one Parquet file",
+                       description="Reads every message of --topic (and <topic>.updates, if present) from the "
+                                   "configured or local-stack broker and writes them to --out; docs/schema.md "
+                                   "lists the columns. `heterorl replay --source FILE.parquet` trains on it.")
+    _add_config_args(p)
+    p.add_argument("--topic", required=True, help="rollout topic, e.g. demo.rollouts")
+    p.add_argument("--out", required=True, metavar="FILE.parquet", help="Parquet file to write")
+    p.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka to read from (default: configured or local stack)")
+
+    p = sub.add_parser("compare", help="side-by-side table and accuracy plot of run directories",
+                       description="Prints final and best held-out accuracy, mean KL, importance-weight "
+                                   "variance and groups used/dropped of each run (train or replay), and "
+                                   "plots their curves on one PNG.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
+    p.add_argument("--out", default="compare.png", metavar="FILE.png", help="plot to write (default compare.png)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return parser
 
 
@@ -201,6 +251,45 @@ def _cmd_study(args) -> int:
                            "heterorl " + " ".join(sys.argv[1:]))
 
 
+def _cmd_replay(args) -> int:
+    from consumers.replay import ReplayFilter, parse_time, run_replay
+    from pipeline.services import require_services
+
+    if args.loss:
+        args.overrides.append(f"learner.loss_type={args.loss}")
+    cfg = _load(args)
+    source = args.source
+    if source.startswith("kafka:///"):
+        source = f"kafka://{require_services(cfg.services).kafka_bootstrap}/{source[len('kafka:///'):]}"
+    flt = ReplayFilter(parse_time(args.from_time), parse_time(args.to_time), args.from_version, args.to_version)
+    summary = run_replay(cfg, source, args.base, Path(args.out), exact_batches=args.exact_batches, flt=flt,
+                         checkpoints=args.checkpoints)
+    print(f"replay {args.out}: {summary['final_policy_version']} steps with {summary['loss_type']}, "
+          f"{summary['groups_used']} groups used / {summary['groups_dropped']} dropped, "
+          f"final checkpoint {summary['final_checkpoint']}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from pipeline.archive import export_topic
+    from pipeline.services import require_services
+
+    bootstrap = args.bootstrap or require_services(_load(args).services).kafka_bootstrap
+    summary = export_topic(bootstrap, args.topic, Path(args.out))
+    print(f"wrote {summary.path}: {summary.messages} messages, {summary.steps} update-log steps")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from pipeline.compare import compare_runs, format_table, plot_comparison
+
+    dirs = [Path(d) for d in args.run_dirs]
+    rows = compare_runs(dirs)
+    print(json.dumps(rows, indent=2, default=str) if args.json else format_table(rows))
+    print(f"plot: {plot_comparison(dirs, Path(args.out))}", file=sys.stderr)
+    return 0
+
+
 def _cmd_train(args) -> int:
     from pipeline.train import run_train
 
@@ -210,18 +299,21 @@ def _cmd_train(args) -> int:
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
-            "study": _cmd_study}
+            "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean a user mistake or an unreachable server: one line, no traceback."""
+    from consumers.replay import ReplayError
     from infra.local_stack import StackError
+    from pipeline.archive import ArchiveError
     from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
+    CompareError = ValueError  # TEMP until pipeline.compare lands
     from pipeline.config import ConfigError
     from pipeline.services import ServiceUnavailable
 
     return (ConfigError, ServiceUnavailable, StackError, CorruptCheckpointError, CheckpointNotFound,
-            FileNotFoundError, FileExistsError)
+            FileNotFoundError, FileExistsError, ReplayError, ArchiveError, CompareError)
 
 
 def main(argv: list[str] | None = None) -> int:

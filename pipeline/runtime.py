@@ -70,9 +70,16 @@ def make_task_from_config(cfg: HeteroConfig):
 
 def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy."""
-    from pipeline.model import evaluate_policy, load_policy
+    from pipeline.model import load_policy
 
     model, tokenizer = load_policy(model_dir)
+    return evaluate_model(cfg, model, tokenizer, task)
+
+
+def evaluate_model(cfg: HeteroConfig, model, tokenizer, task) -> dict:
+    """evaluate_checkpoint for a model already in memory (replay scores its own weights)."""
+    from pipeline.model import evaluate_policy
+
     problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
     return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
                            temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,

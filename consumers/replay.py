@@ -1,0 +1,443 @@
+"""Replay: train a fresh learner on a recorded rollout topic, with no sampler at all.
+
+Run: `heterorl replay --source kafka://HOST:PORT/TOPIC|FILE.parquet --base s3://BUCKET/PREFIX|DIR
+--out RUN_DIR [--config C] [--loss L] [--set key=value ...] [--exact-batches] [filters]`.
+
+The question it answers: "what would another loss, clip range or max delay have done
+with exactly this data?" The loop, top to bottom:
+  1. load the record: every message of the topic and the original learner's update log
+     (Kafka `<topic>.updates`, or both from an exported Parquet file); refuse an unknown
+     or empty topic, a source without update log, filters that keep nothing;
+  2. fetch the base checkpoint and refuse it if its tokenizer or vocabulary is not the
+     one the rollouts were recorded with;
+  3. plan the batches. Every group keeps its *recorded* staleness and age (when the
+     original learner judged it), and the replay's own staleness rule judges it again,
+     so a stricter or looser max delay means what it says:
+       - `--exact-batches`: the log's batches, step by step, in the same order (a group
+         the replay's rule now drops leaves its batch; the original's drops stay dropped);
+       - otherwise: groups in the order the original learner judged them, batched by
+         `learner.groups_per_step`;
+  4. train with the learner's own step (`pipeline.update.optimizer_step`), writing
+     metrics, an update log, checkpoints (local directory or S3) and, with `eval.every`,
+     held-out accuracy records exactly like a training run;
+  5. write summary.json, naming `final_checkpoint`.
+
+With the original config, loss and seed and `--exact-batches`, the final weights equal
+the original run's (tests/integration/test_replay.py checks max |Δ| < 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Optional
+
+from pipeline.config import HeteroConfig, dump_config
+from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
+from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
+from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, append_entry
+
+
+class ReplayError(ValueError):
+    """A replay that cannot start; the message is one line saying why."""
+
+
+# ----------------------------------------------------------------------------------
+# 1. The record
+# ----------------------------------------------------------------------------------
+@dataclass
+class RecordedRun:
+    """Messages of a rollout topic by (partition, offset), and its update log."""
+
+    description: str
+    topic: str
+    messages: dict[tuple[int, int], bytes]
+    update_log: list[UpdateEntry]
+
+
+def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
+    """`kafka://BOOTSTRAP/TOPIC` or an exported `.parquet` file."""
+    if source.startswith("kafka://"):
+        from pipeline.kafka_io import read_topic, topic_partitions
+        from pipeline.services import ServiceUnavailable
+        from pipeline.update_log import read_entries_kafka
+
+        bootstrap, _, topic = source[len("kafka://"):].partition("/")
+        if not bootstrap or not topic:
+            raise ReplayError(f"--source {source}: expected kafka://HOST:PORT/TOPIC")
+        try:
+            if not topic_partitions(bootstrap, topic):
+                raise ReplayError(f"topic {topic} does not exist on Kafka at {bootstrap}")
+            records = read_topic(bootstrap, topic, timeout_s=timeout_s)
+            log = read_entries_kafka(bootstrap, topic, timeout_s=timeout_s)
+        except ServiceUnavailable as e:
+            raise ReplayError(str(e)) from None
+        where = f"Kafka at {bootstrap}"
+    else:
+        from pipeline.archive import ArchiveError, read_archive
+
+        try:
+            archive = read_archive(Path(source))
+        except ArchiveError as e:
+            raise ReplayError(str(e)) from None
+        topic, records, log, where = archive.topic, archive.records, archive.update_log, source
+    if not records:
+        raise ReplayError(f"topic {topic} on {where} is empty: nothing to replay")
+    if not log:
+        raise ReplayError(f"topic {topic} on {where} has no update log ({topic}.updates): replay takes each "
+                          "group's staleness from the original learner's log")
+    return RecordedRun(f"{topic} on {where}", topic, {(r.partition, r.offset): r.value for r in records}, log)
+
+
+# ----------------------------------------------------------------------------------
+# 2. The base checkpoint
+# ----------------------------------------------------------------------------------
+def fetch_base(cfg: HeteroConfig, base: str, dest: Path) -> Path:
+    """A local HF model directory for `base` (`s3://BUCKET/PREFIX` or a local directory)."""
+    if base.startswith("s3://"):
+        from pipeline.checkpoints import (MANIFEST_NAME, CheckpointNotFound, CheckpointStore,
+                                          CorruptCheckpointError, connect_s3)
+        from pipeline.services import ServiceUnavailable, require_services
+
+        bucket, _, prefix = base[len("s3://"):].partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or not prefix:
+            raise ReplayError(f"--base {base}: expected s3://BUCKET/PREFIX of a published version")
+        try:
+            client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
+            path, _ = CheckpointStore(client, bucket, run="").fetch(f"{prefix}/{MANIFEST_NAME}", dest)
+        except (ServiceUnavailable, CheckpointNotFound, CorruptCheckpointError) as e:
+            raise ReplayError(f"--base {base}: {e}") from None
+        return path
+    path = Path(base)
+    if not (path / "config.json").is_file():
+        raise ReplayError(f"--base {base} is neither s3://BUCKET/PREFIX nor a Hugging Face model directory")
+    return path
+
+
+def check_base_matches(log: list[UpdateEntry], tokenizer, vocab_size: int, base: str) -> None:
+    """The rollouts' token ids must mean the same text to the base model."""
+    from pipeline.model import tokenizer_fingerprint
+
+    recorded = next((e for e in log if e.tokenizer_sha), None)
+    if recorded is None:
+        return
+    if recorded.vocab_size is not None and recorded.vocab_size != vocab_size:
+        raise ReplayError(f"--base {base} has a vocabulary of {vocab_size} tokens, the rollouts were recorded "
+                          f"with {recorded.vocab_size}")
+    if recorded.tokenizer_sha != tokenizer_fingerprint(tokenizer):
+        raise ReplayError(f"--base {base} has a different tokenizer from the one the rollouts were recorded with")
+
+
+# ----------------------------------------------------------------------------------
+# 3. The plan
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayFilter:
+    """Which recorded groups take part: by creation time and by the policy version that sampled them."""
+
+    from_time: Optional[float] = None
+    to_time: Optional[float] = None
+    from_version: Optional[int] = None
+    to_version: Optional[int] = None
+
+    def admits(self, rollout: Rollout) -> bool:
+        t, v = rollout.created_at, rollout.policy_version
+        return ((self.from_time is None or t >= self.from_time) and (self.to_time is None or t <= self.to_time)
+                and (self.from_version is None or v >= self.from_version)
+                and (self.to_version is None or v <= self.to_version))
+
+
+@dataclass
+class PlannedGroup:
+    rollout: Rollout
+    recorded: UsedGroup
+    """Where it sits in the topic, and its staleness / age as the original learner saw them."""
+    decision: StalenessDecision
+
+
+@dataclass
+class ReplayCounters:
+    staleness: StalenessCounter = field(default_factory=StalenessCounter)
+    filtered_out: int = 0
+    """Groups outside the --from/--to filters."""
+    unreadable: int = 0
+    """Logged groups whose message no longer decodes or fits the base model."""
+    dropped_by_original: int = 0
+    """With --exact-batches: groups the original run dropped (they stay out of every batch)."""
+    leftover: int = 0
+    """Kept groups that did not fill a last batch."""
+    staleness_used: list = field(default_factory=list)
+
+
+class ReplayPlan:
+    """Turns the record into batches, judging each group by the replay's staleness rule."""
+
+    def __init__(self, cfg: HeteroConfig, record: RecordedRun, flt: ReplayFilter, vocab_size: int):
+        self.cfg, self.record, self.filter, self.vocab_size = cfg, record, flt, vocab_size
+        self.counters = ReplayCounters()
+        self.dropped: list[DroppedGroup] = []
+
+    def _group(self, g: UsedGroup | DroppedGroup) -> Optional[PlannedGroup]:
+        """The recorded group judged anew; None if it takes no part (counted)."""
+        payload = self.record.messages.get((g.partition, g.offset))
+        try:
+            if payload is None:
+                raise RolloutDecodeError("not in the source")
+            rollout = decode_rollout(payload)
+            ids = list(rollout.prompt_ids) + [t for c in rollout.completion_ids for t in c]
+            if rollout.rollout_id != g.rollout_id or max(ids) >= self.vocab_size:
+                raise RolloutDecodeError("does not match the update log or the base vocabulary")
+        except RolloutDecodeError:
+            self.counters.unreadable += 1
+            return None
+        if not self.filter.admits(rollout):
+            self.counters.filtered_out += 1
+            return None
+        lcfg = self.cfg.learner
+        decision = decide_staleness(
+            g.staleness, g.age_s or 0.0, max_delay_steps=lcfg.max_delay_steps,
+            max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
+            reweight_decay=lcfg.reweight_decay, reweight_max_extra_steps=lcfg.reweight_max_extra_steps)
+        recorded = UsedGroup(g.partition, g.offset, g.rollout_id, g.policy_version, g.staleness,
+                             decision.weight, g.age_s)
+        if not decision.keep:
+            self.counters.staleness.record(decision)
+            self.dropped.append(DroppedGroup(g.partition, g.offset, g.rollout_id, g.policy_version, g.staleness,
+                                             decision.reason, g.age_s))
+            return None
+        return PlannedGroup(rollout, recorded, decision)
+
+    def batches(self, exact: bool) -> Iterator[list[PlannedGroup]]:
+        if exact:
+            for entry in self.record.update_log:
+                self.counters.dropped_by_original += len(entry.dropped)
+                batch = [p for p in map(self._group, entry.used) if p is not None]
+                if batch:
+                    yield batch
+            return
+        pending: list[PlannedGroup] = []
+        for entry in self.record.update_log:
+            judged = sorted([*entry.used, *entry.dropped], key=lambda g: (g.partition, g.offset))
+            for planned in map(self._group, judged):
+                if planned is None:
+                    continue
+                pending.append(planned)
+                if len(pending) == self.cfg.learner.groups_per_step:
+                    yield pending
+                    pending = []
+        self.counters.leftover = len(pending)
+
+    def take_dropped(self) -> list[DroppedGroup]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+
+def planned_steps(record: RecordedRun, exact: bool, groups_per_step: int, max_steps: int) -> int:
+    """Upper bound of the steps the plan can make (for the progress bar)."""
+    if exact:
+        return min(max_steps, sum(1 for e in record.update_log if e.used))
+    groups = sum(len(e.used) + len(e.dropped) for e in record.update_log)
+    return min(max_steps, groups // groups_per_step)
+
+
+def parse_time(text: Optional[str]) -> Optional[float]:
+    """Unix seconds, or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        stamp = datetime.fromisoformat(text)
+    except ValueError:
+        raise ReplayError(f"time {text!r}: expected Unix seconds or ISO 8601 (2026-11-22T10:00:00)") from None
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _check_filter_keeps_data(record: RecordedRun, flt: ReplayFilter) -> None:
+    """One line before any training if the filters leave no group, naming what the topic holds."""
+    logged = {(g.partition, g.offset) for e in record.update_log for g in (*e.used, *e.dropped)}
+    times, versions, kept = [], [], 0
+    for key in logged:
+        try:
+            rollout = decode_rollout(record.messages[key])
+        except (KeyError, RolloutDecodeError):
+            continue
+        times.append(rollout.created_at)
+        versions.append(rollout.policy_version)
+        kept += flt.admits(rollout)
+    if kept:
+        return
+    if not times:
+        raise ReplayError(f"{record.description}: the update log names no decodable group")
+
+    def iso(t: float) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+    raise ReplayError(f"no recorded group matches the filters (time {flt.from_time}..{flt.to_time}, "
+                      f"version {flt.from_version}..{flt.to_version}); {record.description} holds groups created "
+                      f"{iso(min(times))}..{iso(max(times))} by policy versions {min(versions)}..{max(versions)}")
+
+
+# ----------------------------------------------------------------------------------
+# 4.-5. The run
+# ----------------------------------------------------------------------------------
+class CheckpointSink:
+    """Replay checkpoints: local `RUN_DIR/checkpoints/vN` directories, or an S3 prefix."""
+
+    def __init__(self, cfg: HeteroConfig, run_dir: Path, target: Optional[str]):
+        self.keep = cfg.learner.keep_checkpoints
+        self.local_root = run_dir / "checkpoints"
+        self.publisher = None
+        if target:
+            from pipeline.checkpoints import BackgroundPublisher, CheckpointStore, connect_s3
+            from pipeline.services import require_services
+
+            bucket, _, prefix = target[len("s3://"):].partition("/")
+            if not target.startswith("s3://") or not bucket or not prefix.strip("/"):
+                raise ReplayError(f"--checkpoints {target}: expected s3://BUCKET/PREFIX")
+            client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
+            if not client.bucket_exists(bucket):
+                client.make_bucket(bucket)
+            self.store = CheckpointStore(client, bucket, prefix.strip("/"))
+            self.publisher = BackgroundPublisher(self.store, None, self.keep)
+
+    def save(self, version: int, model, tokenizer, work_dir: Path) -> None:
+        if self.publisher is not None:
+            snapshot = work_dir / f"v{version}"
+            model.save_pretrained(snapshot, safe_serialization=True)
+            tokenizer.save_pretrained(snapshot)
+            self.publisher.submit(version, snapshot, {"step": version, "replay": True})
+            return
+        target = self.local_root / f"v{version}"
+        model.save_pretrained(target, safe_serialization=True)
+        tokenizer.save_pretrained(target)
+        saved = sorted((p for p in self.local_root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for old in saved[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def uri(self, version: int) -> str:
+        if self.publisher is not None:
+            return self.store.uri(version)
+        return str((self.local_root / f"v{version}").resolve())
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
+               flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None,
+               progress: bool = True) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from pipeline.engine import make_engine
+    from pipeline.metrics import MetricsWriter
+    from pipeline.model import load_policy
+    from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
+    from pipeline.update import optimizer_step
+
+    log = setup_logging("replay")
+    lcfg, scfg = cfg.learner, cfg.sampler
+    started = time.monotonic()
+    record = load_record(source)
+    _check_filter_keeps_data(record, flt)
+    out_dir = Path(out_dir)
+    if (out_dir / "metrics.jsonl").exists():
+        raise ReplayError(f"--out {out_dir} already holds a run (metrics.jsonl): choose a new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = out_dir / ".replay"
+    base_dir = fetch_base(cfg, base, work_dir / "base")
+    torch.set_num_threads(lcfg.torch_threads)
+    torch.manual_seed(cfg.run.seed)
+    model, tokenizer = load_policy(base_dir)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    check_base_matches(record.update_log, tokenizer, vocab_size, base)
+    (out_dir / "config.yaml").write_text(dump_config(cfg))
+    sink = CheckpointSink(cfg, out_dir, checkpoints)
+    engine = make_engine(model, lcfg)
+    plan = ReplayPlan(cfg, record, flt, vocab_size)
+    metrics = MetricsWriter(out_dir)
+    task = make_task_from_config(cfg) if cfg.eval.every else None
+    evals: list[dict] = []
+
+    def evaluate(version: int) -> None:
+        result = evaluate_model(cfg, engine.module, tokenizer, task)
+        engine.module.train()
+        metrics.write("eval", version, {"policy_version": version, **result})
+        evals.append({"policy_version": version, **result})
+
+    log.info("replaying %s from %s with loss %s, %s batches", record.description, base, lcfg.loss_type,
+             "the original" if exact_batches else f"{lcfg.groups_per_step}-group")
+    if task is not None:
+        evaluate(0)
+    version = 0
+    total = planned_steps(record, exact_batches, lcfg.groups_per_step, lcfg.max_steps)
+    bar = tqdm(total=total, desc="replay", unit="step", disable=not progress)
+    try:
+        for batch in plan.batches(exact_batches):
+            if version >= lcfg.max_steps:
+                break
+            step_metrics = optimizer_step(engine, [g.rollout for g in batch], [g.decision.weight for g in batch],
+                                          lcfg, temperature=scfg.temperature,
+                                          max_completion_length=scfg.max_new_tokens)
+            version += 1
+            for g in batch:
+                plan.counters.staleness.record(g.decision)
+            staleness = [g.recorded.staleness for g in batch]
+            plan.counters.staleness_used.extend(staleness)
+            append_entry(out_dir, UpdateEntry(step=version, policy_version=version, loss_type=lcfg.loss_type,
+                                              time=time.time(), used=[g.recorded for g in batch],
+                                              dropped=plan.take_dropped(), vocab_size=vocab_size))
+            counts = plan.counters.staleness
+            metrics.write("learner", version, {
+                "policy_version": version, **step_metrics, "staleness_mean": sum(staleness) / len(staleness),
+                "staleness_max": max(staleness), "groups_used": counts.kept, "groups_dropped": counts.dropped,
+                "groups_reweighted": counts.reweighted})
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_metrics['loss']:.3f}", reward=f"{step_metrics['reward_mean']:.2f}")
+            if version % lcfg.sync_every == 0:
+                sink.save(version, engine.module, tokenizer, work_dir)
+            if task is not None and version % cfg.eval.every == 0:
+                evaluate(version)
+        if version == 0:
+            raise ReplayError(f"no batch could be formed from {record.description} with these filters and "
+                              "staleness rules")
+        if version % lcfg.sync_every:
+            sink.save(version, engine.module, tokenizer, work_dir)
+        if task is not None and evals[-1]["policy_version"] != version:
+            evaluate(version)
+        sink.close()
+    finally:
+        bar.close()
+        metrics.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    counts = plan.counters
+    used = counts.staleness_used
+    summary = {
+        "run": out_dir.name, "kind": "replay", "source": source, "base": base, "loss_type": lcfg.loss_type,
+        "exact_batches": exact_batches, "filters": {k: v for k, v in vars(flt).items() if v is not None},
+        "final_policy_version": version, "final_checkpoint": sink.uri(version),
+        "groups_used": counts.staleness.kept, "groups_dropped": counts.staleness.dropped,
+        "groups_reweighted": counts.staleness.reweighted, "dropped_by_original": counts.dropped_by_original,
+        "filtered_out": counts.filtered_out, "unreadable": counts.unreadable, "leftover": counts.leftover,
+        "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
+        "wall_seconds": time.monotonic() - started,
+    }
+    if evals:
+        summary.update(eval_accuracy_before=evals[0]["accuracy_sampled"],
+                       eval_accuracy_after=evals[-1]["accuracy_sampled"],
+                       eval_best_accuracy=max(e["accuracy_sampled"] for e in evals),
+                       eval_last_accuracy=evals[-1]["accuracy_sampled"],
+                       eval_greedy_before=evals[0].get("accuracy_greedy"),
+                       eval_greedy_after=evals[-1].get("accuracy_greedy"))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("done: %d steps, final checkpoint %s", version, summary["final_checkpoint"])
+    return summary

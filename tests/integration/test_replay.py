@@ -1,0 +1,176 @@
+"""Replay on a recorded run: exact fidelity, ablations, Parquet round trip, and its errors.
+
+One short real run (learner + sampler, recorded with some groups dropped) is shared by
+every test of this file.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+# The smoke model rarely earns a reward, so a KL term (learner vs sampler) and a high lr
+# make sure training moves the weights: the fidelity check is not vacuous.
+RUN_OVERRIDES = ["--set", f"learner.max_steps={STEPS}", "--set", "learner.max_delay_steps=1",
+                 "--set", "learner.kl_coef=0.05", "--set", "learner.lr=5e-3", "--set", "learner.lr_warmup_steps=0",
+                 "--set", "learner.sync_every=1", "--set", "sampler.max_backlog_groups=64",
+                 "--set", "sampler.delays.unit=steps", "--set", "sampler.delays.refresh.kind=fixed",
+                 "--set", "sampler.delays.refresh.value=2"]
+
+
+@pytest.fixture(scope="module")
+def recorded(local_stack, tmp_path_factory):
+    """A finished training run on the session stack: (run dir, summary, config)."""
+    from infra.local_stack import stack_env
+
+    tmp = tmp_path_factory.mktemp("recorded")
+    out = tmp / "run"
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", "configs/smoke.yaml", "--out", str(out),
+           "--data-dir", str(tmp / "data"), *RUN_OVERRIDES]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **stack_env(local_stack)}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    cfg = load_config(out / "config.yaml", [f"services.data_dir={tmp / 'data'}"], env=stack_env(local_stack))
+    return out, summary, cfg
+
+
+def _weights(uri_or_dir: str, cfg, dest: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from consumers.replay import fetch_base
+
+    path = fetch_base(cfg, uri_or_dir, dest)
+    return load_file(str(path / "model.safetensors"))
+
+
+def _max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _source(local_stack, summary) -> str:
+    return f"kafka://{local_stack.kafka_bootstrap}/{summary['rollout_topic']}"
+
+
+def _base(local_stack, summary) -> str:
+    return f"s3://{local_stack.bucket}/{summary['run']}/v0/"
+
+
+def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp_path):
+    from consumers.replay import run_replay
+    from pipeline.update_log import read_entries_file
+
+    run_dir, summary, cfg = recorded
+    original_log = read_entries_file(run_dir / "updates.jsonl")
+    assert len(original_log) == STEPS
+    assert sum(len(e.dropped) for e in original_log) > 0, "the recorded run should have dropped some groups"
+
+    replay = run_replay(cfg, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "exact",
+                        exact_batches=True, checkpoints=f"s3://{local_stack.bucket}/replay-exact",
+                        progress=False)
+    assert replay["final_policy_version"] == STEPS
+    assert replay["final_checkpoint"] == f"s3://{local_stack.bucket}/replay-exact/v{STEPS}/"
+    assert replay["groups_used"] == summary["groups_used"]
+    # The same groups in the same batches, each with its recorded staleness.
+    replay_log = read_entries_file(tmp_path / "exact" / "updates.jsonl")
+    assert [e.used for e in replay_log] == [e.used for e in original_log]
+
+    original = _weights(summary["final_checkpoint"], cfg, tmp_path / "w-original")
+    replayed = _weights(replay["final_checkpoint"], cfg, tmp_path / "w-replay")
+    base = _weights(_base(local_stack, summary), cfg, tmp_path / "w-base")
+    assert _max_abs_diff(original, base) > 1e-3  # training moved the weights...
+    assert _max_abs_diff(original, replayed) < 1e-5  # ...and the replay moved them identically
+
+
+def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
+    from consumers.replay import run_replay
+    from pipeline.archive import export_topic
+
+    run_dir, summary, cfg = recorded
+    # A stricter max delay drops every group the original used at staleness 1.
+    strict = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_delay_steps": 0})})
+    exact = run_replay(strict, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "strict",
+                       exact_batches=True, progress=False)
+    original_log = [json.loads(x) for x in (run_dir / "updates.jsonl").read_text().splitlines()]
+    stale_used = sum(1 for e in original_log for g in e["used"] if g["staleness"] > 0)
+    assert exact["groups_dropped"] == stale_used
+    assert exact["groups_used"] == summary["groups_used"] - stale_used
+    assert exact["dropped_by_original"] == summary["groups_dropped"]
+    assert Path(exact["final_checkpoint"], "model.safetensors").is_file()
+
+    # Without --exact-batches, another loss, from an exported Parquet file: every group the
+    # original judged is judged again, batched by groups_per_step.
+    parquet = tmp_path / "run.parquet"
+    export_topic(local_stack.kafka_bootstrap, summary["rollout_topic"], parquet)
+    gspo = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"loss_type": "gspo"})})
+    free = run_replay(gspo, str(parquet), _base(local_stack, summary), tmp_path / "gspo", progress=False)
+    judged = sum(len(e["used"]) + len(e["dropped"]) for e in original_log)
+    assert free["loss_type"] == "gspo"
+    # same max delay as the original: the original's verdicts stand
+    assert free["groups_used"] + free["groups_dropped"] + free["leftover"] == judged
+    assert free["groups_dropped"] == summary["groups_dropped"]
+    assert free["final_policy_version"] == free["groups_used"] // cfg.learner.groups_per_step
+
+    # From Parquet with --exact-batches: the original weights again.
+    again = run_replay(cfg, str(parquet), _base(local_stack, summary), tmp_path / "parquet-exact",
+                       exact_batches=True, progress=False)
+    original = _weights(summary["final_checkpoint"], cfg, tmp_path / "w-original")
+    assert _max_abs_diff(original, _weights(again["final_checkpoint"], cfg, tmp_path / "w-again")) < 1e-5
+
+
+def _cli(*args, env):
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path):
+    from infra.local_stack import stack_env
+    from pipeline.kafka_io import ensure_topic
+    from pipeline.model import load_policy
+
+    run_dir, summary, cfg = recorded
+    env = stack_env(local_stack)
+    common = ["--config", str(run_dir / "config.yaml")]
+
+    def refused(*args) -> str:
+        proc = _cli("replay", *common, *args, env=env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        return lines[0]
+
+    base = _base(local_stack, summary)
+    assert "does not exist" in refused("--source", f"kafka://{local_stack.kafka_bootstrap}/no-such-topic",
+                                       "--base", base, "--out", str(tmp_path / "a"))
+    ensure_topic(local_stack.kafka_bootstrap, "replay-empty-topic")
+    assert "is empty" in refused("--source", f"kafka://{local_stack.kafka_bootstrap}/replay-empty-topic",
+                                 "--base", base, "--out", str(tmp_path / "b"))
+    line = refused("--source", _source(local_stack, summary), "--base", base, "--out", str(tmp_path / "c"),
+                   "--from-time", "2001-01-01T00:00:00", "--to-time", "2001-01-02T00:00:00")
+    assert "no recorded group matches" in line and "holds groups created" in line
+
+    # A base whose vocabulary differs from the one the rollouts were recorded with.
+    model, tokenizer = load_policy(_weights_dir(cfg, base, tmp_path / "base"))
+    model.resize_token_embeddings(model.get_input_embeddings().num_embeddings + 3)
+    model.save_pretrained(tmp_path / "bigger")
+    tokenizer.save_pretrained(tmp_path / "bigger")
+    assert "vocabulary" in refused("--source", _source(local_stack, summary), "--base", str(tmp_path / "bigger"),
+                                   "--out", str(tmp_path / "d"))
+    assert "neither s3://" in refused("--source", _source(local_stack, summary), "--base", str(tmp_path / "nope"),
+                                      "--out", str(tmp_path / "e"))
+    assert not (tmp_path / "d" / "metrics.jsonl").exists()  # refused before any training
+
+
+def _weights_dir(cfg, base: str, dest: Path) -> Path:
+    from consumers.replay import fetch_base
+
+    return fetch_base(cfg, base, dest)
