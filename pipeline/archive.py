@@ -14,7 +14,6 @@ docs/schema.md ("Parquet export") is the normative description of the columns.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -232,7 +231,9 @@ def _read_table(path: Path) -> pa.Table:
 
 
 def _records(table: pa.Table) -> list[RawRecord]:
-    columns = table.to_pydict()
+    wanted = [name for name in ("partition", "offset", "value", "timestamp_ms", "headers", "schema_version",
+                                "policy_version", "sampler_id", "rollout_id") if name in table.column_names]
+    columns = table.select(wanted).to_pydict()
     rows = range(table.num_rows)
     return [RawRecord(partition=columns["partition"][i], offset=columns["offset"][i], value=columns["value"][i],
                       headers=_headers(columns, i), timestamp_ms=columns["timestamp_ms"][i]) for i in rows]

@@ -308,7 +308,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from infra.local_stack import StackError
     from pipeline.archive import ArchiveError
     from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
-    CompareError = ValueError  # TEMP until pipeline.compare lands
+    from pipeline.compare import CompareError
     from pipeline.config import ConfigError
     from pipeline.services import ServiceUnavailable
 

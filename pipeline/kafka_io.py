@@ -187,8 +187,17 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0,
         wanted = {tp.partition: end for tp, end in ends.items()}
         records: list[RawRecord] = []
         last_progress = time.monotonic()
+        seen_highwater: set[int] = set()
         while any(source.consumer.position(tp) < wanted[tp.partition] for tp in source.partitions):
             batch = source.poll(1.0)
+            # Tansu answers ListOffsets(latest) with the last batch's base offset + 1, not the
+            # log end, after a multi-record batch (what send_many produces). The first fetch
+            # response's high watermark is right, so the end is raised to it, once per partition.
+            for tp in source.partitions:
+                highwater = source.consumer.highwater(tp)
+                if highwater is not None and tp.partition not in seen_highwater:
+                    wanted[tp.partition] = max(wanted[tp.partition], highwater)
+                    seen_highwater.add(tp.partition)
             fresh = [r for r in batch if r.offset < wanted[r.partition]]
             if fresh:
                 records.extend(fresh)

@@ -20,7 +20,8 @@ def heterorl(*args, env=None, timeout=60):
 
 def test_help_lists_every_command():
     out = heterorl("--help").stdout
-    for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train", "study"):
+    for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train", "study", "replay",
+                    "export", "compare"):
         assert command in out
 
 
@@ -32,7 +33,7 @@ def test_every_option_of_every_command_has_help_text():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
-                                     "study"}
+                                     "study", "replay", "export", "compare"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {**commands.choices, **{f"study {k}": v for k, v in studies.choices.items()}}
     for name, sub in parsers.items():
