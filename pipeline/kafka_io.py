@@ -78,12 +78,25 @@ def _consumer(bootstrap: str, **kwargs) -> KafkaConsumer:
         raise _unreachable(bootstrap, e) from None
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    """Next offset to be written, per partition (the size of the log)."""
+def end_offsets(bootstrap: str, topic: str, timeout_s: float = 5.0) -> dict[int, int]:
+    """Next offset to be written, per partition (the size of the log).
+
+    Tansu answers ListOffsets with the last batch's base offset + 1 after a multi-record
+    batch, so the answer is checked against the high watermark of a fetch from there.
+    """
     consumer = _consumer(bootstrap)
     try:
         parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-        return {tp.partition: off for tp, off in consumer.end_offsets(parts).items()} if parts else {}
+        if not parts:
+            return {}
+        ends = consumer.end_offsets(parts)
+        consumer.assign(parts)
+        for tp in parts:
+            consumer.seek(tp, max(0, ends[tp] - 1))
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.highwater(tp) is None for tp in parts if ends[tp] > 0) and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200, max_records=1)
+        return {tp.partition: max(ends[tp], consumer.highwater(tp) or 0) for tp in parts}
     finally:
         consumer.close()
 

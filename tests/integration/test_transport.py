@@ -47,3 +47,19 @@ def test_missing_topic_is_a_clear_error(local_stack):
 
     with pytest.raises(ServiceUnavailable, match="topic no-such-topic does not exist"):
         RolloutSource(local_stack.kafka_bootstrap, "no-such-topic")
+
+
+def test_end_offsets_count_every_message_of_a_batched_send(local_stack):
+    """Tansu under-reports ListOffsets after a multi-record batch; end_offsets must not."""
+    import uuid
+
+    from pipeline.kafka_io import RolloutSink, end_offsets, ensure_topic
+    from tests.unit.test_rollout import make_rollout
+
+    topic = f"batched-{uuid.uuid4().hex[:8]}"
+    ensure_topic(local_stack.kafka_bootstrap, topic)
+    sink = RolloutSink(local_stack.kafka_bootstrap, topic)
+    acked = sink.send_many([make_rollout() for _ in range(6)])
+    sink.close()
+    assert [o for _, o in acked] == list(range(6))
+    assert end_offsets(local_stack.kafka_bootstrap, topic) == {0: 6}
