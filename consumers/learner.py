@@ -14,8 +14,11 @@ The loop, top to bottom:
      version is the number of steps taken; the step's entry goes to the update log
      (`<topic>.updates` and RUN_DIR/updates.jsonl: which offsets were used, dropped,
      set aside), which replay and the chaos audit read;
-  5. every `sync_every` steps save the weights and hand them to the background
-     publisher (S3 files → manifest with the consumed offsets → version in Redis).
+  5. every `sync_every` steps save the weights (and, beside them, the optimizer and
+     LR-schedule state) and hand them to the background publisher (S3 files → manifest
+     with the consumed offsets → version in Redis). A restarted learner resumes from
+     the newest checkpoint with its state and offsets, so every group is used in at most
+     one update.
 
 Staleness is decided when a group is taken into the batch. The version only changes
 at a step, and a batch is trained the moment it is full, so τ at decision is τ at use:
@@ -95,7 +98,7 @@ def _start_policy(handles, work_dir: Path, base_model: Path, log):
     version, manifest_key = handles.state.policy()
     if version is None:
         return base_model, 0, {}
-    path, manifest = handles.store.fetch(manifest_key, work_dir / f"resume-v{version}")
+    path, manifest = handles.store.fetch(manifest_key, work_dir / f"resume-v{version}", learner_state=True)
     offsets = {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
     log.info("resuming from policy v%d at offsets %s", version, offsets)
     return path, version, offsets
@@ -122,7 +125,7 @@ def _write_once(path: Path, text: str) -> None:
 def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     import torch
 
-    from pipeline.checkpoints import BackgroundPublisher
+    from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
     from pipeline.engine import make_engine
     from pipeline.kafka_io import RolloutSink, RolloutSource, ensure_topic
     from pipeline.metrics import MetricsWriter
@@ -150,6 +153,11 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     tokenizer_sha = tokenizer_fingerprint(tokenizer)
     seen_ids = judged_rollout_ids(bootstrap, cfg.run.topic, version) if version > 0 else set()
     engine = make_engine(model, lcfg)
+    if (model_dir / LEARNER_STATE_DIR).is_dir():
+        # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
+        engine.load_checkpoint(str(model_dir / LEARNER_STATE_DIR), tag="state", load_module_strict=True)
+    elif version > 0:
+        log.warning("checkpoint v%d has no learner state: continuing with a fresh optimizer", version)
     if base_model is not None:
         # Published only once the engine is ready, so samplers do not run ahead of a
         # learner that is still starting.
@@ -255,6 +263,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
             snapshot = work_dir / f"v{version}"
             engine.module.save_pretrained(snapshot, safe_serialization=True)
             tokenizer.save_pretrained(snapshot)
+            engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
             publisher.submit(version, snapshot, {"offsets": dict(next_offsets), "step": version,
                                                  "loss_type": lcfg.loss_type})
 

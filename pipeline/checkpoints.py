@@ -11,7 +11,16 @@ directory (safetensors weights, config, tokenizer files), then
 A version without a manifest does not exist: `list_versions` and `fetch` only see
 versions whose manifest is present, so a learner that dies mid-upload leaves nothing
 a sampler could load. Fetching checks size and sha256 of every file and refuses the
-checkpoint (CorruptCheckpointError) on any mismatch; nothing is unpickled, ever.
+checkpoint (CorruptCheckpointError) on any mismatch.
+
+Files under `learner_state/` (DeepSpeed's optimizer and LR-scheduler state, so a
+restarted learner continues exactly) sit beside the public weights; samplers and the
+evaluator never download them, and only the learner loads them (DeepSpeed's format is
+pickled, which is why they are loaded only after their sha256 matched the manifest).
+
+Downloads are chunked HTTP range requests into a partial file kept beside the
+destination: a transfer cut at 90 % resumes at 90 % (also in a later `fetch` of the same
+manifest), with bounded retries and backoff, so a slow link never restarts from zero.
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -33,8 +42,14 @@ from minio.error import S3Error
 
 from pipeline.services import ServiceUnavailable, Services
 
+log = logging.getLogger(__name__)
+
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "heterorl-checkpoint/1"
+LEARNER_STATE_DIR = "learner_state"
+"""Subdirectory of a checkpoint that only the learner downloads."""
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Size of one range request."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -162,46 +177,77 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
-    def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3) -> tuple[Path, Manifest]:
-        """Download a checkpoint into `dest_dir` (a fresh directory), verifying every file.
+    def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
+              network_retries: int = 8) -> tuple[Path, Manifest]:
+        """Download a checkpoint into `dest_dir`, verifying every file; only the learner
+        asks for `learner_state`.
 
-        Retries a mismatching download `attempts` times (a transfer can be cut short),
-        then raises CorruptCheckpointError; the directory only appears once verified.
+        Network errors resume the interrupted file (`network_retries` times, with backoff);
+        a file that arrives complete but mismatching is downloaded again, `attempts` times in
+        all, then CorruptCheckpointError. The directory only appears once verified.
         """
         manifest = self.read_manifest(manifest_key)
         dest_dir = Path(dest_dir)
         dest_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Stable per manifest, so a later fetch of the same version resumes what is there.
+        partial = dest_dir.parent / f".partial-{hashlib.sha256(json.dumps(manifest.files).encode()).hexdigest()[:16]}"
+        wanted = [f for f in manifest.files
+                  if learner_state or not f["path"].startswith(LEARNER_STATE_DIR + "/")]
         last_error = ""
         for _ in range(attempts):
-            tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest_dir.parent))
             try:
-                for f in manifest.files:
-                    target = tmp / f["path"]
+                for f in wanted:
+                    target = partial / f["path"]
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        self.client.fget_object(self.bucket, manifest.prefix + f["path"], str(target))
-                    except S3Error as e:
-                        if e.code == "NoSuchKey":  # pruned while we were downloading
-                            raise CheckpointNotFound(f"s3://{self.bucket}/{manifest.prefix} was deleted "
-                                                     "during the download") from None
-                        raise
-                    size = target.stat().st_size
-                    if size != f["size"]:
-                        raise CorruptCheckpointError(f"{f['path']}: size {size} != manifest {f['size']}")
+                    self._download(manifest.prefix + f["path"], target, f["size"], network_retries)
                     digest = sha256_file(target)
                     if digest != f["sha256"]:
+                        target.unlink()
                         raise CorruptCheckpointError(f"{f['path']}: sha256 {digest[:12]}… != manifest {f['sha256'][:12]}…")
                 if dest_dir.exists():
                     shutil.rmtree(dest_dir)
-                tmp.rename(dest_dir)
+                partial.rename(dest_dir)
                 return dest_dir, manifest
             except CorruptCheckpointError as e:
                 last_error = str(e)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
         raise CorruptCheckpointError(
             f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
+
+    def _download(self, key: str, target: Path, size: int, network_retries: int) -> None:
+        """Range-request `key` into `target` from where it stops, CHUNK_BYTES at a time."""
+        failures = 0
+        while True:
+            have = target.stat().st_size if target.exists() else 0
+            if have > size:
+                target.unlink()
+                raise CorruptCheckpointError(f"{key}: {have} bytes, manifest says {size}")
+            if have == size:
+                return
+            try:
+                response = self.client.get_object(self.bucket, key, offset=have, length=min(CHUNK_BYTES, size - have))
+                try:
+                    with open(target, "ab") as out:
+                        for block in response.stream(64 * 1024):
+                            out.write(block)
+                finally:
+                    response.close()
+                    response.release_conn()
+                failures = 0
+            except S3Error as e:
+                if e.code == "NoSuchKey":  # pruned while we were downloading
+                    raise CheckpointNotFound(f"s3://{self.bucket}/{key} was deleted during the download") from None
+                if e.code == "InvalidRange":
+                    raise CorruptCheckpointError(f"{key}: shorter than the manifest's {size} bytes") from None
+                raise
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                failures += 1
+                if failures > network_retries:
+                    raise ServiceUnavailable(f"download of s3://{self.bucket}/{key} failed {failures} times in a "
+                                             f"row at byte {have} of {size}: {type(e).__name__}") from None
+                log.warning("download of s3://%s/%s interrupted at %d/%d bytes (%s); resuming", self.bucket, key,
+                            target.stat().st_size if target.exists() else 0, size, type(e).__name__)
+                time.sleep(min(8.0, 0.25 * 2 ** failures))
 
     def prune(self, keep_last: int, current: int) -> list[int]:
         """Delete all but the newest `keep_last` versions up to `current`: manifest first, so none

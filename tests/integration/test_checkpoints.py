@@ -91,3 +91,79 @@ def test_prune_keeps_the_newest(local_stack, tiny_model_dir):
     assert store.list_versions() == [0, 2, 3, 4]
     leftover = [o.object_name for o in store.client.list_objects(store.bucket, prefix="ckpt-prune/v1/", recursive=True)]
     assert leftover == []
+
+
+class _CutOnce:
+    """Wraps a Minio client: the first range response breaks after `cut_at` bytes of the object."""
+
+    def __init__(self, client, cut_at: int):
+        self.client, self.cut_at, self.requests, self.cut = client, cut_at, [], False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def get_object(self, bucket, key, offset=0, length=0):
+        import urllib3
+
+        self.requests.append((key, offset, length))
+        response = self.client.get_object(bucket, key, offset=offset, length=length)
+        if self.cut or not key.endswith("big.bin") or not offset <= self.cut_at < offset + length:
+            return response
+        self.cut, wrapper = True, self
+
+        class Broken:
+            def stream(self, amt):
+                sent = offset
+                for block in response.stream(amt):
+                    keep = block[: max(0, wrapper.cut_at - sent)]
+                    if keep:
+                        yield keep
+                    sent += len(keep)
+                    if sent >= wrapper.cut_at:
+                        raise urllib3.exceptions.ProtocolError("connection reset by peer (injected)")
+
+            def close(self):
+                response.close()
+
+            def release_conn(self):
+                response.release_conn()
+
+        return Broken()
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path, monkeypatch):
+    import os
+
+    import pipeline.checkpoints as checkpoints
+
+    model = tmp_path / "model"
+    model.mkdir()
+    size = 1_000_000
+    (model / "big.bin").write_bytes(os.urandom(size))
+    (model / "config.json").write_text("{}")
+    store = _store(local_stack, "ckpt-resume")
+    key = store.publish(1, model)
+    monkeypatch.setattr(checkpoints, "CHUNK_BYTES", 256 * 1024)
+    cut = _CutOnce(store.client, cut_at=900_000)  # the link drops at 90 %
+    store.client = cut
+    path, _ = store.fetch(key, tmp_path / "v1")
+    assert (path / "big.bin").read_bytes() == (model / "big.bin").read_bytes()
+    big = [(offset, length) for k, offset, length in cut.requests if k.endswith("big.bin")]
+    # Four chunks of 256 KiB; the fourth broke at 900 000 and resumed there, not at 0.
+    assert [offset for offset, _ in big] == [0, 262144, 524288, 786432, 900_000]
+    assert big[-1] == (900_000, size - 900_000)
+
+
+def test_samplers_do_not_download_the_learner_state(local_stack, tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "learner_state").mkdir()
+    (model / "learner_state" / "optimizer.bin").write_bytes(b"x" * 1000)
+    store = _store(local_stack, "ckpt-private")
+    key = store.publish(2, model)
+    public, _ = store.fetch(key, tmp_path / "sampler")
+    assert not (public / "learner_state").exists() and (public / "model.safetensors").is_file()
+    private, _ = store.fetch(key, tmp_path / "learner", learner_state=True)
+    assert (private / "learner_state" / "optimizer.bin").read_bytes() == b"x" * 1000

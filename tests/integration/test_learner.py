@@ -93,6 +93,18 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert resumed["offsets"] == {"0": 8}
     assert handles.state.policy()[0] == 5
 
+    # The restart carried the optimizer state on: replaying the five logged steps from v0
+    # in one go gives the same weights as the two learner runs did.
+    from safetensors.torch import load_file
+
+    from consumers.replay import run_replay
+    replay = run_replay(cfg, f"kafka://{local_stack_env.kafka_bootstrap}/{cfg.run.topic}",
+                        handles.store.uri(0), tmp_path / "replay", exact_batches=True, progress=False)
+    final, _ = handles.store.fetch(handles.store.manifest_key(5), tmp_path / "v5")
+    a = load_file(str(final / "model.safetensors"))
+    b = load_file(str(Path(replay["final_checkpoint"]) / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
 
 def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack_env, tmp_path):
     import io
