@@ -6,8 +6,9 @@ The loop, top to bottom:
   1. start from the newest checkpoint in Redis/S3 (resuming at the Kafka offsets stored
      with it), or publish the base model as version 0;
   2. read the rollout topic by explicit partition assignment;
-  3. for each message: decode (undecodable ones are counted, logged with their offset,
-     skipped); a second copy of a rollout id already judged is ignored and counted;
+  3. for each message: decode and validate (a poison message — undecodable, wrong schema
+     version, non-finite or positive log-probs, over the length limits — is counted and
+     copied to the dead-letter topic `<topic>.dead` with the reason in a header); a second copy of a rollout id already judged is ignored and counted;
      staleness τ = learner version − rollout version; drop or reweight past
      `max_delay_steps` / `max_delay_seconds` (every drop counted);
   4. once `groups_per_step` whole groups are kept: one loss, one DeepSpeed step; the
@@ -42,7 +43,7 @@ from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
 from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
 from pipeline.update_log import (DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup, append_entry,
-                                 read_entries_kafka, updates_topic)
+                                 dead_letter_topic, read_entries_kafka, updates_topic)
 
 
 @dataclass
@@ -80,8 +81,9 @@ class LearnerCounters:
                 "staleness_histogram": {str(t): n for t, n in sorted(Counter(used).items())}}
 
 
-def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: float) -> None:
-    """What decoding cannot know: the rollout must fit this learner's model and version."""
+def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: float,
+                 max_new_tokens: int, max_positions: int) -> None:
+    """What decoding cannot know: the rollout must fit this learner's model, limits and version."""
     if rollout.policy_version > version:
         raise RolloutDecodeError(f"policy_version {rollout.policy_version} is newer than the learner's {version} "
                                  "(another run on this topic, or a reset Redis)")
@@ -91,6 +93,12 @@ def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: f
     ids = [t for t in rollout.prompt_ids] + [t for c in rollout.completion_ids for t in c]
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise RolloutDecodeError(f"token id outside the model's vocabulary of {vocab_size}")
+    longest = max(len(c) for c in rollout.completion_ids)
+    if longest > max_new_tokens:
+        raise RolloutDecodeError(f"completion of {longest} tokens exceeds sampler.max_new_tokens={max_new_tokens}")
+    if len(rollout.prompt_ids) + longest > max_positions:
+        raise RolloutDecodeError(f"prompt + completion of {len(rollout.prompt_ids) + longest} tokens exceeds the "
+                                 f"model's {max_positions} positions")
 
 
 def _start_policy(handles, work_dir: Path, base_model: Path, log):
@@ -143,6 +151,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     bootstrap = handles.services.kafka_bootstrap
     ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions, retention_ms=cfg.run.topic_retention_ms)
     ensure_topic(bootstrap, updates_topic(cfg.run.topic), 1, retention_ms=cfg.run.topic_retention_ms)
+    ensure_topic(bootstrap, dead_letter_topic(cfg.run.topic), 1, retention_ms=cfg.run.topic_retention_ms)
     handles.state.register_run(cfg.run.topic)
     work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=run_dir))
 
@@ -150,6 +159,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     model_dir, version, offsets = _start_policy(handles, work_dir, base_model, log)
     model, tokenizer = load_policy(model_dir)
     vocab_size = model.get_input_embeddings().num_embeddings
+    max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     tokenizer_sha = tokenizer_fingerprint(tokenizer)
     seen_ids = judged_rollout_ids(bootstrap, cfg.run.topic, version) if version > 0 else set()
     engine = make_engine(model, lcfg)
@@ -166,6 +176,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
     source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
     update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
+    dead_letters = RolloutSink(bootstrap, dead_letter_topic(cfg.run.topic))
     judged: dict[str, list] = {"dropped": [], "malformed": [], "duplicates": []}  # since the last step
     next_offsets = source.positions()
     metrics = MetricsWriter(run_dir)
@@ -191,12 +202,16 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         """Decode, validate, deduplicate and judge one message; a kept group joins `pending`."""
         try:
             rollout = decode_rollout(record.value)
-            check_usable(rollout, version, vocab_size, scfg.temperature)
+            check_usable(rollout, version, vocab_size, scfg.temperature, scfg.max_new_tokens, max_positions)
         except RolloutDecodeError as e:
             counters.malformed += 1
             judged["malformed"].append(SkippedMessage(record.partition, record.offset, e.reason))
-            log.warning("skipping malformed message at %s[%d]@%d: %s",
-                        cfg.run.topic, record.partition, record.offset, e.reason)
+            dead_letters.send_raw(record.value, headers=[
+                ("reason", e.reason.encode()), ("source_topic", cfg.run.topic.encode()),
+                ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
+                *[(k, v) for k, v in record.headers if k not in ("reason",)]])
+            log.warning("dead-lettered malformed message at %s[%d]@%d to %s: %s", cfg.run.topic,
+                        record.partition, record.offset, dead_letter_topic(cfg.run.topic), e.reason)
             return
         if rollout.rollout_id in seen_ids:
             counters.duplicates += 1
@@ -313,6 +328,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                 log.error("%s", e)
         source.close()
         update_log.close()
+        dead_letters.close()
         metrics.close()
         shutil.rmtree(work_dir, ignore_errors=True)
     summary = {"final_policy_version": version, "start_policy_version": start_version,

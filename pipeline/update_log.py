@@ -40,6 +40,11 @@ def updates_topic(rollout_topic: str) -> str:
     return f"{rollout_topic}.updates"
 
 
+def dead_letter_topic(rollout_topic: str) -> str:
+    """Kafka topic where the learner sets poison messages aside (header `reason` says why)."""
+    return f"{rollout_topic}.dead"
+
+
 @dataclass(frozen=True)
 class UsedGroup:
     partition: int

@@ -76,10 +76,23 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert [m.offset for m in entries[2].malformed] == [3]
     assert entries[0].used[0].rollout_id == first.rollout_id
 
+    # The poison message was set aside on the dead-letter topic, with the reason in a header.
+    from pipeline.kafka_io import read_topic
+    from pipeline.rollout import header_value
+    from pipeline.update_log import dead_letter_topic
+    dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
+    assert [d.value for d in dead] == [b"\x00definitely not msgpack"]
+    assert header_value(dead[0].headers, "reason").startswith("not msgpack")
+    assert header_value(dead[0].headers, "source_offset") == "3"
+
     # A restarted learner resumes at v3 and offset 5: it reads only what came after.
     sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
     sink.send(crafted_group(tok, 3, "after-restart-1"))
     sink.send(first)  # a producer retry's second copy, arriving after the checkpoint: ignored
+    too_long = crafted_group(tok, 3, "too-long")
+    too_long.completion_ids[0] = too_long.completion_ids[0] * 3  # past sampler.max_new_tokens = 4
+    too_long.sampler_logps[0] = too_long.sampler_logps[0] * 3
+    sink.send(too_long)  # poison: dead-lettered
     sink.send(crafted_group(tok, 3, "after-restart-2"))
     sink.close()
     cfg = load_config(ROOT / "configs/smoke.yaml", [
@@ -88,9 +101,11 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert run_learner(cfg, tmp_path / "run2") == 0
     resumed = json.loads((tmp_path / "run2" / "learner_summary.json").read_text())
     assert resumed["start_policy_version"] == 3 and resumed["final_policy_version"] == 5
-    assert resumed["groups_consumed"] == 3 and resumed["groups_used"] == 2
-    assert resumed["duplicates_ignored"] == 1
-    assert resumed["offsets"] == {"0": 8}
+    assert resumed["groups_consumed"] == 4 and resumed["groups_used"] == 2
+    assert resumed["duplicates_ignored"] == 1 and resumed["malformed"] == 1
+    assert resumed["offsets"] == {"0": 9}
+    dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
+    assert "exceeds sampler.max_new_tokens" in header_value(dead[-1].headers, "reason")
     assert handles.state.policy()[0] == 5
 
     # The restart carried the optimizer state on: replaying the five logged steps from v0
