@@ -43,7 +43,7 @@ from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
 from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
 from pipeline.update_log import (DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup, append_entry,
-                                 dead_letter_topic, read_entries_kafka, updates_topic)
+                                 dead_letter_topic, read_entries_kafka, rewind_entry, updates_topic)
 
 
 @dataclass
@@ -176,6 +176,10 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
     source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
     update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
+    # Steps logged after the checkpoint we start from were lost with the learner that made them.
+    start_marker = rewind_entry(version, lcfg.loss_type)
+    update_log.send_raw(start_marker.to_json().encode(), key=str(version).encode())
+    append_entry(run_dir, start_marker)
     dead_letters = RolloutSink(bootstrap, dead_letter_topic(cfg.run.topic))
     judged: dict[str, list] = {"dropped": [], "malformed": [], "duplicates": []}  # since the last step
     next_offsets = source.positions()

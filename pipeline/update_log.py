@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -101,6 +102,9 @@ class UpdateEntry:
     """Vocabulary size of the learner's model (replay refuses a base that differs)."""
     tokenizer_sha: Optional[str] = None
     """pipeline.model.tokenizer_fingerprint of the learner's tokenizer."""
+    kind: str = "step"
+    """"step", or "rewind": a learner (re)started at version `step`; entries of later steps
+    written before it belong to updates that were lost with a crash and are void."""
     schema: int = UPDATE_LOG_SCHEMA
 
     def to_json(self) -> str:
@@ -115,7 +119,7 @@ class UpdateEntry:
                    dropped=[DroppedGroup(**g) for g in d.get("dropped", [])],
                    malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
                    duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
-                   vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"))
+                   vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "UpdateEntry":
@@ -123,41 +127,47 @@ class UpdateEntry:
 
 
 def append_entry(run_dir: Path, entry: UpdateEntry) -> None:
-    """Append one entry to RUN_DIR/updates.jsonl with one write (lines stay whole)."""
-    fd = os.open(Path(run_dir) / UPDATE_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """Append one entry to RUN_DIR/updates.jsonl with one write, on a line of its own."""
+    fd = os.open(Path(run_dir) / UPDATE_LOG_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (entry.to_json() + "\n").encode())
+        size = os.fstat(fd).st_size
+        torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a crash cut the last line short
+        os.write(fd, (("\n" if torn else "") + entry.to_json() + "\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def read_entries_file(path: Path) -> list[UpdateEntry]:
-    """Entries of an updates.jsonl, by step; a torn last line (crash mid-write) is ignored."""
+    """The effective log of an updates.jsonl; a line torn by a crash mid-write is skipped."""
     entries = []
-    lines = Path(path).read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for line in Path(path).read_text().splitlines():
         try:
-            entries.append(UpdateEntry.from_json(line))
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines) - 1:
-                break
-            raise
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn: the step it described is redone after the restart
+        entries.append(UpdateEntry.from_dict(data))
     return dedup_by_step(entries)
 
 
 def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
-    """One entry per step, the last one written winning, in step order.
+    """The effective log: one entry per step, in step order, rewinds applied.
 
-    A learner that crashes after logging step k but before its checkpoint redoes the
-    steps since that checkpoint: the redone entries replace the lost ones.
+    A learner that crashes after logging step k but before its checkpoint restarts from
+    that checkpoint (version c < k) and first writes a rewind to c: steps above c logged
+    before it are void, and the redone steps replace them.
     """
     by_step: dict[int, UpdateEntry] = {}
     for e in entries:
-        by_step[e.step] = e
+        if e.kind == "rewind":
+            by_step = {s: x for s, x in by_step.items() if s <= e.step}
+        else:
+            by_step[e.step] = e
     return [by_step[s] for s in sorted(by_step)]
+
+
+def rewind_entry(version: int, loss_type: str) -> UpdateEntry:
+    return UpdateEntry(step=version, policy_version=version, loss_type=loss_type, time=time.time(), kind="rewind")
 
 
 def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:

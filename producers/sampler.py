@@ -7,7 +7,8 @@ The loop, top to bottom:
   1. announce: take a lease in Redis (id, host, version, rate), renewed by heartbeats;
   2. wait for a published policy version, download its checkpoint from S3, verify it;
   3. repeat: if Redis shows a newer version (and the simulated refresh delay, if any,
-     has run out), fetch + verify + swap weights in place; hold back while too far
+     has run out), download + verify it on a background thread while generating with
+     the current weights, and swap it in between batches once ready; hold back while too far
      behind to produce usable data, or while the learner's backlog is over its bound;
      claim the next prompts of the shared stream; sample G completions per prompt,
      recording the sampler's token log-probs; score them with the task's verifier;
@@ -69,9 +70,17 @@ class _StopFlag:
 
 
 class PolicyHolder:
-    """The weights a sampler generates with, and how it moves to a newer version."""
+    """The weights a sampler generates with, and how it moves to a newer version.
+
+    Downloads run on a background thread (`request`), so a slow or failing link never
+    stalls generation: the loop keeps sampling with the weights it has and swaps the new
+    ones in between batches (`swap_if_ready`). `update` is the blocking form, for the
+    first load.
+    """
 
     def __init__(self, store, work_dir: Path, log):
+        import threading
+
         self.store = store
         self.work_dir = work_dir
         self.log = log
@@ -79,40 +88,69 @@ class PolicyHolder:
         self.model = None
         self.tokenizer = None
         self.refused: set[str] = set()
+        self.downloading: Optional[int] = None
+        """Version being downloaded, if any."""
+        self._ready: Optional[tuple] = None
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
 
-    def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
-        """Load `version` if it is newer than ours; False (keep current weights) on failure."""
+    def request(self, version: Optional[int], manifest_key: Optional[str], forced: bool = False) -> None:
+        """Start downloading `version` in the background if it is newer than ours and nothing is in flight."""
+        import threading
+
+        if version is None or manifest_key is None or (self.version is not None and version <= self.version):
+            return
+        if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
+            return
+        self.downloading = version
+        self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced),
+                                        name=f"download-v{version}", daemon=True)
+        self._thread.start()
+
+    def _download(self, version: int, manifest_key: str, forced: bool) -> None:
         import urllib3
         from minio.error import S3Error
 
         from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
         from pipeline.model import load_policy
+        from pipeline.services import ServiceUnavailable
 
-        if version is None or manifest_key is None or (self.version is not None and version <= self.version):
-            return False
-        if manifest_key in self.refused:
-            return False
-        target = self.work_dir / f"v{version}"
         try:
-            path, _ = self.store.fetch(manifest_key, target)
+            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")
+            model, tokenizer = load_policy(path)
+            with self._lock:
+                self._ready = (version, model, tokenizer, forced)
         except CorruptCheckpointError as e:
             self.refused.add(manifest_key)
             self.log.error("%s; keeping policy v%s", e, self.version)
-            return False
         except CheckpointNotFound as e:  # pruned between the Redis read and the fetch
             self.log.warning("%s; will pick up a newer version", e)
-            return False
-        except (S3Error, urllib3.exceptions.HTTPError, OSError) as e:  # the network, not the data
+        except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
             self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
                              version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
-            return False
-        model, tokenizer = load_policy(path)
+        finally:
+            self.downloading = None
+
+    def swap_if_ready(self) -> Optional[bool]:
+        """Load a finished download; returns its `forced` flag, or None if nothing was ready."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return None
+        version, model, tokenizer, forced = ready
         old = self.version
         self.model, self.tokenizer, self.version = model, tokenizer, version
         if old is not None:
             shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
         self.log.info("policy v%d loaded (was v%s)", version, old)
-        return True
+        return forced
+
+    def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
+        """Blocking: load `version` if it is newer than ours; False (keep current weights) on failure."""
+        self.request(version, manifest_key)
+        if self._thread is not None:
+            self._thread.join()
+        return self.swap_if_ready() is not None
 
 
 class Outbox:
@@ -179,6 +217,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         state.renew_sampler_lease(sampler_id, {
             "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
             "groups": outbox.published, "rollouts_per_min": round(outbox.published / minutes, 2),
+            "versions_behind": (newest - policy.version) if newest is not None and policy.version is not None else None,
+            "downloading": policy.downloading,
             "started_at": started, "held_in_transit": len(outbox.held),
             **{k: round(v, 1) for k, v in waited.items()}, **gate.stats,
         }, scfg.lease_ttl_s)
@@ -198,8 +238,8 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         # data; a sampler already too far behind to give it any refreshes now.
         allowed = gate.should_load(policy.version, newest)
         forced = not allowed and scfg.delays.unit == "steps" and behind()
-        if (allowed or forced) and policy.update(newest, manifest_key):
-            gate.loaded(forced=forced)
+        if allowed or forced:
+            policy.request(newest, manifest_key, forced=forced)
 
     def wait(reason: str, seconds: float = 0.05) -> None:
         time.sleep(seconds)
@@ -222,6 +262,9 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
             if now - last_poll >= scfg.weight_poll_interval_s or policy.model is None:
                 refresh()
                 last_poll = now
+            forced = policy.swap_if_ready()
+            if forced is not None:
+                gate.loaded(forced=forced)
             outbox.flush()
             if policy.model is None:
                 if time.monotonic() - last_wait_log > 5:
@@ -240,7 +283,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 wait("paused_backlog_s")  # the learner is behind: don't waste compute
                 continue
 
-            indices = state.claim_prompts(scfg.prompts_per_batch)
+            indices = state.claim_prompts(sampler_id, scfg.prompts_per_batch)
             problems = [task.train_problem(i) for i in indices]
             groups = sample_groups(
                 policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
@@ -248,6 +291,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
                 max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
             outbox.add(score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
                                     policy_version=policy.version, sampling=sampling))
+            state.complete_prompts(sampler_id, indices)
             generated += len(groups)
             if scfg.max_groups is not None and generated >= scfg.max_groups:
                 log.info("generated %d groups (sampler.max_groups); stopping", generated)
