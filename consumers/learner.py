@@ -8,9 +8,10 @@ The loop, top to bottom:
   2. read the rollout topic by explicit partition assignment;
   3. for each message: decode and validate (a poison message — undecodable, wrong schema
      version, non-finite or positive log-probs, over the length limits — is counted and
-     copied to the dead-letter topic `<topic>.dead` with the reason in a header); a second copy of a rollout id already judged is ignored and counted;
-     staleness τ = learner version − rollout version; drop or reweight past
-     `max_delay_steps` / `max_delay_seconds` (every drop counted);
+     copied to the dead-letter topic `<topic>.dead` with the reason in a header); a
+     second copy of a rollout id already judged is ignored and counted; staleness
+     τ = learner version − rollout version; drop or reweight past `max_delay_steps` /
+     `max_delay_seconds` (every drop counted);
   4. once `groups_per_step` whole groups are kept: one loss, one DeepSpeed step; the
      version is the number of steps taken; the step's entry goes to the update log
      (`<topic>.updates` and RUN_DIR/updates.jsonl: which offsets were used, dropped,
@@ -20,6 +21,8 @@ The loop, top to bottom:
      with the consumed offsets → version in Redis). A restarted learner resumes from
      the newest checkpoint with its state and offsets, so every group is used in at most
      one update.
+  6. on SIGUSR1 (drain): read to the end of the topic, train the last (smaller) batch,
+     publish, exit 0 — the chaos run's audit then finds every message accounted for.
 
 Staleness is decided when a group is taken into the batch. The version only changes
 at a step, and a batch is trained the moment it is full, so τ at decision is τ at use:
@@ -122,6 +125,20 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int) -> set[str]:
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
+class _DrainRequest:
+    """SIGUSR1 asks the learner to read the topic to its end, train what it kept
+    (the last batch may be smaller), publish a final checkpoint and exit 0."""
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        signal.signal(signal.SIGUSR1, self._handle)
+
+    def _handle(self, *_):
+        self.requested = True
+
+
 def _write_once(path: Path, text: str) -> None:
     """Write a file other processes may be reading, only if absent, atomically."""
     if not path.exists():
@@ -186,7 +203,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     metrics = MetricsWriter(run_dir)
     counters = LearnerCounters()
     pending: list[PendingGroup] = []
-    start_version = version
+    start_version = saved_version = version
+    drain = _DrainRequest()
     last_record_at = last_wait_log = step_started = time.monotonic()
     consumed_at_last_step = 0
 
@@ -279,12 +297,30 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
                  values["groups_used"], values["groups_dropped"])
         consumed_at_last_step, step_started = counters.groups_consumed, time.monotonic()
         if version % lcfg.sync_every == 0 or version >= lcfg.max_steps:
-            snapshot = work_dir / f"v{version}"
-            engine.module.save_pretrained(snapshot, safe_serialization=True)
-            tokenizer.save_pretrained(snapshot)
-            engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
-            publisher.submit(version, snapshot, {"offsets": dict(next_offsets), "step": version,
-                                                 "loss_type": lcfg.loss_type})
+            save_checkpoint()
+
+    def save_checkpoint() -> None:
+        nonlocal saved_version
+        snapshot = work_dir / f"v{version}"
+        engine.module.save_pretrained(snapshot, safe_serialization=True)
+        tokenizer.save_pretrained(snapshot)
+        engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
+        publisher.submit(version, snapshot, {"offsets": dict(next_offsets), "step": version,
+                                             "loss_type": lcfg.loss_type})
+        saved_version = version
+
+    def drained() -> bool:
+        """After SIGUSR1: everything in the topic has been read, so finish up."""
+        if not drain.requested or source.lag() > 0:
+            return False
+        if pending:  # a last, smaller batch: no kept group is left unused
+            batch = pending[:]
+            pending.clear()
+            train_step(batch)
+        if saved_version != version:
+            save_checkpoint()
+        log.info("drained: every message of %s up to offsets %s is accounted for", cfg.run.topic, next_offsets)
+        return True
 
     log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go",
              bootstrap, cfg.run.topic, lcfg.loss_type, lcfg.max_delay_steps, lcfg.max_steps - version)
@@ -292,6 +328,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         while version < lcfg.max_steps:
             records = source.poll(lcfg.poll_timeout_s)
             touch_heartbeat_file()
+            if not records and drained():
+                break
             if not records:
                 idle = time.monotonic() - last_record_at
                 if idle > lcfg.idle_timeout_s:

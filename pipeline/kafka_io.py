@@ -179,9 +179,11 @@ class RolloutSource:
         return {tp.partition: self.consumer.position(tp, timeout_ms=30000) for tp in self.partitions}
 
     def lag(self) -> int:
+        """Messages not read yet; the fetch high watermark corrects Tansu's ListOffsets answer."""
         ends = self.consumer.end_offsets(self.partitions)
         positions = self.positions()
-        return sum(max(0, ends[tp] - positions[tp.partition]) for tp in self.partitions)
+        return sum(max(0, max(ends[tp], self.consumer.highwater(tp) or 0) - positions[tp.partition])
+                   for tp in self.partitions)
 
     def close(self) -> None:
         self.consumer.close()
