@@ -160,6 +160,18 @@ class SamplerConfig(_Strict):
     """CPU threads for generation (several samplers share a machine's cores)."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
+    spool_dir: Optional[str] = None
+    """On-disk spool of finished groups not yet acknowledged by the broker; default
+    `<data_dir>/spool/<sampler id>`. Give a sampler a stable `--id` to recover its spool
+    after a crash."""
+    spool_max_groups: int = Field(4096, ge=1)
+    """Spool bound in groups: while it is full the sampler pauses generating."""
+    spool_max_mb: float = Field(256.0, gt=0)
+    """Spool bound in MiB."""
+    send_timeout_s: float = Field(10.0, gt=0)
+    """How long one publish may wait for the broker before the groups stay spooled."""
+    retry_max_backoff_s: float = Field(15.0, gt=0)
+    """Longest wait between retries of an unreachable broker or Redis (backoff doubles up to it)."""
 
     @model_validator(mode="after")
     def _lease_longer_than_heartbeat(self) -> "SamplerConfig":

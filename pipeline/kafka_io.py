@@ -104,14 +104,16 @@ def end_offsets(bootstrap: str, topic: str, timeout_s: float = 5.0) -> dict[int,
 class RolloutSink:
     """Sends encoded rollouts; `send` returns once the broker has acknowledged (acks=all)."""
 
-    def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0):
+    def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 30.0):
         self.topic = topic
         self.send_timeout_s = send_timeout_s
         try:
             self.producer = KafkaProducer(
                 bootstrap_servers=bootstrap, acks="all", compression_type="gzip", linger_ms=5,
                 max_request_size=MAX_MESSAGE_BYTES, request_timeout_ms=int(send_timeout_s * 1000),
-                retries=5, retry_backoff_ms=200, client_id="heterorl-sampler")
+                retries=5, retry_backoff_ms=200, client_id="heterorl-sampler",
+                bootstrap_timeout_ms=int(connect_timeout_s * 1000))
         except KafkaError as e:
             raise _unreachable(bootstrap, e) from None
 

@@ -1,17 +1,37 @@
-"""Redis: the current policy version, its manifest, sampler leases and learner progress.
+"""Redis: the current policy version, its manifest, sampler leases, prompt claims and learner progress.
 
 Keys (all under `heterorl:<run>:`):
 - `policy`            hash {version, manifest_key, updated_at}: written in one HSET
                       *after* the checkpoint's manifest is in S3, so a reader that sees a
                       version can always fetch it.
 - `sampler:<id>`      hash {host, policy_version, groups, rollouts_per_min, started_at,
-                      heartbeat_at}, with a TTL renewed by each heartbeat (the lease).
-- `learner`           hash of the learner's latest progress (step, groups used/dropped).
+                      heartbeat_at, ...}, with a TTL renewed by each heartbeat (the lease).
+                      Its absence is what "this sampler is gone" means everywhere below.
+- `samplers_seen`     sorted set sampler id -> time of its last heartbeat (or release), so
+                      samplers whose lease key has vanished can still be listed.
+- `sampler_last`      hash sampler id -> JSON of its last lease info + `heartbeat_at`,
+                      `lease_ttl_s`; a clean stop adds `released_at` and `release_reason`
+                      (absent: the lease ran out - the sampler crashed or was cut off).
 - `sampler_stats`     hash sampler id -> JSON totals written when a sampler stops.
-- `meta`              hash {rollout_topic, started_at} written by the learner; the run is
-                      also listed in the global sorted set `heterorl:runs` (by start time).
-- `prompt_cursor`     counter: samplers claim the next prompt indices with INCRBY, so
-                      any number of samplers share one prompt stream without overlap.
+- `learner`           hash of the learner's latest progress (step, groups used/dropped).
+- `meta`              hash {rollout_topic, started_at, epoch_size?} written by the learner
+                      (epoch_size by samplers that know it); the run is also listed in the
+                      global sorted set `heterorl:runs` (by start time).
+- `prompt_cursor`     counter: the next never-issued index of the task's train stream
+                      (claimed with INCRBY, so samplers share one stream without overlap).
+- `claims`            hash prompt index -> id of the sampler that holds it: every claimed
+                      index stays here until its owner completes it (group acknowledged
+                      by Kafka, or deliberately discarded).
+- `reissue`           list of indices taken back from samplers whose lease is gone; claims
+                      take from here before advancing the cursor, so nothing is skipped.
+- `claim_stats`       hash of counters {claimed, completed, reissued, late_completions,
+                      reissue_withdrawn}; invariants: claimed - reissued == completed +
+                      HLEN claims, and cursor + reissued == claimed + LLEN reissue +
+                      reissue_withdrawn (a late completion takes its index off the queue).
+
+An epoch is `epoch_size` consecutive indices (epoch = index // epoch_size). Each index is
+issued once from the cursor and again only if its holder died, so within an epoch no
+prompt is skipped and none is done twice except the re-issued ones, which are counted.
 """
 
 from __future__ import annotations
@@ -48,13 +68,101 @@ def latest_run(client: redis.Redis) -> Optional[str]:
     return newest[0] if newest else None
 
 
+def _describe_gone_sampler(last: dict) -> dict:
+    """A gone sampler's last info, plus how and when it ended."""
+    released = "released_at" in last
+    heartbeat_at = last.get("heartbeat_at")
+    ttl_s = last.get("lease_ttl_s")
+    if released:
+        ended_at = last["released_at"]
+    else:
+        ended_at = heartbeat_at + ttl_s if heartbeat_at is not None and ttl_s is not None else heartbeat_at
+    return {**last, "last_heartbeat_at": heartbeat_at, "ended": "released" if released else "expired",
+            "ended_at": ended_at}
+
+
+# Lua scripts: each runs atomically in Redis, so many samplers (and sweepers) can call
+# them at once without a claim being lost, issued twice, or stolen from a live owner.
+
+# KEYS: reissue, prompt_cursor, claims, claim_stats; ARGV: sampler_id, count.
+# Re-issued indices first (so an epoch's holes are filled before moving on), then fresh ones.
+_CLAIM_LUA = """
+local count = tonumber(ARGV[2])
+local out = {}
+while #out < count do
+  local index = redis.call('LPOP', KEYS[1])
+  if not index then break end
+  out[#out + 1] = index
+end
+local fresh = count - #out
+if fresh > 0 then
+  local stop = redis.call('INCRBY', KEYS[2], fresh)
+  for index = stop - fresh, stop - 1 do out[#out + 1] = string.format('%d', index) end
+end
+for _, index in ipairs(out) do redis.call('HSET', KEYS[3], index, ARGV[1]) end
+if count > 0 then redis.call('HINCRBY', KEYS[4], 'claimed', count) end
+return out
+"""
+
+# KEYS: claims, claim_stats, reissue; ARGV: sampler_id, index...
+# Only the current owner may complete: an index re-issued to someone else stays theirs.
+# A late completion of an index still waiting in the re-issue queue withdraws it from
+# the queue: the work is done, nobody needs to do it again.
+_COMPLETE_LUA = """
+local removed, withdrawn = 0, 0
+for k = 2, #ARGV do
+  if redis.call('HGET', KEYS[1], ARGV[k]) == ARGV[1] then
+    redis.call('HDEL', KEYS[1], ARGV[k])
+    removed = removed + 1
+  else
+    withdrawn = withdrawn + redis.call('LREM', KEYS[3], 1, ARGV[k])
+  end
+end
+local late = #ARGV - 1 - removed
+if removed > 0 then redis.call('HINCRBY', KEYS[2], 'completed', removed) end
+if late > 0 then redis.call('HINCRBY', KEYS[2], 'late_completions', late) end
+if withdrawn > 0 then redis.call('HINCRBY', KEYS[2], 'reissue_withdrawn', withdrawn) end
+return removed
+"""
+
+# KEYS: claims, reissue, claim_stats, sampler:<owner>; ARGV: owner, index...
+# Moves the owner's claims to the re-issue queue only if its lease key is gone *now* and
+# each index is still the owner's (a concurrent sweeper may have moved it and another
+# sampler re-claimed it since the caller listed the claims): so each is moved once.
+_REISSUE_LUA = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {} end
+local moved = {}
+for k = 2, #ARGV do
+  if redis.call('HGET', KEYS[1], ARGV[k]) == ARGV[1] then
+    redis.call('HDEL', KEYS[1], ARGV[k])
+    redis.call('RPUSH', KEYS[2], ARGV[k])
+    moved[#moved + 1] = ARGV[k]
+  end
+end
+if #moved > 0 then redis.call('HINCRBY', KEYS[3], 'reissued', #moved) end
+return moved
+"""
+
+
+_CLAIM_COUNTERS = ("claimed", "completed", "reissued", "late_completions", "reissue_withdrawn")
+
+
 class RunState:
     """The run's shared state in Redis."""
 
-    def __init__(self, client: redis.Redis, run: str):
+    def __init__(self, client: redis.Redis, run: str, epoch_size: Optional[int] = None):
+        """`epoch_size`: indices per epoch of the train stream, only for reporting (the
+        stream itself is endless); without it the run's recorded value is used, if any."""
+        if epoch_size is not None and epoch_size <= 0:
+            raise ValueError(f"epoch_size must be positive, got {epoch_size}")
         self.client = client
         self.run = run
         self.prefix = _prefix(run)
+        self.epoch_size = epoch_size
+        self._epoch_size_recorded = False
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._complete = client.register_script(_COMPLETE_LUA)
+        self._reissue = client.register_script(_REISSUE_LUA)
 
     # ---- run registry ----------------------------------------------------------------
     def register_run(self, rollout_topic: str) -> None:
@@ -84,15 +192,36 @@ class RunState:
             "version": version, "manifest_key": manifest_key, "updated_at": time.time()})
 
     # ---- sampler leases --------------------------------------------------------------
+    def _lease_key(self, sampler_id: str) -> str:
+        return f"{self.prefix}sampler:{sampler_id}"
+
     def renew_sampler_lease(self, sampler_id: str, info: dict, ttl_s: float) -> None:
-        key = f"{self.prefix}sampler:{sampler_id}"
-        pipe = self.client.pipeline()
-        pipe.hset(key, mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_at": time.time()})
-        pipe.pexpire(key, int(ttl_s * 1000))
+        """Keep this sampler's lease alive for `ttl_s` more seconds, and remember its info
+        (outside the lease key) so it can still be shown once the lease has gone."""
+        now = time.time()
+        last = {**info, "heartbeat_at": now, "lease_ttl_s": ttl_s}
+        pipe = self.client.pipeline()  # MULTI/EXEC: readers never see half a heartbeat
+        pipe.hset(self._lease_key(sampler_id), mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_at": now})
+        pipe.pexpire(self._lease_key(sampler_id), max(1, int(ttl_s * 1000)))
+        pipe.zadd(self.prefix + "samplers_seen", {sampler_id: now})
+        pipe.hset(self.prefix + "sampler_last", sampler_id, json.dumps(last, default=str))
         pipe.execute()
 
-    def release_sampler_lease(self, sampler_id: str) -> None:
-        self.client.delete(f"{self.prefix}sampler:{sampler_id}")
+    def release_sampler_lease(self, sampler_id: str, reason: str = "stopped") -> None:
+        """End the lease now, noting that the sampler stopped on purpose (so status can
+        tell a clean stop from a crash). Its outstanding claims are re-issued by the next
+        `reissue_expired_claims`, like those of a sampler whose lease ran out.
+
+        Read-modify-write of `sampler_last` without WATCH is safe: only the sampler
+        itself writes its own entry, and it does not heartbeat while releasing."""
+        now = time.time()
+        raw = self.client.hget(self.prefix + "sampler_last", sampler_id)
+        last = {**(json.loads(raw) if raw else {}), "released_at": now, "release_reason": reason}
+        pipe = self.client.pipeline()  # marked released before the lease key disappears
+        pipe.hset(self.prefix + "sampler_last", sampler_id, json.dumps(last, default=str))
+        pipe.zadd(self.prefix + "samplers_seen", {sampler_id: now})
+        pipe.delete(self._lease_key(sampler_id))
+        pipe.execute()
 
     def record_sampler_stats(self, sampler_id: str, stats: dict) -> None:
         """A stopping sampler's totals (generated, published, waits, refreshes), kept for the run."""
@@ -110,11 +239,104 @@ class RunState:
                 out[key[len(self.prefix) + len("sampler:"):]] = data
         return out
 
+    def expired_samplers(self, within_s: float = 3600) -> dict[str, dict]:
+        """Samplers seen in the last `within_s` seconds whose lease is gone: their last
+        info plus `last_heartbeat_at`, `ended` ("released": stopped cleanly; "expired":
+        stopped renewing - crashed or cut off) and `ended_at` (release time, or when the
+        lease ran out)."""
+        recent = self.client.zrangebyscore(self.prefix + "samplers_seen", time.time() - within_s, "+inf")
+        if not recent:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for sampler_id in recent:
+            pipe.exists(self._lease_key(sampler_id))
+        gone = [sid for sid, alive in zip(recent, pipe.execute()) if not alive]
+        if not gone:
+            return {}
+        raws = self.client.hmget(self.prefix + "sampler_last", gone)
+        return {sid: _describe_gone_sampler(json.loads(raw) if raw else {}) for sid, raw in zip(gone, raws)}
+
     # ---- prompt stream ---------------------------------------------------------------
-    def claim_prompts(self, count: int) -> list[int]:
-        """The next `count` indices of the task's train stream, for this caller alone."""
-        end = int(self.client.incrby(self.prefix + "prompt_cursor", count))
-        return list(range(end - count, end))
+    def claim_prompts(self, sampler_id: str, count: int) -> list[int]:
+        """`count` indices of the task's train stream for `sampler_id` alone: re-issued
+        ones first, then the next never-issued ones. Each stays claimed by this sampler
+        until `complete_prompts`, or until its lease is gone and a sweep re-issues it, so
+        claim only while holding a lease (`renew_sampler_lease` first)."""
+        if count <= 0:
+            return []
+        self._record_epoch_size()
+        keys = [self.prefix + k for k in ("reissue", "prompt_cursor", "claims", "claim_stats")]
+        return [int(i) for i in self._claim(keys=keys, args=[sampler_id, int(count)])]
+
+    def _record_epoch_size(self) -> None:
+        """Once per RunState: lets `heterorl status` report epochs without being told the size."""
+        if self.epoch_size is not None and not self._epoch_size_recorded:
+            self.client.hset(self.prefix + "meta", "epoch_size", self.epoch_size)
+            self._epoch_size_recorded = True
+
+    def complete_prompts(self, sampler_id: str, indices: list[int]) -> int:
+        """Release claims whose groups Kafka acknowledged (or that were deliberately
+        discarded). Only claims still owned by `sampler_id` are removed - one re-issued
+        meanwhile belongs to its new holder - and that count is returned; the rest are
+        counted as `late_completions`. A late one still waiting in the re-issue queue is
+        taken out of it (counted as `reissue_withdrawn`), so nobody does it again."""
+        unique = list(dict.fromkeys(int(i) for i in indices))
+        if not unique:
+            return 0
+        keys = [self.prefix + "claims", self.prefix + "claim_stats", self.prefix + "reissue"]
+        return int(self._complete(keys=keys, args=[sampler_id, *unique]))
+
+    def reissue_expired_claims(self) -> list[int]:
+        """Put back in the queue every claim whose owner's lease key is gone (expired or
+        released), each exactly once even with many concurrent callers; returns the
+        indices this call re-issued, ascending. Cheap enough to call every heartbeat."""
+        by_owner = self._claims_by_owner()
+        if not by_owner:
+            return []
+        owners = list(by_owner)
+        pipe = self.client.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(self._lease_key(owner))
+        reissued: list[int] = []
+        for owner, alive in zip(owners, pipe.execute()):
+            if not alive:
+                reissued += self._reissue_claims_of(owner, sorted(by_owner[owner]))
+        return sorted(reissued)
+
+    def _claims_by_owner(self) -> dict[str, list[int]]:
+        by_owner: dict[str, list[int]] = {}
+        for index, owner in self.client.hscan_iter(self.prefix + "claims", count=1000):
+            by_owner.setdefault(owner, []).append(int(index))
+        return by_owner
+
+    def _reissue_claims_of(self, owner: str, indices: list[int]) -> list[int]:
+        keys = [self.prefix + "claims", self.prefix + "reissue", self.prefix + "claim_stats", self._lease_key(owner)]
+        return [int(i) for i in self._reissue(keys=keys, args=[owner, *indices])]
+
+    def claim_stats(self) -> dict:
+        """Where the prompt stream stands: `cursor` (indices ever issued fresh),
+        `outstanding` claims, `reissue_queue` length, counters `claimed`, `completed`,
+        `reissued`, `late_completions`, `reissue_withdrawn`, and `epoch_size`/`epoch`
+        (the epoch of the next fresh index; None when the epoch size is unknown).
+
+        Invariants: claimed - reissued == completed + outstanding, and
+        cursor + reissued == claimed + reissue_queue + reissue_withdrawn."""
+        pipe = self.client.pipeline()  # one consistent snapshot
+        pipe.get(self.prefix + "prompt_cursor")
+        pipe.hlen(self.prefix + "claims")
+        pipe.llen(self.prefix + "reissue")
+        pipe.hgetall(self.prefix + "claim_stats")
+        pipe.hget(self.prefix + "meta", "epoch_size")
+        cursor, outstanding, queued, counters, recorded_epoch_size = pipe.execute()
+        cursor = int(cursor or 0)
+        epoch_size = self.epoch_size or (int(recorded_epoch_size) if recorded_epoch_size else None)
+        return {"cursor": cursor, "outstanding": int(outstanding), "reissue_queue": int(queued),
+                **{name: int(counters.get(name, 0)) for name in _CLAIM_COUNTERS},
+                "epoch_size": epoch_size, "epoch": cursor // epoch_size if epoch_size else None}
+
+    def epoch_of(self, index: int) -> Optional[int]:
+        """The epoch a prompt index belongs to, when the epoch size is known."""
+        return index // self.epoch_size if self.epoch_size else None
 
     # ---- learner progress ------------------------------------------------------------
     def report_learner(self, progress: dict) -> None:

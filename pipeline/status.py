@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from pipeline.config import load_config
 from pipeline.services import require_services
+
+
+RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are listed as gone
 
 
 def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
@@ -19,7 +23,7 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     run = run or latest_run(redis_client)
     status = {**services.public(), "local_stack": services.from_local_stack, "run": run,
               "rollout_topic": None, "policy_version": None, "checkpoints": [], "samplers": {},
-              "learner": {}, "topic_end_offsets": {}}
+              "expired_samplers": {}, "claims": {}, "learner": {}, "topic_end_offsets": {}}
     if run is None:
         return status
     state = RunState(redis_client, run)
@@ -28,6 +32,8 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     status["policy_version"] = state.policy_version()
     status["checkpoints"] = CheckpointStore(connect_s3(services), services.bucket, run).list_versions()
     status["samplers"] = state.live_samplers()
+    status["expired_samplers"] = state.expired_samplers(within_s=RECENTLY_GONE_S)
+    status["claims"] = state.claim_stats()
     status["learner"] = state.learner_progress()
     status["topic_end_offsets"] = end_offsets(services.kafka_bootstrap, status["rollout_topic"])
     return status
@@ -48,8 +54,44 @@ def format_status(s: dict) -> str:
     if learner:
         lines.append(f"learner    step {learner.get('step')} used {learner.get('groups_used')} "
                      f"dropped {learner.get('groups_dropped')} malformed {learner.get('malformed')}")
-    lines.append(f"samplers   {len(s['samplers'])} live")
-    for sid, info in sorted(s["samplers"].items()):
-        lines.append(f"  {sid}: v{info.get('policy_version')} groups {info.get('groups')} "
-                     f"({info.get('rollouts_per_min')}/min) on {info.get('host')}")
+    lines += _sampler_lines(s)
+    if s.get("claims"):
+        lines.append(_claims_line(s["claims"]))
     return "\n".join(lines)
+
+
+def _sampler_lines(s: dict, now: Optional[float] = None) -> list[str]:
+    """Live samplers, then those gone recently: a crash (lease expired) reads differently
+    from a clean stop (released), which is what an operator needs to know first."""
+    now = time.time() if now is None else now
+    gone = s.get("expired_samplers") or {}
+    lines = [f"samplers   {len(s['samplers'])} live, {len(gone)} recently gone"]
+    for sid, info in sorted(s["samplers"].items()):
+        paused = f", paused {info['paused_s']}s" if info.get("paused_s") not in (None, "") else ""
+        lines.append(f"  {sid}: v{info.get('policy_version')} groups {info.get('groups')} "
+                     f"({info.get('rollouts_per_min')}/min{paused}) on {info.get('host')}")
+    for sid, info in sorted(gone.items(), key=lambda item: -(item[1].get("ended_at") or 0)):
+        lines.append(f"  {sid}: gone {_ago(now, info.get('ended_at'))} ({_how_ended(info)}; last heartbeat "
+                     f"{_ago(now, info.get('last_heartbeat_at'))}) v{info.get('policy_version')} "
+                     f"groups {info.get('groups')} on {info.get('host')}")
+    return lines
+
+
+def _how_ended(info: dict) -> str:
+    if info.get("ended") == "released":
+        return f"released: {info.get('release_reason') or 'stopped'}"
+    return "expired: lease not renewed - crashed or cut off"
+
+
+def _ago(now: float, then: Optional[float]) -> str:
+    if then is None:
+        return "? ago"
+    seconds = max(0.0, now - float(then))
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def _claims_line(c: dict) -> str:
+    epoch = f" (epoch {c['epoch']} of size {c['epoch_size']})" if c.get("epoch_size") else ""
+    return (f"prompts    cursor {c['cursor']}{epoch}, outstanding {c['outstanding']}, "
+            f"completed {c.get('completed', 0)}, reissue queue {c['reissue_queue']}, "
+            f"reissued {c['reissued']}, late completions {c['late_completions']}")

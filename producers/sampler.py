@@ -13,7 +13,13 @@ The loop, top to bottom:
      claim the next prompts of the shared stream; sample G completions per prompt,
      recording the sampler's token log-probs; score them with the task's verifier;
      publish one message per prompt group, tagged with the policy version used (after
-     the simulated transit delay, if any).
+     the simulated transit delay, if any), through an on-disk spool that keeps every
+     group until the broker acknowledged it (a broker outage or a crash loses nothing).
+
+Prompts are claimed in Redis (`RunState.claim_prompts`) and marked done once their
+groups are durably spooled; the claims of a sampler whose lease expired are re-issued to
+the others. Every server call has a timeout; an unreachable broker or Redis is retried
+with backoff, logged every time, while generation goes on as far as it can.
 
 A checkpoint that fails verification is refused and the sampler keeps generating with
 the weights it has; nothing received is ever unpickled. Simulated WAN delays:
@@ -153,39 +159,134 @@ class PolicyHolder:
         return self.swap_if_ready() is not None
 
 
-class Outbox:
-    """Finished groups held for their simulated transit delay, then published in order."""
+class Backoff:
+    """Retry pacing for an unreachable server: doubling waits up to a bound, reset on success."""
 
-    def __init__(self, sink, transit):
-        self.sink = sink
+    def __init__(self, max_s: float, first_s: float = 0.5):
+        self.max_s, self.first_s = max_s, first_s
+        self.failures = 0
+        self.next_try = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.next_try
+
+    def failed(self) -> float:
+        self.failures += 1
+        wait = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.next_try = time.monotonic() + wait
+        return wait
+
+    def succeeded(self) -> None:
+        self.failures, self.next_try = 0, 0.0
+
+
+class Outbox:
+    """Finished groups on their way to the broker: simulated transit, then the on-disk spool.
+
+    A group is appended to the spool (fsynced) once its transit delay is over and leaves it
+    only when the broker acknowledged it, so a broker outage or a crash loses nothing; while
+    the broker is unreachable, generation goes on and groups wait in the spool, and those
+    that grew too stale meanwhile are discarded at the source (counted).
+    """
+
+    def __init__(self, spool, make_sink, transit, retry_max_s: float, log, broker: str):
+        self.spool = spool
+        self.make_sink = make_sink  # () -> RolloutSink; raises ServiceUnavailable while unreachable
+        self.sink = None
         self.transit = transit  # DelayStream: seconds each group travels (0 when the delay model is off)
         self.held: list[tuple[float, Rollout]] = []
         self.acked_up_to: dict[int, int] = {}  # partition -> 1 + highest offset acknowledged to us
         self.published = 0
+        self.discarded_at_source = 0
+        self.spooled_ids: list[str] = []
+        """Rollout ids durably spooled whose prompt claims are not yet marked done."""
+        self.backoff = Backoff(retry_max_s)
+        self.log, self.broker = log, broker
 
     def add(self, rollouts: list[Rollout]) -> None:
         now = time.monotonic()
         self.held += [(now + self.transit.draw(), r) for r in rollouts]
-        self.flush()
 
-    def flush(self, everything: bool = False) -> None:
+    def spool_due(self, everything: bool = False) -> bool:
+        """Move groups whose transit is over into the spool; False if the spool is full."""
         now = time.monotonic()
-        due = [r for t, r in self.held if everything or t <= now]
-        if not due:
+        while self.held and (everything or self.held[0][0] <= now):
+            if not self.spool.append(self.held[0][1]):
+                return False
+            self.spooled_ids.append(self.held.pop(0)[1].rollout_id)
+        return True
+
+    def deliver(self, is_stale) -> None:
+        """Send what the spool holds, in order, unless the broker is in its retry backoff."""
+        if not self.spool.pending() or not self.backoff.ready():
             return
-        acks = self.sink.send_many(due)  # raises before anything is forgotten
-        self.held = [(t, r) for t, r in self.held if not (everything or t <= now)]
-        for partition, offset in acks:
-            self.acked_up_to[partition] = max(self.acked_up_to.get(partition, 0), offset + 1)
-        self.published += len(due)
+        from pipeline.services import ServiceUnavailable
+
+        if self.sink is None:
+            try:
+                self.sink = self.make_sink()
+            except ServiceUnavailable as e:
+                self._failed(str(e))
+                return
+        delivered = self.spool.flush_to(self._acked_sink(), is_stale=is_stale, on_discarded=self._discarded)
+        if self.spool.last_error:
+            self._failed(self.spool.last_error)
+        elif delivered or not self.spool.pending():
+            if self.backoff.failures:
+                self.log.info("broker %s reachable again: spool flushed", self.broker)
+            self.backoff.succeeded()
+
+    def _acked_sink(self):
+        outbox = self
+
+        class Acked:
+            def send_many(self, rollouts):
+                acks = outbox.sink.send_many(rollouts)
+                for partition, offset in acks:
+                    outbox.acked_up_to[partition] = max(outbox.acked_up_to.get(partition, 0), offset + 1)
+                outbox.published += len(rollouts)
+                return acks
+
+        return Acked()
+
+    def _discarded(self, rollouts: list[Rollout]) -> None:
+        self.discarded_at_source += len(rollouts)
+        self.log.warning("discarded %d spooled groups that grew too stale while the broker was unreachable",
+                         len(rollouts))
+
+    def _failed(self, error: str) -> None:
+        wait = self.backoff.failed()
+        self.log.warning("broker %s unreachable (%s): %d groups spooled, retrying in %.1fs", self.broker,
+                         error.splitlines()[0][:160], self.spool.pending(), wait)
+
+    def waiting(self) -> int:
+        return len(self.held) + self.spool.pending()
+
+    def close(self, timeout_s: float) -> None:
+        """Last delivery attempt (within `timeout_s`); what is left stays spooled for the next start."""
+        self.spool_due(everything=True)
+        deadline = time.monotonic() + timeout_s
+        while self.spool.pending() and time.monotonic() < deadline:
+            self.backoff.next_try = 0.0
+            self.deliver(is_stale=None)
+            if self.spool.pending():
+                time.sleep(0.5)
+        if self.sink is not None:
+            try:
+                self.sink.close()
+            except Exception as e:  # noqa: BLE001 - the broker may be gone; the spool keeps the data
+                self.log.warning("closing the producer: %s", e)
+        self.spool.close()
 
 
 def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
+    import redis
     import torch
 
     from pipeline.delays import RefreshGate, too_far_behind, transit_stream
     from pipeline.kafka_io import RolloutSink, ensure_topic
     from pipeline.model import sample_groups
+    from pipeline.spool import RolloutSpool
 
     sampler_id = sampler_id or new_sampler_id()
     log = setup_logging(f"sampler {sampler_id}")
@@ -194,8 +295,15 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     handles = connect_run(cfg)
     state, store = handles.state, handles.store
     task = make_task_from_config(cfg)
-    ensure_topic(handles.services.kafka_bootstrap, cfg.run.topic, cfg.run.topic_partitions)
-    outbox = Outbox(RolloutSink(handles.services.kafka_bootstrap, cfg.run.topic), transit_stream(scfg.delays, sampler_id))
+    bootstrap = handles.services.kafka_bootstrap
+    ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions, retention_ms=cfg.run.topic_retention_ms)
+    spool_dir = Path(scfg.spool_dir or Path(cfg.services.data_dir) / "spool" / sampler_id)
+    spool = RolloutSpool(spool_dir, max_bytes=int(scfg.spool_max_mb * 1024 * 1024), max_groups=scfg.spool_max_groups)
+    if spool.pending():
+        log.info("recovered %d spooled groups from %s", spool.pending(), spool_dir)
+    outbox = Outbox(spool, lambda: RolloutSink(bootstrap, cfg.run.topic, send_timeout_s=scfg.send_timeout_s,
+                                               connect_timeout_s=scfg.send_timeout_s),
+                    transit_stream(scfg.delays, sampler_id), scfg.retry_max_backoff_s, log, bootstrap)
     gate = RefreshGate(scfg.delays, sampler_id)
     work_dir = Path(cfg.services.data_dir) / "samplers" / sampler_id
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -207,10 +315,17 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     started = time.time()
     generated = 0
     newest = None
-    waited = {"paused_backlog_s": 0.0, "stalled_behind_s": 0.0, "stalls_behind": 0}
+    waited = {"paused_backlog_s": 0.0, "paused_spool_full_s": 0.0, "paused_redis_s": 0.0,
+              "stalled_behind_s": 0.0, "stalls_behind": 0}
     stalled = False
     last_heartbeat = last_poll = 0.0
     last_wait_log = time.monotonic()
+    redis_backoff = Backoff(scfg.retry_max_backoff_s)
+
+    def totals() -> dict:
+        return {"generated": generated, "published": outbox.published, "spooled": spool.pending(),
+                "discarded_at_source": outbox.discarded_at_source,
+                **{k: round(v, 1) for k, v in waited.items()}, **gate.stats}
 
     def heartbeat() -> None:
         minutes = max((time.time() - started) / 60, 1e-9)
@@ -218,15 +333,19 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
             "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
             "groups": outbox.published, "rollouts_per_min": round(outbox.published / minutes, 2),
             "versions_behind": (newest - policy.version) if newest is not None and policy.version is not None else None,
-            "downloading": policy.downloading,
-            "started_at": started, "held_in_transit": len(outbox.held),
-            **{k: round(v, 1) for k, v in waited.items()}, **gate.stats,
+            "downloading": policy.downloading, "started_at": started, "held_in_transit": len(outbox.held),
+            **totals(),
         }, scfg.lease_ttl_s)
+        state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
         touch_heartbeat_file()
 
     def behind() -> bool:
         return too_far_behind(newest, policy.version, backlog(), cfg.learner.groups_per_step,
                               cfg.learner.max_delay_steps)
+
+    def too_stale(rollout: Rollout) -> bool:
+        """Judged at the source with the newest version we know: the learner would drop it."""
+        return newest is not None and newest - rollout.policy_version > cfg.learner.max_delay_steps
 
     def refresh() -> None:
         """Load a newer policy once the (simulated) refresh delay allows it."""
@@ -246,63 +365,105 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
         waited[reason] += seconds
 
     def backlog() -> int:
-        """Groups the learner has not read yet: in the topic (as of our last acknowledgement)
-        and still held in simulated transit here."""
+        """Groups the learner has not read yet: in the topic (as of our last acknowledgement),
+        in simulated transit and in the spool here."""
         read = state.learner_offsets()
-        return len(outbox.held) + sum(max(0, end - read.get(p, 0)) for p, end in outbox.acked_up_to.items())
+        return outbox.waiting() + sum(max(0, end - read.get(p, 0)) for p, end in outbox.acked_up_to.items())
 
-    log.info("sampler %s started (topic %s, seed %d, delays: refresh %s, transit %s)", sampler_id,
-             cfg.run.topic, seed, scfg.delays.refresh.kind, scfg.delays.transit.kind)
+    claim_of: dict[str, int] = {}  # rollout id -> prompt index, until the claim is marked done
+
+    def confirm_claims() -> None:
+        """Prompts whose groups are safely on disk are done: nobody needs to redo them."""
+        if outbox.spooled_ids:
+            state.complete_prompts(sampler_id, [claim_of[r] for r in outbox.spooled_ids if r in claim_of])
+            for r in outbox.spooled_ids:
+                claim_of.pop(r, None)
+            outbox.spooled_ids.clear()
+
+    def generate() -> None:
+        nonlocal generated
+        indices = state.claim_prompts(sampler_id, scfg.prompts_per_batch)
+        problems = [task.train_problem(i) for i in indices]
+        groups = sample_groups(
+            policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
+            temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
+            max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
+        rollouts = score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
+                                policy_version=policy.version, sampling=sampling)
+        claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
+        outbox.add(rollouts)
+        generated += len(groups)
+
+    def step() -> bool:
+        """One turn of the loop; False once sampler.max_groups is reached."""
+        nonlocal last_heartbeat, last_poll, last_wait_log, stalled
+        now = time.monotonic()
+        if now - last_heartbeat >= scfg.heartbeat_interval_s:
+            heartbeat()
+            last_heartbeat = now
+        if now - last_poll >= scfg.weight_poll_interval_s or policy.model is None:
+            refresh()
+            last_poll = now
+        forced = policy.swap_if_ready()
+        if forced is not None:
+            gate.loaded(forced=forced)
+        spool_has_room = outbox.spool_due()
+        confirm_claims()
+        outbox.deliver(too_stale)
+        if policy.model is None:
+            if time.monotonic() - last_wait_log > 5:
+                log.info("waiting for a policy version: %s (Redis %s)", f"downloading v{policy.downloading}"
+                         if policy.downloading is not None else "none published yet", handles.services.redis_url)
+                last_wait_log = time.monotonic()
+            time.sleep(0.5)
+            return True
+        if not spool_has_room:
+            wait("paused_spool_full_s", 0.5)  # the broker has been away long: nowhere to put more
+            return True
+        if behind():  # don't waste compute on data that will be dropped: wait for a refresh
+            waited["stalls_behind"] += not stalled  # episodes, not polls
+            stalled = True
+            wait("stalled_behind_s", 0.05)
+            return True
+        stalled = False
+        if scfg.max_backlog_groups is not None and backlog() > scfg.max_backlog_groups:
+            wait("paused_backlog_s")  # the learner is behind: don't waste compute
+            return True
+        generate()
+        if scfg.max_groups is not None and generated >= scfg.max_groups:
+            log.info("generated %d groups (sampler.max_groups); stopping", generated)
+            return False
+        return True
+
+    log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)", sampler_id,
+             cfg.run.topic, seed, spool_dir, scfg.delays.refresh.kind, scfg.delays.transit.kind)
     try:
         while not stop.stop:
-            now = time.monotonic()
-            if now - last_heartbeat >= scfg.heartbeat_interval_s:
-                heartbeat()
-                last_heartbeat = now
-            if now - last_poll >= scfg.weight_poll_interval_s or policy.model is None:
-                refresh()
-                last_poll = now
-            forced = policy.swap_if_ready()
-            if forced is not None:
-                gate.loaded(forced=forced)
-            outbox.flush()
-            if policy.model is None:
-                if time.monotonic() - last_wait_log > 5:
-                    log.info("waiting for the learner to publish a policy version (Redis %s)",
-                             handles.services.redis_url)
-                    last_wait_log = time.monotonic()
-                time.sleep(0.5)
-                continue
-            if behind():  # don't waste compute on data that will be dropped: wait for a refresh
-                waited["stalls_behind"] += not stalled  # episodes, not polls
-                stalled = True
-                wait("stalled_behind_s", 0.05)
-                continue
-            stalled = False
-            if scfg.max_backlog_groups is not None and backlog() > scfg.max_backlog_groups:
-                wait("paused_backlog_s")  # the learner is behind: don't waste compute
-                continue
-
-            indices = state.claim_prompts(sampler_id, scfg.prompts_per_batch)
-            problems = [task.train_problem(i) for i in indices]
-            groups = sample_groups(
-                policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
-                temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
-                max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
-            outbox.add(score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
-                                    policy_version=policy.version, sampling=sampling))
-            state.complete_prompts(sampler_id, indices)
-            generated += len(groups)
-            if scfg.max_groups is not None and generated >= scfg.max_groups:
-                log.info("generated %d groups (sampler.max_groups); stopping", generated)
-                break
+            try:
+                if not redis_backoff.ready():
+                    outbox.spool_due()
+                    outbox.deliver(too_stale)
+                    wait("paused_redis_s", 0.2)
+                    continue
+                if not step():
+                    break
+                if redis_backoff.failures:
+                    log.info("Redis %s reachable again", handles.services.redis_url)
+                redis_backoff.succeeded()
+            except redis.RedisError as e:  # claims and versions live there: wait for it
+                log.warning("Redis %s unreachable (%s); retrying in %.1fs, %d groups waiting to be sent",
+                            handles.services.redis_url, type(e).__name__, redis_backoff.failed(), outbox.waiting())
     finally:
-        outbox.flush(everything=True)  # nothing generated is lost, held or not
-        outbox.sink.close()
-        state.record_sampler_stats(sampler_id, {"generated": generated, "published": outbox.published,
-                                                **{k: round(v, 1) for k, v in waited.items()}, **gate.stats})
-        state.release_sampler_lease(sampler_id)
+        outbox.close(timeout_s=scfg.send_timeout_s)
+        try:
+            confirm_claims()
+            state.record_sampler_stats(sampler_id, totals())
+            state.release_sampler_lease(sampler_id)
+        except redis.RedisError as e:
+            log.warning("could not record the final stats in Redis: %s", e)
         shutil.rmtree(work_dir, ignore_errors=True)
-        log.info("sampler %s stopped after %d groups (%s, refreshes %s)", sampler_id, outbox.published,
-                 ", ".join(f"{k} {v:.1f}" for k, v in waited.items()), gate.stats)
+        if not spool.pending():
+            shutil.rmtree(spool_dir, ignore_errors=True)
+        log.info("sampler %s stopped after %d groups (%s)", sampler_id, outbox.published,
+                 ", ".join(f"{k} {v}" for k, v in totals().items()))
     return 0

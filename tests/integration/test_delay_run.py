@@ -43,7 +43,7 @@ def test_delayed_samplers_never_feed_the_learner_past_its_max_delay(local_stack_
 
     for i in range(2):
         line = [x for x in (out / "logs" / f"sampler-{i}.log").read_text().splitlines() if "stopped after" in x][-1]
-        forced = int(re.search(r"'forced_refreshes': (\d+)", line).group(1))
-        delayed = int(re.search(r"'delayed_refreshes': (\d+)", line).group(1))
+        forced = int(re.search(r"forced_refreshes (\d+)", line).group(1))
+        delayed = int(re.search(r"delayed_refreshes (\d+)", line).group(1))
         stalls = float(re.search(r"stalls_behind ([0-9.]+)", line).group(1))
         assert forced + delayed + stalls > 0, line

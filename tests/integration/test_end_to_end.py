@@ -58,7 +58,8 @@ def _train_inspect_and_stop(tmp_path):
     version, _ = handles.state.policy()
     assert version == 4
     versions = handles.store.list_versions()
-    assert versions[-1] == 4 and len(versions) == cfg.learner.keep_checkpoints
+    # the newest keep_checkpoints, plus the base v0 that replays start from
+    assert versions[0] == 0 and versions[-1] == 4 and len(versions) == cfg.learner.keep_checkpoints + 1
     for v in versions:
         handles.store.fetch(handles.store.manifest_key(v), tmp_path / f"check-v{v}")  # verifies every sha256
 

@@ -1,0 +1,218 @@
+"""Prompt claims against the real Redis: shared fairly, re-issued once when a sampler dies.
+
+Each test uses its own run name, so the shared session Redis needs no cleaning.
+"""
+
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+from pipeline.redis_state import RunState, connect_redis
+
+pytestmark = pytest.mark.integration
+
+LONG_TTL_S = 60.0
+
+
+@pytest.fixture
+def state(local_stack) -> RunState:
+    return RunState(connect_redis(local_stack.redis_url), f"claims-{uuid.uuid4().hex[:8]}")
+
+
+def in_threads(n: int, fn) -> list:
+    """Run fn(k) in n threads released together, so the calls really overlap."""
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+    errors: list = []
+
+    def body(k: int) -> None:
+        try:
+            barrier.wait()
+            results[k] = fn(k)
+        except Exception as e:  # surfaced below: a thread's exception would be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def wait_until_lease_gone(state: RunState, sampler_id: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sampler_id in state.live_samplers():
+        assert time.monotonic() < deadline, f"lease of {sampler_id} did not expire"
+        time.sleep(0.05)
+
+
+def assert_accounting(state: RunState) -> dict:
+    s = state.claim_stats()
+    assert s["claimed"] - s["reissued"] == s["completed"] + s["outstanding"], s
+    assert s["cursor"] + s["reissued"] == s["claimed"] + s["reissue_queue"] + s["reissue_withdrawn"], s
+    return s
+
+
+def test_concurrent_claims_take_each_index_exactly_once(state):
+    for sampler_id in ("a", "b"):
+        state.renew_sampler_lease(sampler_id, {"host": "h"}, LONG_TTL_S)
+
+    def claim_many(k: int) -> list[int]:
+        sampler_id = "a" if k % 2 == 0 else "b"
+        return [i for _ in range(200) for i in state.claim_prompts(sampler_id, 3)]
+
+    per_thread = in_threads(8, claim_many)
+    claimed = Counter(i for indices in per_thread for i in indices)
+    assert max(claimed.values()) == 1
+    assert sorted(claimed) == list(range(8 * 200 * 3))  # contiguous: nothing skipped
+    s = assert_accounting(state)
+    assert s["cursor"] == s["claimed"] == s["outstanding"] == 4800 and s["reissued"] == 0
+    owners = state.client.hgetall(state.prefix + "claims")
+    assert Counter(owners.values()) == {"a": 2400, "b": 2400}
+
+
+def test_claims_of_a_dead_sampler_are_reissued_once_and_claimed_first(state):
+    state.renew_sampler_lease("alive", {"host": "h"}, LONG_TTL_S)
+    state.renew_sampler_lease("dead", {"host": "h"}, 0.3)
+    dead_indices = state.claim_prompts("dead", 5)
+    alive_indices = state.claim_prompts("alive", 2)
+    assert state.reissue_expired_claims() == []  # its lease still runs: nothing to take back
+
+    wait_until_lease_gone(state, "dead")  # it stopped renewing
+    swept = in_threads(4, lambda _: state.reissue_expired_claims())
+    assert sorted(i for result in swept for i in result) == sorted(dead_indices)  # once in all
+    assert state.reissue_expired_claims() == []
+    assert state.claim_stats()["reissued"] == 5 and state.claim_stats()["reissue_queue"] == 5
+
+    next_claim = state.claim_prompts("alive", 7)
+    assert next_claim[:5] == dead_indices  # the holes first, in order
+    assert next_claim[5:] == [7, 8]  # then fresh ones
+
+    assert state.complete_prompts("dead", dead_indices) == 0  # the late original owner removes nothing
+    s = assert_accounting(state)
+    assert s["late_completions"] == 5 and s["reissued"] == 5 and s["outstanding"] == 9
+    assert state.complete_prompts("alive", alive_indices + next_claim) == 9
+    s = assert_accounting(state)
+    assert s["outstanding"] == 0 and s["completed"] == 9
+
+
+def test_many_sweepers_never_reissue_twice(state):
+    """Repeated races of 4 sweepers against fresh departures: each index moves once."""
+    state.renew_sampler_lease("survivor", {"host": "h"}, LONG_TTL_S)
+    for round_ in range(15):
+        leaver = f"leaver-{round_}"
+        state.renew_sampler_lease(leaver, {"host": "h"}, LONG_TTL_S)
+        indices = state.claim_prompts(leaver, 5)
+        state.release_sampler_lease(leaver)
+        swept = in_threads(4, lambda _: state.reissue_expired_claims())
+        assert sorted(i for result in swept for i in result) == sorted(indices)
+        assert state.claim_prompts("survivor", 5) == indices
+    s = assert_accounting(state)
+    assert s["reissued"] == 75 and s["cursor"] == 75 and s["outstanding"] == 75
+
+
+def test_a_completed_claim_is_never_reissued(state):
+    state.renew_sampler_lease("s", {"host": "h"}, LONG_TTL_S)
+    indices = state.claim_prompts("s", 4)
+    assert state.complete_prompts("s", indices[:2]) == 2
+    state.release_sampler_lease("s")  # a clean stop with claims still open
+    assert state.reissue_expired_claims() == indices[2:]
+    assert state.reissue_expired_claims() == []
+    s = assert_accounting(state)
+    assert s["completed"] == 2 and s["reissued"] == 2 and s["late_completions"] == 0
+
+
+def test_a_late_completion_withdraws_the_index_from_the_queue(state):
+    """A sampler cut off long enough to lose its lease, whose groups still reached Kafka:
+    its indices are not handed out again if nobody has claimed them yet."""
+    state.renew_sampler_lease("slow", {"host": "h"}, 0.3)
+    indices = state.claim_prompts("slow", 3)
+    wait_until_lease_gone(state, "slow")
+    assert state.reissue_expired_claims() == indices
+    assert state.complete_prompts("slow", indices) == 0
+    s = assert_accounting(state)
+    assert s["late_completions"] == 3 and s["reissue_withdrawn"] == 3 and s["reissue_queue"] == 0
+    state.renew_sampler_lease("other", {"host": "h"}, LONG_TTL_S)
+    assert state.claim_prompts("other", 2) == [3, 4]
+
+
+def test_claims_report_epochs(state):
+    sized = RunState(state.client, state.run, epoch_size=10)
+    sized.renew_sampler_lease("s", {"host": "h"}, LONG_TTL_S)
+    assert sized.claim_prompts("s", 0) == []
+    indices = sized.claim_prompts("s", 25)
+    assert [sized.epoch_of(i) for i in (indices[0], indices[9], indices[10], indices[-1])] == [0, 0, 1, 2]
+    assert sized.claim_stats()["epoch"] == 2 and sized.claim_stats()["epoch_size"] == 10
+    assert state.claim_stats()["epoch_size"] == 10  # a reader that was not told (status) sees it too
+    with pytest.raises(ValueError):
+        RunState(state.client, state.run, epoch_size=0)
+
+
+def test_joins_and_leaves_neither_skip_nor_duplicate_work(state):
+    """A simulated session: samplers join, claim, complete, stop cleanly or crash, some
+    complete after their lease is gone. Every index ever issued ends up done exactly once
+    (completed by its owner, or late by a cut-off sampler while still queued), and the
+    counters balance at every step."""
+    rng = random.Random(7)
+    holding: dict[str, list[int]] = {}  # what each sampler believes it holds
+    crashed: dict[str, list[int]] = {}  # cut off: they may still complete, late
+    done: Counter = Counter()
+    serial = 0
+
+    def complete(sampler_id: str, indices: list[int]) -> None:
+        for index in indices:  # one at a time, to know which ones counted
+            before = state.claim_stats()["reissue_withdrawn"]
+            if state.complete_prompts(sampler_id, [index]) or state.claim_stats()["reissue_withdrawn"] > before:
+                done[index] += 1
+
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.1 or not holding:
+            serial += 1
+            sampler_id = f"s{serial}"
+            state.renew_sampler_lease(sampler_id, {"host": "h"}, LONG_TTL_S)
+            holding[sampler_id] = []
+        elif action < 0.15:
+            sampler_id = rng.choice(sorted(holding))
+            complete(sampler_id, holding.pop(sampler_id))
+            state.release_sampler_lease(sampler_id)
+        elif action < 0.2:
+            sampler_id = rng.choice(sorted(holding))
+            state.renew_sampler_lease(sampler_id, {"host": "h"}, 0.001)  # stops renewing: gone in 1 ms
+            crashed[sampler_id] = holding.pop(sampler_id)
+        elif action < 0.25 and crashed:
+            sampler_id = rng.choice(sorted(crashed))
+            complete(sampler_id, crashed.pop(sampler_id))  # its groups made it after all
+        elif action < 0.7:
+            sampler_id = rng.choice(sorted(holding))
+            holding[sampler_id] += state.claim_prompts(sampler_id, rng.randint(1, 4))
+        else:
+            sampler_id = rng.choice(sorted(holding))
+            finished = holding[sampler_id][: rng.randint(0, len(holding[sampler_id]))]
+            holding[sampler_id] = holding[sampler_id][len(finished):]
+            complete(sampler_id, finished)
+        if rng.random() < 0.3:
+            time.sleep(0.002)
+            state.reissue_expired_claims()
+        assert_accounting(state)
+
+    for sampler_id in sorted(holding):  # everyone stops cleanly
+        complete(sampler_id, holding.pop(sampler_id))
+        state.release_sampler_lease(sampler_id)
+    time.sleep(0.01)
+    state.reissue_expired_claims()
+    state.renew_sampler_lease("finisher", {"host": "h"}, LONG_TTL_S)
+    while state.claim_stats()["reissue_queue"]:
+        complete("finisher", state.claim_prompts("finisher", 3))
+
+    s = assert_accounting(state)
+    assert s["outstanding"] == 0 and s["reissue_queue"] == 0
+    assert s["reissued"] > 0 and s["late_completions"] > 0  # the session did exercise both paths
+    assert sorted(done) == list(range(s["cursor"]))  # nothing skipped
+    assert set(done.values()) == {1}  # nothing counted done twice
