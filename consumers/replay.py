@@ -380,7 +380,7 @@ def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exac
         evaluate(0)
     version = 0
     total = planned_steps(record, exact_batches, lcfg.groups_per_step, lcfg.max_steps)
-    bar = tqdm(total=total, desc="replay", unit="step", disable=not progress)
+    bar = tqdm(total=total, desc="replay", unit="step", disable=None if progress else True)  # None: TTY only
     try:
         for batch in plan.batches(exact_batches):
             if version >= lcfg.max_steps:
@@ -425,7 +425,9 @@ def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exac
         "run": out_dir.name, "kind": "replay", "source": source, "base": base, "loss_type": lcfg.loss_type,
         "exact_batches": exact_batches, "filters": {k: v for k, v in vars(flt).items() if v is not None},
         "final_policy_version": version, "final_checkpoint": sink.uri(version),
-        "groups_used": counts.staleness.kept, "groups_dropped": counts.staleness.dropped,
+        "groups_used": counts.staleness.kept,
+        # with --exact-batches the original's drops stay dropped: they count here too
+        "groups_dropped": counts.staleness.dropped + counts.dropped_by_original,
         "groups_reweighted": counts.staleness.reweighted, "dropped_by_original": counts.dropped_by_original,
         "filtered_out": counts.filtered_out, "unreadable": counts.unreadable, "leftover": counts.leftover,
         "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
