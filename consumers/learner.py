@@ -37,7 +37,7 @@ from collections import Counter
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -299,14 +299,16 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         if version % lcfg.sync_every == 0 or version >= lcfg.max_steps:
             save_checkpoint()
 
-    def save_checkpoint() -> None:
+    def save_checkpoint(tail_verdicts: Optional[dict] = None) -> None:
         nonlocal saved_version
         snapshot = work_dir / f"v{version}"
         engine.module.save_pretrained(snapshot, safe_serialization=True)
         tokenizer.save_pretrained(snapshot)
         engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
-        publisher.submit(version, snapshot, {"offsets": dict(next_offsets), "step": version,
-                                             "loss_type": lcfg.loss_type})
+        extra = {"offsets": dict(next_offsets), "step": version, "loss_type": lcfg.loss_type}
+        if tail_verdicts:
+            extra["tail_verdicts"] = tail_verdicts
+        publisher.submit(version, snapshot, extra)
         saved_version = version
 
     def drained() -> bool:
@@ -317,8 +319,10 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
             batch = pending[:]
             pending.clear()
             train_step(batch)
-        if saved_version != version:
-            save_checkpoint()
+        tail = {k: [asdict(x) for x in v] for k, v in judged.items() if v}
+        if tail or saved_version != version:
+            # Verdicts since the last step (no step logs them) travel with the final checkpoint.
+            save_checkpoint(tail)
         log.info("drained: every message of %s up to offsets %s is accounted for", cfg.run.topic, next_offsets)
         return True
 

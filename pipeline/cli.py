@@ -24,6 +24,7 @@ examples:
   heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
   heterorl export --topic demo.rollouts --out demo.parquet
   heterorl compare runs/demo runs/gspo
+  heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
   heterorl down                                      # data is kept; --wipe deletes it
 """
 
@@ -161,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.parquet", help="Parquet file to write")
     p.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka to read from (default: configured or local stack)")
 
+    p = sub.add_parser("chaos", help="train through seeded faults, then audit that no rollout was lost or reused",
+                       description="Starts a durable local stack in OUT/data behind a TCP fault proxy, a learner "
+                                   "and N samplers; on a seeded schedule kills and restarts samplers, adds and "
+                                   "removes them, kills and restarts the learner once, restarts the broker once and "
+                                   "cuts the samplers off from everything for --partition-s seconds, with latency, "
+                                   "jitter and connection resets on the samplers' links throughout. Then stops the "
+                                   "samplers, drains the learner and writes OUT/audit.json. Exit status 1 if a "
+                                   "rollout was lost or used twice.")
+    _add_config_args(p)
+    p.add_argument("--minutes", type=float, default=15.0, help="how long faults are injected (default 15)")
+    p.add_argument("--samplers", type=int, default=3, help="samplers at the start (default 3)")
+    p.add_argument("--partition-s", type=float, default=30.0,
+                   help="length of the window in which the samplers reach nothing (default 30)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory: logs, data, audit.json")
+    p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
+
     p = sub.add_parser("compare", help="side-by-side table and accuracy plot of run directories",
                        description="Prints final and best held-out accuracy, mean KL, importance-weight "
                                    "variance and groups used/dropped of each run (train or replay), and "
@@ -280,6 +297,13 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_chaos(args) -> int:
+    from pipeline.chaos import run_chaos
+
+    return run_chaos(_load(args), Path(args.out), args.minutes, args.samplers, args.partition_s,
+                     keep_stack=args.keep_stack)
+
+
 def _cmd_compare(args) -> int:
     from pipeline.compare import compare_runs, format_table, plot_comparison
 
@@ -299,7 +323,8 @@ def _cmd_train(args) -> int:
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
-            "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare}
+            "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
+            "chaos": _cmd_chaos}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -45,10 +45,10 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: list[str]) -> None:
+    def start(self, name: str, args: list[str], env: Optional[dict] = None) -> None:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                                            stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
         log.close()
 
     def stop(self, names: Optional[list[str]] = None, grace_s: float = 20.0) -> None:

@@ -21,7 +21,7 @@ def heterorl(*args, env=None, timeout=60):
 def test_help_lists_every_command():
     out = heterorl("--help").stdout
     for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train", "study", "replay",
-                    "export", "compare"):
+                    "export", "compare", "chaos"):
         assert command in out
 
 
@@ -33,7 +33,7 @@ def test_every_option_of_every_command_has_help_text():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
-                                     "study", "replay", "export", "compare"}
+                                     "study", "replay", "export", "compare", "chaos"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {**commands.choices, **{f"study {k}": v for k, v in studies.choices.items()}}
     for name, sub in parsers.items():

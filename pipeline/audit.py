@@ -1,0 +1,78 @@
+"""The data audit of a run: every message the broker holds is accounted for exactly once.
+
+Each count comes from its own source, none is derived from another:
+
+- `produced`: the broker's rollout log, read to its end (what it acknowledged);
+- `used_in_updates`, `dropped_stale`, `duplicates_ignored`: the learner's update log
+  (`<topic>.updates`, rewinds applied: steps lost with a killed learner do not count);
+- `dead_lettered`: the dead-letter topic `<topic>.dead`, by source offset;
+- `pending_at_end`: the log's end minus the offsets stored with the learner's final
+  checkpoint (what it had not read yet); verdicts the learner reached after its last
+  step travel in that checkpoint's manifest (`tail_verdicts`);
+- `discarded_at_source`: the samplers' own reports in Redis (groups that grew too stale
+  in a sampler's spool never reach the broker, so they are not part of `lost`).
+
+Then `lost` = produced − used − dropped − dead-lettered − duplicates − pending, and, as
+an independent check, `unaccounted_offsets` lists every offset of the log that is in no
+category at all (it must be empty when `lost` is 0). `used_twice` counts offsets or
+rollout ids that went into more than one update.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from pipeline.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
+
+
+def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
+                sampler_reports: Optional[dict[str, dict]] = None, timeout_s: float = 30.0) -> dict:
+    """Account for every message of `topic`, given the `extra` of the learner's final checkpoint
+    manifest (its offsets, and the verdicts it reached after its last step)."""
+    from pipeline.kafka_io import read_topic, topic_partitions
+    from pipeline.rollout import header_value
+
+    log = read_topic(bootstrap, topic, timeout_s=timeout_s)
+    ends: dict[int, int] = {p: 0 for p in topic_partitions(bootstrap, topic)}
+    for r in log:
+        ends[r.partition] = max(ends[r.partition], r.offset + 1)
+    entries: list[UpdateEntry] = read_entries_kafka(bootstrap, topic, timeout_s=timeout_s) or []
+    dead_sources = set()
+    if topic_partitions(bootstrap, dead_letter_topic(topic)):
+        for r in read_topic(bootstrap, dead_letter_topic(topic), timeout_s=timeout_s):
+            dead_sources.add((int(header_value(r.headers, "source_partition")),
+                              int(header_value(r.headers, "source_offset"))))
+
+    final_offsets = {int(p): int(o) for p, o in final_manifest_extra.get("offsets", {}).items()}
+    tail = final_manifest_extra.get("tail_verdicts", {})
+    used = [(g.partition, g.offset) for e in entries for g in e.used]
+    used_ids = [g.rollout_id for e in entries for g in e.used]
+    dropped = {(g.partition, g.offset) for e in entries for g in e.dropped}
+    dropped |= {(g["partition"], g["offset"]) for g in tail.get("dropped", [])}
+    duplicates = {(g.partition, g.offset) for e in entries for g in e.duplicates}
+    duplicates |= {(g["partition"], g["offset"]) for g in tail.get("duplicates", [])}
+    pending = {(p, o) for p, end in ends.items() for o in range(int(final_offsets.get(p, 0)), end)}
+    accounted = set(used) | dropped | duplicates | dead_sources | pending
+    unaccounted = sorted((r.partition, r.offset) for r in log if (r.partition, r.offset) not in accounted)
+
+    produced = len(log)
+    counts = {
+        "produced": produced, "used_in_updates": len(set(used)), "dropped_stale": len(dropped),
+        "dead_lettered": len(dead_sources), "duplicates_ignored": len(duplicates), "pending_at_end": len(pending),
+    }
+    counts["lost"] = produced - sum(counts[k] for k in ("used_in_updates", "dropped_stale", "dead_lettered",
+                                                        "duplicates_ignored", "pending_at_end"))
+    offsets_twice = sum(n - 1 for n in Counter(used).values() if n > 1)
+    ids_twice = sum(n - 1 for n in Counter(used_ids).values() if n > 1)
+    reports = sampler_reports or {}
+    return {
+        **counts,
+        "used_twice": offsets_twice + ids_twice,
+        "unaccounted_offsets": [f"{p}:{o}" for p, o in unaccounted[:100]],
+        "unaccounted_count": len(unaccounted),
+        "discarded_at_source": sum(int(r.get("discarded_at_source", 0)) for r in reports.values()),
+        "update_steps": len(entries),
+        "log_end_offsets": {str(p): e for p, e in ends.items()},
+        "learner_final_offsets": {str(p): o for p, o in final_offsets.items()},
+    }

@@ -1,0 +1,271 @@
+"""`heterorl chaos`: train through seeded faults, then prove by audit that no data was lost.
+
+  1. a durable local stack in OUT/data whose broker advertises the fault proxy's port,
+     so every Kafka client (samplers and learner alike: Kafka clients connect to the
+     address the broker advertises) crosses the proxy; the samplers reach Redis and S3
+     through it too, the learner directly;
+  2. the base model's held-out accuracy; one learner and N samplers as processes;
+  3. a seeded schedule (`chaos_schedule`): latency, jitter and connection resets on the
+     samplers' links all along; samplers killed (SIGKILL) and restarted, added and
+     removed; the learner killed once and restarted; the broker restarted once; the
+     samplers cut off from everything for `partition_s` seconds;
+  4. at the end: samplers stopped (they flush their spools), the learner drained
+     (SIGUSR1: read to the end of the log, train the rest, publish), held-out accuracy of
+     the final checkpoint, and the audit (`pipeline.audit`) written to OUT/audit.json.
+
+Exit status 1 if the audit finds a lost or twice-used rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import HeteroConfig, dump_config
+from pipeline.runtime import evaluate_checkpoint, make_task_from_config, resolve_base_model, setup_logging
+
+SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
+"""Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    at_s: float
+    kind: str
+    """kill_sampler | add_sampler | remove_sampler | kill_learner | restart_broker | partition"""
+
+
+def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> list[ChaosEvent]:
+    """The faults of one run, reproducible from `seed`: the one-off faults at fixed fractions
+    of the run (so they never overlap), sampler churn at seeded random times between them."""
+    rng = random.Random(seed)
+    events = [ChaosEvent(0.20 * duration_s, "partition"),
+              ChaosEvent(0.20 * duration_s + partition_s + 0.10 * duration_s, "kill_learner"),
+              ChaosEvent(0.70 * duration_s, "restart_broker")]
+    churn = max(3, int(duration_s / 40))
+    kinds = ["kill_sampler", "add_sampler", "remove_sampler"]
+    for i in range(churn):
+        events.append(ChaosEvent(rng.uniform(0.05, 0.85) * duration_s, kinds[i % 3] if i < 3 else rng.choice(kinds)))
+    return sorted(events, key=lambda e: e.at_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChaosRun:
+    """The processes and servers of one chaos run, and the faults applied to them."""
+
+    def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, log):
+        from infra.fault_proxy import FaultProxy, FaultSpec, Route
+        from infra.local_stack import start_stack
+        from pipeline.train import Processes
+
+        self.cfg, self.out, self.log = cfg, out, log
+        self.data_dir = out / "data"
+        kafka_port, proxy_kafka_port = _free_port(), _free_port()
+        self.stack = start_stack(self.data_dir, kafka_port=kafka_port, kafka_advertised_port=proxy_kafka_port)
+        self.proxy = FaultProxy([
+            Route("kafka", proxy_kafka_port, "127.0.0.1", kafka_port),
+            Route("redis", 0, "127.0.0.1", self.stack.port("redis")),
+            Route("s3", 0, "127.0.0.1", self.stack.port("s3")),
+        ], seed=cfg.run.seed).start()
+        self.sampler_spec = FaultSpec(**SAMPLER_LINK_FAULTS)
+        self.proxy.set_spec(self.sampler_spec, routes=["redis", "s3"])
+        self.faults: dict[str, int] = {}
+        direct = self._services(redis=self.stack.redis_url, s3=self.stack.s3_endpoint)
+        self.procs = Processes(out, {**os.environ, **direct, "PYTHONUNBUFFERED": "1"})
+        self.sampler_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._services(
+            redis=f"redis://{self.proxy.address('redis')}/0", s3=f"http://{self.proxy.address('s3')}")}
+        self.config_path = out / "config.yaml"
+        self.config_path.write_text(dump_config(cfg))
+        self.slots = list(range(samplers))  # sampler slots alive; each has a stable spool
+        self.incarnation: dict[int, int] = {}
+        self.next_slot = samplers
+
+    def _services(self, redis: str, s3: str) -> dict:
+        s = self.stack
+        return {"KAFKA_BOOTSTRAP_SERVERS": self.proxy.address("kafka"), "REDIS_URL": redis, "AWS_ENDPOINT_URL": s3,
+                "AWS_ACCESS_KEY_ID": s.s3_access_key, "AWS_SECRET_ACCESS_KEY": s.s3_secret_key,
+                "AWS_DEFAULT_REGION": s.s3_region, "HETERORL_S3_BUCKET": s.bucket}
+
+    def count(self, kind: str) -> None:
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    # ---- processes -------------------------------------------------------------------
+    def start_learner(self) -> None:
+        self.procs.start("learner", ["learner", "--config", str(self.config_path), "--out", str(self.out)])
+
+    def start_sampler(self, slot: int) -> None:
+        n = self.incarnation.get(slot, -1) + 1
+        self.incarnation[slot] = n
+        name = f"sampler-{slot}"
+        spool = self.data_dir / "spool" / f"slot{slot}"
+        self.procs.start(name, ["sampler", "--config", str(self.config_path), "--id",
+                                f"{self.cfg.run.name}-s{slot}-r{n}", "--set", f"sampler.spool_dir={spool}"],
+                         env=self.sampler_env)
+
+    def sampler_alive(self, slot: int) -> bool:
+        p = self.procs.procs.get(f"sampler-{slot}")
+        return p is not None and p.poll() is None
+
+    # ---- faults ----------------------------------------------------------------------
+    def apply(self, event: ChaosEvent, rng: random.Random) -> None:
+        self.log.info("chaos at %.0fs: %s", event.at_s, event.kind)
+        if event.kind == "partition":
+            self.proxy.blackhole(self.partition_s, routes=["kafka", "redis", "s3"])
+        elif event.kind == "kill_learner":
+            os.killpg(self.procs.procs["learner"].pid, signal.SIGKILL)
+            self.procs.procs["learner"].wait()
+            time.sleep(2.0)
+            self.start_learner()
+        elif event.kind == "restart_broker":
+            from infra.local_stack import restart_service
+
+            restart_service(self.data_dir, "kafka")
+        elif event.kind == "kill_sampler":
+            alive = [s for s in self.slots if self.sampler_alive(s)]
+            if not alive:
+                return
+            slot = rng.choice(alive)
+            os.killpg(self.procs.procs[f"sampler-{slot}"].pid, signal.SIGKILL)
+            self.procs.procs[f"sampler-{slot}"].wait()
+            time.sleep(rng.uniform(2.0, 8.0))
+            self.start_sampler(slot)  # same spool: what it had not sent goes out now
+        elif event.kind == "add_sampler":
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
+            self.slots.append(slot)
+            self.start_sampler(slot)
+        elif event.kind == "remove_sampler":
+            alive = [s for s in self.slots if self.sampler_alive(s)]
+            if len(alive) <= 1:
+                return
+            slot = rng.choice(alive)
+            self.procs.stop([f"sampler-{slot}"], grace_s=60.0)
+            self.slots.remove(slot)
+        self.count(event.kind)
+
+    def stop(self) -> None:
+        from infra.local_stack import stop_stack
+
+        self.procs.stop()
+        self.proxy.stop()
+        stop_stack(self.data_dir)
+
+
+def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, partition_s: float = 30.0,
+              keep_stack: bool = False) -> int:
+    from tqdm import tqdm
+
+    from pipeline.audit import audit_topic
+    from pipeline.checkpoints import CheckpointStore, connect_s3
+    from pipeline.redis_state import RunState, connect_redis
+    from pipeline.services import Services
+
+    log = setup_logging("chaos")
+    out = Path(out)
+    if (out / "audit.json").exists():
+        raise FileExistsError(f"{out} already holds a chaos run (audit.json); choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    duration_s = minutes * 60
+    run_name = f"{cfg.run.name}-chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = cfg.model_copy(update={
+        "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
+        "services": cfg.services.model_copy(update={"data_dir": str(out / "data")}),
+        "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "idle_timeout_s": max(600.0, 4 * partition_s)}),
+    })
+    schedule = chaos_schedule(cfg.run.seed, duration_s, partition_s)
+    (out / "schedule.json").write_text(json.dumps([asdict(e) for e in schedule], indent=1))
+    started = time.time()
+    run = ChaosRun(cfg, out, samplers, log)
+    run.partition_s = partition_s
+    try:
+        s = run.stack
+        services = Services(s.kafka_bootstrap, s.redis_url, s.s3_endpoint, s.s3_access_key, s.s3_secret_key,
+                            s.s3_region, s.bucket)
+        state = RunState(connect_redis(s.redis_url), run_name)
+        store = CheckpointStore(connect_s3(services), s.bucket, run_name)
+        task = make_task_from_config(cfg)
+        before = evaluate_checkpoint(cfg, resolve_base_model(cfg), task)
+        log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
+        run.start_learner()
+        for slot in run.slots:
+            run.start_sampler(slot)
+        rng = random.Random(cfg.run.seed + 1)
+        t0 = time.monotonic()
+        pending_events = list(schedule)
+        bar = tqdm(total=int(duration_s), desc="chaos", unit="s", file=sys.stderr)
+        while time.monotonic() - t0 < duration_s:
+            elapsed = time.monotonic() - t0
+            while pending_events and pending_events[0].at_s <= elapsed:
+                run.apply(pending_events.pop(0), rng)
+            learner = run.procs.procs["learner"]
+            if learner.poll() is not None:
+                raise RuntimeError(f"learner exited with {learner.returncode}:\n{run.procs.log_tail('learner')}")
+            for slot in run.slots:  # a sampler that died by itself is a finding, not a fault
+                p = run.procs.procs.get(f"sampler-{slot}")
+                if p is not None and p.poll() not in (None, 0, -signal.SIGKILL):
+                    raise RuntimeError(f"sampler-{slot} exited with {p.returncode}:\n"
+                                       f"{run.procs.log_tail(f'sampler-{slot}')}")
+            bar.update(int(time.monotonic() - t0) - bar.n)
+            bar.set_postfix_str(f"v{state.policy_version()} samplers {sum(map(run.sampler_alive, run.slots))} "
+                                f"faults {sum(run.faults.values())}")
+            time.sleep(0.5)
+        bar.close()
+
+        log.info("stopping samplers (they flush their spools), then draining the learner")
+        run.procs.stop([f"sampler-{slot}" for slot in run.slots], grace_s=120.0)
+        learner = run.procs.procs["learner"]
+        learner.send_signal(signal.SIGUSR1)
+        learner.wait(timeout=600)
+        if learner.returncode != 0:
+            raise RuntimeError(f"learner exited with {learner.returncode} while draining:\n"
+                               f"{run.procs.log_tail('learner')}")
+        version, manifest_key = state.policy()
+        final_dir, manifest = store.fetch(manifest_key, out / "final_policy")
+        after = evaluate_checkpoint(cfg, final_dir, task)
+        shutil.rmtree(final_dir, ignore_errors=True)
+        reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
+        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, manifest.extra, reports)
+        proxy_stats = run.proxy.stats()
+        audit = {
+            "run": run_name, "minutes": minutes, "samplers": samplers, "seed": cfg.run.seed,
+            "faults": {**run.faults, "connection_resets": sum(r["connections_reset"] for r in proxy_stats.values()),
+                       "blackholed_windows": max(r["blackholed_windows"] for r in proxy_stats.values())},
+            **audit,
+            "claims": state.claim_stats(),
+            "final_policy_version": version,
+            "eval_accuracy_before": before["accuracy_sampled"], "eval_accuracy_after": after["accuracy_sampled"],
+            "eval_greedy_before": before["accuracy_greedy"], "eval_greedy_after": after["accuracy_greedy"],
+            "wall_seconds": round(time.time() - started, 1),
+            "schedule": [asdict(e) for e in schedule],
+        }
+        (out / "audit.json").write_text(json.dumps(audit, indent=2))
+        ok = audit["lost"] == 0 and audit["used_twice"] == 0 and audit["unaccounted_count"] == 0
+        print(f"\nchaos {run_name}: {sum(run.faults.values())} scheduled faults {run.faults}, "
+              f"{audit['faults']['connection_resets']} connection resets; produced {audit['produced']}, "
+              f"used {audit['used_in_updates']}, dropped {audit['dropped_stale']}, dead-lettered "
+              f"{audit['dead_lettered']}, duplicates {audit['duplicates_ignored']}, pending {audit['pending_at_end']}"
+              f" -> lost {audit['lost']}, used twice {audit['used_twice']}; policy v{version}; held-out accuracy "
+              f"{before['accuracy_sampled']:.3f} -> {after['accuracy_sampled']:.3f}\naudit: {out}/audit.json")
+        return 0 if ok else 1
+    except RuntimeError as e:
+        print(f"heterorl chaos: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if keep_stack:
+            run.procs.stop()
+            run.proxy.stop()
+        else:
+            run.stop()
