@@ -130,6 +130,7 @@ class StackState:
     # Not needed by callers; lets stop/restart act on exactly what was started.
     process_start_ticks: dict[str, int] = field(default_factory=dict)  # pid-reuse guard
     s3_server: str = "moto"  # "moto" | "minio" | "localbucket"
+    kafka_advertised: str = ""  # "host:port" the broker tells clients to use; "" = kafka_bootstrap
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -558,8 +559,11 @@ def _spec(state: StackState, name: str) -> _Spec:
             AWS_ALLOW_HTTP="true",
         )
         listener = f"tcp://{LOOPBACK}:{port}"
+        # Clients connect to the advertised address after bootstrap: a fault proxy in front of
+        # the broker (`heterorl chaos`) is advertised so that every request crosses it.
+        advertised = f"tcp://{state.kafka_advertised}" if state.kafka_advertised else listener
         argv = [_kafka_bin(), "broker", "--listener-url", listener,
-                "--advertised-listener-url", listener, "--storage-engine", state.kafka_storage]
+                "--advertised-listener-url", advertised, "--storage-engine", state.kafka_storage]
         return _Spec(argv, env, state.kafka_bootstrap)
     if name == "redis":
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
@@ -707,6 +711,7 @@ def start_stack(
     timeout_s: float = 60.0,
     kafka_storage: str = "s3",
     external_kafka: str | None = None,
+    kafka_advertised: str = "",
 ) -> StackState:
     """Start S3, Kafka-API and Redis servers for ``data_dir`` and record them.
 
@@ -715,7 +720,9 @@ def start_stack(
     (default: the broker keeps its log in the bucket ``<bucket>-kafka`` on the local
     S3 server, so it lasts as long as S3 does) or ``"memory"`` (faster, lost when the
     broker stops). ``external_kafka`` ("host:port") uses an existing Kafka instead of
-    starting a broker. Raises StackError if a stack is already running in
+    starting a broker. ``kafka_advertised`` ("host:port") is the address the broker
+    advertises to clients (a proxy in front of it; it must be listening before this call,
+    as the broker is probed through it). Raises StackError if a stack is already running in
     ``data_dir``, a server binary is missing, or a server does not answer within
     ``timeout_s`` (everything this call started is stopped first).
     """
@@ -766,6 +773,7 @@ def start_stack(
             processes={},
             started_at=time.time(),
             s3_server=s3_server,
+            kafka_advertised=kafka_advertised,
         )
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
         started: dict[str, tuple[int, int]] = {}

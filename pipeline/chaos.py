@@ -19,6 +19,7 @@ Exit status 1 if the audit finds a lost or twice-used rollout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -51,10 +52,14 @@ def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> l
     events = [ChaosEvent(0.20 * duration_s, "partition"),
               ChaosEvent(0.20 * duration_s + partition_s + 0.10 * duration_s, "kill_learner"),
               ChaosEvent(0.70 * duration_s, "restart_broker")]
-    churn = max(3, int(duration_s / 40))
-    kinds = ["kill_sampler", "add_sampler", "remove_sampler"]
-    for i in range(churn):
-        events.append(ChaosEvent(rng.uniform(0.05, 0.85) * duration_s, kinds[i % 3] if i < 3 else rng.choice(kinds)))
+    # One of each churn kind in its own stretch of the run (so a removal always finds a
+    # sampler to remove), then more at random times.
+    for kind, (lo, hi) in (("add_sampler", (0.05, 0.18)), ("kill_sampler", (0.45, 0.55)),
+                           ("remove_sampler", (0.75, 0.85))):
+        events.append(ChaosEvent(rng.uniform(lo, hi) * duration_s, kind))
+    for _ in range(max(0, int(duration_s / 60) - 3)):
+        events.append(ChaosEvent(rng.uniform(0.05, 0.85) * duration_s,
+                                 rng.choice(["kill_sampler", "add_sampler", "remove_sampler"])))
     return sorted(events, key=lambda e: e.at_s)
 
 
@@ -67,20 +72,22 @@ def _free_port() -> int:
 class ChaosRun:
     """The processes and servers of one chaos run, and the faults applied to them."""
 
-    def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, log):
+    def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, partition_s: float, log):
         from infra.fault_proxy import FaultProxy, FaultSpec, Route
         from infra.local_stack import start_stack
         from pipeline.train import Processes
 
-        self.cfg, self.out, self.log = cfg, out, log
+        self.cfg, self.out, self.log, self.partition_s = cfg, out, log, partition_s
         self.data_dir = out / "data"
-        kafka_port, proxy_kafka_port = _free_port(), _free_port()
-        self.stack = start_stack(self.data_dir, kafka_port=kafka_port, kafka_advertised_port=proxy_kafka_port)
+        # The proxy listens first: the broker advertises it and is probed through it.
+        ports = {name: _free_port() for name in ("kafka", "redis", "s3", "proxy-kafka")}
         self.proxy = FaultProxy([
-            Route("kafka", proxy_kafka_port, "127.0.0.1", kafka_port),
-            Route("redis", 0, "127.0.0.1", self.stack.port("redis")),
-            Route("s3", 0, "127.0.0.1", self.stack.port("s3")),
+            Route("kafka", ports["proxy-kafka"], "127.0.0.1", ports["kafka"]),
+            Route("redis", 0, "127.0.0.1", ports["redis"]),
+            Route("s3", 0, "127.0.0.1", ports["s3"]),
         ], seed=cfg.run.seed).start()
+        self.stack = start_stack(self.data_dir, kafka_port=ports["kafka"], redis_port=ports["redis"],
+                                 s3_port=ports["s3"], kafka_advertised=self.proxy.address("kafka"))
         self.sampler_spec = FaultSpec(**SAMPLER_LINK_FAULTS)
         self.proxy.set_spec(self.sampler_spec, routes=["redis", "s3"])
         self.faults: dict[str, int] = {}
@@ -174,6 +181,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     from pipeline.services import Services
 
     log = setup_logging("chaos")
+    logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)  # its refusals are counted in its stats
     out = Path(out)
     if (out / "audit.json").exists():
         raise FileExistsError(f"{out} already holds a chaos run (audit.json); choose another --out")
@@ -188,9 +196,9 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     schedule = chaos_schedule(cfg.run.seed, duration_s, partition_s)
     (out / "schedule.json").write_text(json.dumps([asdict(e) for e in schedule], indent=1))
     started = time.time()
-    run = ChaosRun(cfg, out, samplers, log)
-    run.partition_s = partition_s
+    run: Optional[ChaosRun] = None
     try:
+        run = ChaosRun(cfg, out, samplers, partition_s, log)
         s = run.stack
         services = Services(s.kafka_bootstrap, s.redis_url, s.s3_endpoint, s.s3_access_key, s.s3_secret_key,
                             s.s3_region, s.bucket)
@@ -205,7 +213,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         rng = random.Random(cfg.run.seed + 1)
         t0 = time.monotonic()
         pending_events = list(schedule)
-        bar = tqdm(total=int(duration_s), desc="chaos", unit="s", file=sys.stderr)
+        bar = tqdm(total=int(duration_s), desc="chaos", unit="s", file=sys.stderr, disable=None, mininterval=2)
         while time.monotonic() - t0 < duration_s:
             elapsed = time.monotonic() - t0
             while pending_events and pending_events[0].at_s <= elapsed:
@@ -264,7 +272,9 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         print(f"heterorl chaos: error: {e}", file=sys.stderr)
         return 1
     finally:
-        if keep_stack:
+        if run is None:
+            pass
+        elif keep_stack:
             run.procs.stop()
             run.proxy.stop()
         else:

@@ -66,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--external-kafka", metavar="HOST:PORT",
                    help="use this existing Kafka instead of starting a broker")
 
-    p = sub.add_parser("down", help="stop the servers that `heterorl up` started (data is kept)")
+    p = sub.add_parser("down", help="stop the servers that `heterorl up` started (data is kept)",
+                       description="Stops the recorded servers. Topics, checkpoints and Redis stay in DIR and "
+                                   "are served again by the next `heterorl up`, unless --wipe.")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
+    p.add_argument("--wipe", action="store_true",
+                   help="also delete the stored topics, checkpoints and Redis data (logs are kept)")
 
     p = sub.add_parser("status", help="servers, policy version, checkpoints and live samplers",
                        description="Prints where the servers are and the state of one run. Never prints secrets.")
@@ -207,8 +211,10 @@ def _cmd_up(args) -> int:
 def _cmd_down(args) -> int:
     from infra.local_stack import stop_stack
 
-    stopped = stop_stack(args.data_dir)
+    stopped = stop_stack(args.data_dir, wipe=args.wipe)
     print(f"stopped {', '.join(stopped)}" if stopped else f"no local stack running in {args.data_dir}/")
+    if args.wipe:
+        print(f"deleted the stored data in {args.data_dir}/")
     return 0
 
 

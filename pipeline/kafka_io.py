@@ -113,6 +113,10 @@ class RolloutSink:
                 bootstrap_servers=bootstrap, acks="all", compression_type="gzip", linger_ms=5,
                 max_request_size=MAX_MESSAGE_BYTES, request_timeout_ms=int(send_timeout_s * 1000),
                 retries=5, retry_backoff_ms=200, client_id="heterorl-sampler",
+                # Tansu 0.6 hands the same producer id to concurrent producers, so the
+                # idempotent producer's sequence numbers collide (OutOfOrderSequenceNumber).
+                # Delivery is at-least-once instead; consumers drop repeated rollout ids.
+                enable_idempotence=False,
                 bootstrap_timeout_ms=int(connect_timeout_s * 1000))
         except KafkaError as e:
             raise _unreachable(bootstrap, e) from None

@@ -251,8 +251,8 @@ class Outbox:
 
     def _discarded(self, rollouts: list[Rollout]) -> None:
         self.discarded_at_source += len(rollouts)
-        self.log.warning("discarded %d spooled groups that grew too stale while the broker was unreachable",
-                         len(rollouts))
+        self.log.warning("discarded %d spooled groups already past the learner's max delay (versions %s)",
+                         len(rollouts), sorted({r.policy_version for r in rollouts}))
 
     def _failed(self, error: str) -> None:
         wait = self.backoff.failed()
