@@ -255,6 +255,12 @@ class Outbox:
                          len(rollouts), sorted({r.policy_version for r in rollouts}))
 
     def _failed(self, error: str) -> None:
+        if self.sink is not None:  # a fresh producer next time: a failed one may be stuck for good
+            try:
+                self.sink.producer.close(timeout=1.0)
+            except Exception:  # noqa: BLE001 - it is being replaced because it misbehaves
+                pass
+            self.sink = None
         wait = self.backoff.failed()
         self.log.warning("broker %s unreachable (%s): %d groups spooled, retrying in %.1fs", self.broker,
                          error.splitlines()[0][:160], self.spool.pending(), wait)
