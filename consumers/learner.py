@@ -37,6 +37,7 @@ from collections import Counter
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -192,10 +193,29 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         log.info("published base model %s as policy v0", base_model)
     publisher = BackgroundPublisher(handles.store, handles.state, lcfg.keep_checkpoints)
     source = RolloutSource(bootstrap, cfg.run.topic, start_offsets=offsets)
+    def send_retrying(sink, value: bytes, **kwargs) -> None:
+        """The update log must hold a step before anything builds on it: retry through an
+        outage, with backoff, for up to learner.network_retry_s, saying so each time."""
+        from kafka.errors import KafkaError
+
+        deadline, wait = time.monotonic() + lcfg.network_retry_s, 1.0
+        while True:
+            try:
+                sink.send_raw(value, **kwargs)
+                return
+            except KafkaError as e:
+                if time.monotonic() + wait > deadline:
+                    raise
+                log.warning("writing to %s on Kafka at %s failed (%s); retrying in %.0fs", sink.topic, bootstrap,
+                            type(e).__name__, wait)
+                time.sleep(wait)
+                wait = min(wait * 2, 30.0)
+
     update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
     # Steps logged after the checkpoint we start from were lost with the learner that made them.
-    start_marker = rewind_entry(version, lcfg.loss_type)
-    update_log.send_raw(start_marker.to_json().encode(), key=str(version).encode())
+    attempt = uuid.uuid4().hex[:12]
+    start_marker = rewind_entry(version, lcfg.loss_type, attempt)
+    send_retrying(update_log, start_marker.to_json().encode(), key=str(version).encode())
     append_entry(run_dir, start_marker)
     dead_letters = RolloutSink(bootstrap, dead_letter_topic(cfg.run.topic))
     judged: dict[str, list] = {"dropped": [], "malformed": [], "duplicates": []}  # since the last step
@@ -228,7 +248,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         except RolloutDecodeError as e:
             counters.malformed += 1
             judged["malformed"].append(SkippedMessage(record.partition, record.offset, e.reason))
-            dead_letters.send_raw(record.value, headers=[
+            send_retrying(dead_letters, record.value, headers=[
                 ("reason", e.reason.encode()), ("source_topic", cfg.run.topic.encode()),
                 ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
                 *[(k, v) for k, v in record.headers if k not in ("reason",)]])
@@ -274,8 +294,8 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
             used=[UsedGroup(g.partition, g.offset, g.rollout.rollout_id, g.rollout.policy_version, g.staleness,
                             g.decision.weight, g.age_s) for g in batch],
             dropped=judged["dropped"], malformed=judged["malformed"], duplicates=judged["duplicates"],
-            vocab_size=vocab_size, tokenizer_sha=tokenizer_sha)
-        update_log.send_raw(entry.to_json().encode(), key=str(version).encode())
+            vocab_size=vocab_size, tokenizer_sha=tokenizer_sha, attempt=attempt)
+        send_retrying(update_log, entry.to_json().encode(), key=str(version).encode())
         append_entry(run_dir, entry)
         judged.update(dropped=[], malformed=[], duplicates=[])
         staleness = [g.staleness for g in batch]

@@ -25,6 +25,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -236,7 +237,15 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         run.procs.stop([f"sampler-{slot}" for slot in run.slots], grace_s=120.0)
         learner = run.procs.procs["learner"]
         learner.send_signal(signal.SIGUSR1)
-        learner.wait(timeout=600)
+        drain_started = time.monotonic()
+        while learner.poll() is None:
+            if time.monotonic() - drain_started > 600:
+                raise RuntimeError(f"the learner did not finish draining within 600s:\n{run.procs.log_tail('learner')}")
+            try:
+                learner.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.info("waiting for the learner to read the rest of %s (policy v%s)", cfg.run.topic,
+                         state.policy_version())
         if learner.returncode != 0:
             raise RuntimeError(f"learner exited with {learner.returncode} while draining:\n"
                                f"{run.procs.log_tail('learner')}")

@@ -227,6 +227,9 @@ class LearnerConfig(_Strict):
     """Give up (exit non-zero) after this long with no new rollout."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads for the learner's forward and backward."""
+    network_retry_s: float = Field(300.0, gt=0)
+    """How long the learner retries writing its update log or dead letters through a broker
+    outage (with backoff, logged) before it gives up and exits (a restart resumes)."""
 
 
 class EvalConfig(_Strict):

@@ -105,6 +105,9 @@ class UpdateEntry:
     kind: str = "step"
     """"step", or "rewind": a learner (re)started at version `step`; entries of later steps
     written before it belong to updates that were lost with a crash and are void."""
+    attempt: str = ""
+    """Id of the learner process that wrote the entry: a rewind voids only entries of earlier
+    processes, so a late, re-sent copy of a learner's own rewind cannot void its steps."""
     schema: int = UPDATE_LOG_SCHEMA
 
     def to_json(self) -> str:
@@ -119,7 +122,8 @@ class UpdateEntry:
                    dropped=[DroppedGroup(**g) for g in d.get("dropped", [])],
                    malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
                    duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
-                   vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"))
+                   vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"),
+                   attempt=d.get("attempt", ""))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "UpdateEntry":
@@ -160,14 +164,15 @@ def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
     by_step: dict[int, UpdateEntry] = {}
     for e in entries:
         if e.kind == "rewind":
-            by_step = {s: x for s, x in by_step.items() if s <= e.step}
+            by_step = {s: x for s, x in by_step.items() if s <= e.step or (e.attempt and x.attempt == e.attempt)}
         else:
             by_step[e.step] = e
     return [by_step[s] for s in sorted(by_step)]
 
 
-def rewind_entry(version: int, loss_type: str) -> UpdateEntry:
-    return UpdateEntry(step=version, policy_version=version, loss_type=loss_type, time=time.time(), kind="rewind")
+def rewind_entry(version: int, loss_type: str, attempt: str = "") -> UpdateEntry:
+    return UpdateEntry(step=version, policy_version=version, loss_type=loss_type, time=time.time(), kind="rewind",
+                       attempt=attempt)
 
 
 def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:

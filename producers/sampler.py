@@ -331,6 +331,7 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     def totals() -> dict:
         return {"generated": generated, "published": outbox.published, "spooled": spool.pending(),
                 "discarded_at_source": outbox.discarded_at_source,
+                "paused_s": round(sum(v for k, v in waited.items() if k.endswith("_s")), 1),
                 **{k: round(v, 1) for k, v in waited.items()}, **gate.stats}
 
     def heartbeat() -> None:

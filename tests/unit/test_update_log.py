@@ -26,3 +26,14 @@ def test_file_round_trip_skips_a_torn_line(tmp_path):
     append_entry(tmp_path, _step(3, 5))
     assert [(e.step, e.used[0].offset) for e in read_entries_file(tmp_path / "updates.jsonl")] == [
         (1, 0), (2, 1), (3, 5)]
+
+
+def test_a_late_copy_of_a_learner_s_own_rewind_does_not_void_its_steps():
+    def step(n, attempt):
+        e = _step(n, n)
+        e.attempt = attempt
+        return e
+
+    log = [rewind_entry(0, "gepo", "A"), step(1, "A"), step(2, "A"), rewind_entry(1, "gepo", "B"),
+           step(2, "B"), step(3, "B"), rewind_entry(1, "gepo", "B")]  # B's rewind re-sent late
+    assert [(e.step, e.attempt) for e in dedup_by_step(log)] == [(1, "A"), (2, "B"), (3, "B")]
