@@ -189,8 +189,12 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     out.mkdir(parents=True, exist_ok=True)
     duration_s = minutes * 60
     run_name = f"{cfg.run.name}-chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    # The base model comes from the usual cache (services.data_dir/models); the servers and
+    # their data live in OUT/data, so the run's record stays with its audit.
+    base = resolve_base_model(cfg).resolve()
     cfg = cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
+        "model": cfg.model.model_copy(update={"base": str(base)}),
         "services": cfg.services.model_copy(update={"data_dir": str(out / "data")}),
         "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "idle_timeout_s": max(600.0, 4 * partition_s)}),
     })
@@ -206,7 +210,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         state = RunState(connect_redis(s.redis_url), run_name)
         store = CheckpointStore(connect_s3(services), s.bucket, run_name)
         task = make_task_from_config(cfg)
-        before = evaluate_checkpoint(cfg, resolve_base_model(cfg), task)
+        before = evaluate_checkpoint(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         run.start_learner()
         for slot in run.slots:

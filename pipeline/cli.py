@@ -179,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samplers", type=int, default=3, help="samplers at the start (default 3)")
     p.add_argument("--partition-s", type=float, default=30.0,
                    help="length of the window in which the samplers reach nothing (default 30)")
-    p.add_argument("--out", required=True, metavar="DIR", help="new directory: logs, data, audit.json")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="new directory: logs, metrics, the servers' data (OUT/data), audit.json; --data-dir "
+                        "only locates the cached base model")
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
 
     p = sub.add_parser("compare", help="side-by-side table and accuracy plot of run directories",
