@@ -434,14 +434,32 @@ def _serve_localbucket(argv: list[str]) -> None:
        per file, on every request), because Tansu lists all batch objects of a
        partition on every fetch.
     4. A log line per request only for errors (else a line per Kafka read/write).
+    5. PutObject honours ``If-Match`` (stock: ignored). Tansu advances a partition's
+       watermark by compare-and-swap on its ETag; without it, concurrent produce requests
+       overwrote each other's watermark and two messages got one offset while others were
+       skipped (measured in a 15-minute chaos run: 267 colliding offsets, 37 messages a
+       tailing consumer never saw). Writes are serialised so check and write are atomic.
     """
     from datetime import datetime, timezone
 
     import localbucket  # type: ignore[import-not-found]
 
+    import threading
+
     handler = localbucket.S3Handler
     temp_prefix = localbucket.TEMP_PREFIX
     stock_log_request = handler.log_request
+    stock_write_object = handler._write_object
+    write_lock = threading.Lock()
+
+    def write_object(self: Any, bucket: str, key: str, write: Any) -> str:
+        if_match = self.headers.get("If-Match")
+        with write_lock:
+            if if_match is not None:
+                target = self._object_path(bucket, key)
+                if not target.is_file() or not localbucket.etag_matches(if_match, localbucket.object_etag(target)):
+                    raise self._precondition_failed_error()
+            return stock_write_object(self, bucket, key, write)
 
     def iso_timestamp(epoch: float) -> str:
         return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -458,6 +476,7 @@ def _serve_localbucket(argv: list[str]) -> None:
 
     localbucket.iso_timestamp = iso_timestamp
     handler._list_entries = list_entries
+    handler._write_object = write_object
     handler.log_request = log_request
     handler.disable_nagle_algorithm = True
     sys.argv = ["localbucket", *argv]

@@ -12,9 +12,14 @@ Each count comes from its own source, none is derived from another:
 - `discarded_at_source`: the samplers' own reports in Redis (groups that grew too stale
   in a sampler's spool never reach the broker, so they are not part of `lost`).
 
+A message is identified by (partition, offset, rollout id): the Tansu 0.6 broker of the
+local stack can store two different messages under one offset, and skip offsets, when
+a producer's connection dies mid-request (counted as `broker_offset_collisions` and
+`broker_offset_gaps`; both messages are real and both are accounted for).
+
 Then `lost` = produced − used − dropped − dead-lettered − duplicates − pending, and, as
-an independent check, `unaccounted_offsets` lists every offset of the log that is in no
-category at all (it must be empty when `lost` is 0). `used_twice` counts offsets or
+an independent check, `unaccounted_offsets` lists every message of the log that is in
+no category at all (it must be empty when `lost` is 0). `used_twice` counts messages or
 rollout ids that went into more than one update.
 """
 
@@ -37,42 +42,50 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
     ends: dict[int, int] = {p: 0 for p in topic_partitions(bootstrap, topic)}
     for r in log:
         ends[r.partition] = max(ends[r.partition], r.offset + 1)
+    # A message is (partition, offset, rollout id): Tansu 0.6 can give two different messages
+    # one offset (and skip others) when a producer dies mid-request, so an offset alone is not
+    # an identity. Undecodable messages without an id header are (partition, offset, None).
+    messages = {(r.partition, r.offset, header_value(r.headers, "rollout_id")) for r in log}
+    per_offset = Counter((p, o) for p, o, _ in messages)
     entries: list[UpdateEntry] = read_entries_kafka(bootstrap, topic, timeout_s=timeout_s) or []
-    dead_sources = set()
+    dead = set()
     if topic_partitions(bootstrap, dead_letter_topic(topic)):
         for r in read_topic(bootstrap, dead_letter_topic(topic), timeout_s=timeout_s):
-            dead_sources.add((int(header_value(r.headers, "source_partition")),
-                              int(header_value(r.headers, "source_offset"))))
+            dead.add((int(header_value(r.headers, "source_partition")), int(header_value(r.headers, "source_offset")),
+                      header_value(r.headers, "rollout_id")))
 
     final_offsets = {int(p): int(o) for p, o in final_manifest_extra.get("offsets", {}).items()}
     tail = final_manifest_extra.get("tail_verdicts", {})
-    used = [(g.partition, g.offset) for e in entries for g in e.used]
+    used = [(g.partition, g.offset, g.rollout_id) for e in entries for g in e.used]
     used_ids = [g.rollout_id for e in entries for g in e.used]
-    dropped = {(g.partition, g.offset) for e in entries for g in e.dropped}
-    dropped |= {(g["partition"], g["offset"]) for g in tail.get("dropped", [])}
-    duplicates = {(g.partition, g.offset) for e in entries for g in e.duplicates}
-    duplicates |= {(g["partition"], g["offset"]) for g in tail.get("duplicates", [])}
-    pending = {(p, o) for p, end in ends.items() for o in range(int(final_offsets.get(p, 0)), end)}
-    accounted = set(used) | dropped | duplicates | dead_sources | pending
-    unaccounted = sorted((r.partition, r.offset) for r in log if (r.partition, r.offset) not in accounted)
+    dropped = {(g.partition, g.offset, g.rollout_id) for e in entries for g in e.dropped}
+    dropped |= {(g["partition"], g["offset"], g["rollout_id"]) for g in tail.get("dropped", [])}
+    duplicates = {(g.partition, g.offset, g.rollout_id) for e in entries for g in e.duplicates}
+    duplicates |= {(g["partition"], g["offset"], g["rollout_id"]) for g in tail.get("duplicates", [])}
+    pending = {m for m in messages if m[1] >= int(final_offsets.get(m[0], 0))}
+    accounted = set(used) | dropped | duplicates | dead | pending
+    unaccounted = sorted((m for m in messages if m not in accounted), key=lambda m: (m[0], m[1]))
 
-    produced = len(log)
     counts = {
-        "produced": produced, "used_in_updates": len(set(used)), "dropped_stale": len(dropped),
-        "dead_lettered": len(dead_sources), "duplicates_ignored": len(duplicates), "pending_at_end": len(pending),
+        "produced": len(messages), "used_in_updates": len(set(used) & messages),
+        "dropped_stale": len(dropped & messages), "dead_lettered": len(dead & messages),
+        "duplicates_ignored": len(duplicates & messages), "pending_at_end": len(pending),
     }
-    counts["lost"] = produced - sum(counts[k] for k in ("used_in_updates", "dropped_stale", "dead_lettered",
-                                                        "duplicates_ignored", "pending_at_end"))
-    offsets_twice = sum(n - 1 for n in Counter(used).values() if n > 1)
+    counts["lost"] = counts["produced"] - sum(counts[k] for k in ("used_in_updates", "dropped_stale", "dead_lettered",
+                                                                  "duplicates_ignored", "pending_at_end"))
+    messages_twice = sum(n - 1 for n in Counter(used).values() if n > 1)
     ids_twice = sum(n - 1 for n in Counter(used_ids).values() if n > 1)
     reports = sampler_reports or {}
     return {
         **counts,
-        "used_twice": offsets_twice + ids_twice,
-        "unaccounted_offsets": [f"{p}:{o}" for p, o in unaccounted[:100]],
+        "used_twice": max(messages_twice, ids_twice),
+        "unaccounted_offsets": [f"{p}:{o}:{i}" for p, o, i in unaccounted[:100]],
         "unaccounted_count": len(unaccounted),
         "discarded_at_source": sum(int(r.get("discarded_at_source", 0)) for r in reports.values()),
         "update_steps": len(entries),
+        # What the broker did, not the pipeline: offsets holding several messages, offsets skipped.
+        "broker_offset_collisions": sum(1 for n in per_offset.values() if n > 1),
+        "broker_offset_gaps": sum(e for e in ends.values()) - len(per_offset),
         "log_end_offsets": {str(p): e for p, e in ends.items()},
         "learner_final_offsets": {str(p): o for p, o in final_offsets.items()},
     }

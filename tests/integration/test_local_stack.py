@@ -537,3 +537,22 @@ def test_s3_listing_matches_localbucket_s_own(tmp_path: Path) -> None:
                         assert _list_keys(*args, localbucket.TEMP_PREFIX) == stock(None, *args), args
                         cases += 1
     assert cases == 1440
+
+
+def test_s3_conditional_put_is_a_compare_and_swap(local_stack):
+    """Tansu moves a partition's watermark by If-Match on its ETag: a stale ETag must lose."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    if local_stack.s3_server != "localbucket":
+        pytest.skip("checks the localbucket adjustment")
+    s3 = boto3.client("s3", endpoint_url=local_stack.s3_endpoint, aws_access_key_id=local_stack.s3_access_key,
+                      aws_secret_access_key=local_stack.s3_secret_key, region_name=local_stack.s3_region)
+    first = s3.put_object(Bucket=local_stack.bucket, Key="cas/watermark", Body=b"1")["ETag"]
+    second = s3.put_object(Bucket=local_stack.bucket, Key="cas/watermark", Body=b"2", IfMatch=first)["ETag"]
+    with pytest.raises(ClientError) as stale:
+        s3.put_object(Bucket=local_stack.bucket, Key="cas/watermark", Body=b"3", IfMatch=first)
+    assert stale.value.response["Error"]["Code"] == "PreconditionFailed"
+    with pytest.raises(ClientError):
+        s3.put_object(Bucket=local_stack.bucket, Key="cas/missing", Body=b"x", IfMatch=second)
+    assert s3.get_object(Bucket=local_stack.bucket, Key="cas/watermark")["Body"].read() == b"2"
