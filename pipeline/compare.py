@@ -192,14 +192,16 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
 
 
 def plot_comparison(run_dirs: list[Path], out_png: Path) -> Path:
-    """One PNG: held-out accuracy (sampled) vs policy version, and smoothed training reward vs step."""
+    """One PNG: held-out accuracy (sampled) vs policy version, smoothed training reward and
+    learner–sampler KL vs step. (Replays of one recording share the reward curve by
+    construction: it is the recorded groups' reward; accuracy and KL are what differ.)"""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = compare_runs(run_dirs)  # validates every directory before anything is drawn
-    fig, (ax_acc, ax_reward) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_acc, ax_reward, ax_kl) = plt.subplots(1, 3, figsize=(17, 4.5))
     for run_dir, row in zip(map(Path, run_dirs), rows):
         label = f"{row['run']} ({row['loss'] or MISSING})"
         evals = [r for r in eval_records(run_dir) if _finite(r.get("accuracy_sampled")) is not None]
@@ -209,6 +211,9 @@ def plot_comparison(run_dirs: list[Path], out_png: Path) -> Path:
         window = max(1, len(learner) // 10)
         ax_reward.plot([r["step"] for r in learner], _rolling_mean([r["reward_mean"] for r in learner], window),
                        color=line.get_color(), label=f"{label}, {window}-step mean")
+        kl = [r for r in learner if _finite(r.get("kl")) is not None]
+        ax_kl.plot([r["step"] for r in kl], _rolling_mean([r["kl"] for r in kl], max(1, len(kl) // 10)),
+                   color=line.get_color(), label=label)
     ax_acc.set_xlabel("policy version")
     ax_acc.set_ylabel("held-out accuracy (sampled)")
     ax_acc.set_ylim(0, 1)
@@ -218,6 +223,10 @@ def plot_comparison(run_dirs: list[Path], out_png: Path) -> Path:
     ax_reward.set_ylabel("training reward (rolling mean)")
     ax_reward.set_title("training reward")
     ax_reward.legend(loc="best", fontsize="small")
+    ax_kl.set_xlabel("learner step")
+    ax_kl.set_ylabel("KL(learner ‖ sampler), rolling mean")
+    ax_kl.set_title("learner–sampler KL")
+    ax_kl.legend(loc="best", fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
