@@ -122,7 +122,7 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int) -> set[str]:
     A resumed learner starts with these, so a copy that reaches the log after the
     checkpoint is still recognised as a duplicate.
     """
-    entries = read_entries_kafka(bootstrap, topic) or []
+    entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0) or []
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
@@ -159,6 +159,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     from pipeline.update import optimizer_step
 
     log = setup_logging("learner")
+    drain = _DrainRequest()  # first: a drain request during the start must not kill the process
     lcfg, scfg = cfg.learner, cfg.sampler
     torch.set_num_threads(lcfg.torch_threads)
     torch.manual_seed(cfg.run.seed)
@@ -224,7 +225,6 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     counters = LearnerCounters()
     pending: list[PendingGroup] = []
     start_version = saved_version = version
-    drain = _DrainRequest()
     last_record_at = last_wait_log = step_started = time.monotonic()
     consumed_at_last_step = 0
 
@@ -321,7 +321,9 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
 
     def save_checkpoint(tail_verdicts: Optional[dict] = None) -> None:
         nonlocal saved_version
-        snapshot = work_dir / f"v{version}"
+        # A fresh directory each time: the publisher may still be uploading (then deleting)
+        # an earlier snapshot of this same version.
+        snapshot = Path(tempfile.mkdtemp(prefix=f"v{version}-", dir=work_dir))
         engine.module.save_pretrained(snapshot, safe_serialization=True)
         tokenizer.save_pretrained(snapshot)
         engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
@@ -335,6 +337,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         """After SIGUSR1: everything in the topic has been read, so finish up."""
         if not drain.requested or source.lag() > 0:
             return False
+        recheck_pending()  # the wall-clock limit may have passed while the run wound down
         if pending:  # a last, smaller batch: no kept group is left unused
             batch = pending[:]
             pending.clear()

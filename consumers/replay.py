@@ -55,7 +55,9 @@ class RecordedRun:
 
     description: str
     topic: str
-    messages: dict[tuple[int, int], bytes]
+    messages: dict[tuple[int, int], list[bytes]]
+    """Payloads by (partition, offset): usually one, two where the broker gave one offset to
+    two messages (Tansu can, see pipeline/audit.py); the log's rollout id tells them apart."""
     update_log: list[UpdateEntry]
 
 
@@ -90,7 +92,10 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
     if not log:
         raise ReplayError(f"topic {topic} on {where} has no update log ({topic}.updates): replay takes each "
                           "group's staleness from the original learner's log")
-    return RecordedRun(f"{topic} on {where}", topic, {(r.partition, r.offset): r.value for r in records}, log)
+    messages: dict[tuple[int, int], list[bytes]] = {}
+    for r in records:
+        messages.setdefault((r.partition, r.offset), []).append(r.value)
+    return RecordedRun(f"{topic} on {where}", topic, messages, log)
 
 
 # ----------------------------------------------------------------------------------
@@ -184,15 +189,8 @@ class ReplayPlan:
 
     def _group(self, g: UsedGroup | DroppedGroup) -> Optional[PlannedGroup]:
         """The recorded group judged anew; None if it takes no part (counted)."""
-        payload = self.record.messages.get((g.partition, g.offset))
-        try:
-            if payload is None:
-                raise RolloutDecodeError("not in the source")
-            rollout = decode_rollout(payload)
-            ids = list(rollout.prompt_ids) + [t for c in rollout.completion_ids for t in c]
-            if rollout.rollout_id != g.rollout_id or max(ids) >= self.vocab_size:
-                raise RolloutDecodeError("does not match the update log or the base vocabulary")
-        except RolloutDecodeError:
+        rollout = self._recorded_rollout(g)
+        if rollout is None:
             self.counters.unreadable += 1
             return None
         if not self.filter.admits(rollout):
@@ -211,6 +209,18 @@ class ReplayPlan:
                                              decision.reason, g.age_s))
             return None
         return PlannedGroup(rollout, recorded, decision)
+
+    def _recorded_rollout(self, g: UsedGroup | DroppedGroup) -> Optional[Rollout]:
+        """The message the log names, if it decodes and fits the base model's vocabulary."""
+        for payload in self.record.messages.get((g.partition, g.offset), []):
+            try:
+                rollout = decode_rollout(payload)
+            except RolloutDecodeError:
+                continue
+            ids = list(rollout.prompt_ids) + [t for c in rollout.completion_ids for t in c]
+            if rollout.rollout_id == g.rollout_id and max(ids) < self.vocab_size:
+                return rollout
+        return None
 
     def batches(self, exact: bool) -> Iterator[list[PlannedGroup]]:
         if exact:
@@ -266,7 +276,7 @@ def _check_filter_keeps_data(record: RecordedRun, flt: ReplayFilter) -> None:
     times, versions, kept = [], [], 0
     for key in logged:
         try:
-            rollout = decode_rollout(record.messages[key])
+            rollout = decode_rollout(record.messages[key][0])
         except (KeyError, RolloutDecodeError):
             continue
         times.append(rollout.created_at)

@@ -134,6 +134,10 @@ class PolicyHolder:
         except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
             self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
                              version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
+        except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never retry them
+            self.refused.add(manifest_key)
+            self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
+                           str(e).splitlines()[0][:160] if str(e) else "", self.version)
         finally:
             self.downloading = None
 
@@ -285,12 +289,32 @@ class Outbox:
         self.spool.close()
 
 
+def _connect_retrying(cfg: HeteroConfig, log, give_up_s: float = 300.0):
+    """The servers, and the topic, with backoff: a sampler started during an outage waits
+    for the link (saying so) instead of exiting; after `give_up_s` the error stands."""
+    from pipeline.kafka_io import ensure_topic
+    from pipeline.services import ServiceUnavailable
+
+    backoff, deadline = Backoff(cfg.sampler.retry_max_backoff_s), time.monotonic() + give_up_s
+    while True:
+        try:
+            handles = connect_run(cfg)
+            ensure_topic(handles.services.kafka_bootstrap, cfg.run.topic, cfg.run.topic_partitions,
+                         retention_ms=cfg.run.topic_retention_ms)
+            return handles
+        except ServiceUnavailable as e:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s; retrying in %.1fs", e, backoff.failed())
+            time.sleep(max(0.0, backoff.next_try - time.monotonic()))
+
+
 def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     import redis
     import torch
 
     from pipeline.delays import RefreshGate, too_far_behind, transit_stream
-    from pipeline.kafka_io import RolloutSink, ensure_topic
+    from pipeline.kafka_io import RolloutSink
     from pipeline.model import sample_groups
     from pipeline.spool import RolloutSpool
 
@@ -298,11 +322,10 @@ def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
     log = setup_logging(f"sampler {sampler_id}")
     torch.set_num_threads(cfg.sampler.torch_threads)
     scfg = cfg.sampler
-    handles = connect_run(cfg)
+    handles = _connect_retrying(cfg, log)
     state, store = handles.state, handles.store
     task = make_task_from_config(cfg)
     bootstrap = handles.services.kafka_bootstrap
-    ensure_topic(bootstrap, cfg.run.topic, cfg.run.topic_partitions, retention_ms=cfg.run.topic_retention_ms)
     spool_dir = Path(scfg.spool_dir or Path(cfg.services.data_dir) / "spool" / sampler_id)
     spool = RolloutSpool(spool_dir, max_bytes=int(scfg.spool_max_mb * 1024 * 1024), max_groups=scfg.spool_max_groups)
     if spool.pending():
