@@ -94,7 +94,7 @@ def check_usable(rollout: Rollout, version: int, vocab_size: int, temperature: f
     if abs(float(rollout.sampling.get("temperature", -1)) - temperature) > 1e-6:
         raise RolloutDecodeError(f"sampled at temperature {rollout.sampling.get('temperature')}, "
                                  f"learner expects sampler.temperature={temperature}")
-    ids = [t for t in rollout.prompt_ids] + [t for c in rollout.completion_ids for t in c]
+    ids = rollout.token_ids()
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise RolloutDecodeError(f"token id outside the model's vocabulary of {vocab_size}")
     longest = max(len(c) for c in rollout.completion_ids)
@@ -199,18 +199,20 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
         outage, with backoff, for up to learner.network_retry_s, saying so each time."""
         from kafka.errors import KafkaError
 
-        deadline, wait = time.monotonic() + lcfg.network_retry_s, 1.0
+        from pipeline.services import Backoff
+
+        deadline, backoff = time.monotonic() + lcfg.network_retry_s, Backoff(max_s=30.0, first_s=1.0)
         while True:
             try:
                 sink.send_raw(value, **kwargs)
                 return
             except KafkaError as e:
+                wait = backoff.failed()
                 if time.monotonic() + wait > deadline:
                     raise
                 log.warning("writing to %s on Kafka at %s failed (%s); retrying in %.0fs", sink.topic, bootstrap,
                             type(e).__name__, wait)
                 time.sleep(wait)
-                wait = min(wait * 2, 30.0)
 
     update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
     # Steps logged after the checkpoint we start from were lost with the learner that made them.

@@ -59,6 +59,20 @@ class RecordedRun:
     """Payloads by (partition, offset): usually one, two where the broker gave one offset to
     two messages (Tansu can, see pipeline/audit.py); the log's rollout id tells them apart."""
     update_log: list[UpdateEntry]
+    decoded: dict[tuple[int, int], list[Rollout]] = field(default_factory=dict, repr=False)
+    """Messages decoded so far: the filter check and the plan both ask for the logged groups."""
+
+    def rollout(self, partition: int, offset: int, rollout_id: str) -> Optional[Rollout]:
+        """The decodable message at (partition, offset) with this rollout id, if any."""
+        cache, key = self.decoded, (partition, offset)
+        if key not in cache:
+            cache[key] = []
+            for payload in self.messages.get(key, []):
+                try:
+                    cache[key].append(decode_rollout(payload))
+                except RolloutDecodeError:
+                    pass
+        return next((r for r in cache[key] if r.rollout_id == rollout_id), None)
 
 
 def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
@@ -212,15 +226,8 @@ class ReplayPlan:
 
     def _recorded_rollout(self, g: UsedGroup | DroppedGroup) -> Optional[Rollout]:
         """The message the log names, if it decodes and fits the base model's vocabulary."""
-        for payload in self.record.messages.get((g.partition, g.offset), []):
-            try:
-                rollout = decode_rollout(payload)
-            except RolloutDecodeError:
-                continue
-            ids = list(rollout.prompt_ids) + [t for c in rollout.completion_ids for t in c]
-            if rollout.rollout_id == g.rollout_id and max(ids) < self.vocab_size:
-                return rollout
-        return None
+        rollout = self.record.rollout(g.partition, g.offset, g.rollout_id)
+        return rollout if rollout is not None and max(rollout.token_ids()) < self.vocab_size else None
 
     def batches(self, exact: bool) -> Iterator[list[PlannedGroup]]:
         if exact:
@@ -272,12 +279,11 @@ def parse_time(text: Optional[str]) -> Optional[float]:
 
 def _check_filter_keeps_data(record: RecordedRun, flt: ReplayFilter) -> None:
     """One line before any training if the filters leave no group, naming what the topic holds."""
-    logged = {(g.partition, g.offset) for e in record.update_log for g in (*e.used, *e.dropped)}
+    logged = {(g.partition, g.offset, g.rollout_id) for e in record.update_log for g in (*e.used, *e.dropped)}
     times, versions, kept = [], [], 0
     for key in logged:
-        try:
-            rollout = decode_rollout(record.messages[key][0])
-        except (KeyError, RolloutDecodeError):
+        rollout = record.rollout(*key)
+        if rollout is None:
             continue
         times.append(rollout.created_at)
         versions.append(rollout.policy_version)

@@ -176,12 +176,19 @@ def wait_for(
         time.sleep(interval_s)
 
 
+def stack_services(state: StackState) -> Any:
+    """``state`` as the ``pipeline.services.Services`` every client connects with."""
+    from pipeline.services import Services
+
+    return Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
+                    state.s3_secret_key, state.s3_region, state.bucket, from_local_stack=True)
+
+
 def stack_env(state: StackState) -> dict[str, str]:
     """Environment variables that point heterorl (and standard tools) at ``state``."""
-    from pipeline.services import Services, services_env
+    from pipeline.services import services_env
 
-    return services_env(Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
-                                 state.s3_secret_key, state.s3_region, state.bucket))
+    return services_env(stack_services(state))
 
 
 def _one_line(text: str, limit: int = 240) -> str:
@@ -189,7 +196,9 @@ def _one_line(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _free_port(taken: set[int]) -> int:
+def free_port(taken: set[int] | None = None) -> int:
+    """A free loopback port, not in `taken` (which gets it added): ports picked together differ."""
+    taken = set() if taken is None else taken
     for _ in range(50):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((LOOPBACK, 0))
@@ -555,7 +564,7 @@ def _spec(state: StackState, name: str) -> _Spec:
                 MINIO_REGION=state.s3_region,
                 MINIO_BROWSER="off",
             )
-            console = _free_port({port})
+            console = free_port({port})
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
                     "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
         elif state.s3_server == "localbucket":
@@ -773,7 +782,7 @@ def start_stack(
             # Another server already on a fixed port could answer our readiness probe.
             if port and _tcp_open(port):
                 raise StackError(f"port {port} for {name} is already in use on {LOOPBACK}")
-        ports = {n: fixed[n] or _free_port(taken) for n in START_ORDER}
+        ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
         if s3_server == "minio":
             access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
         else:  # moto accepts any credentials; random ones keep the two servers uniform
@@ -809,7 +818,7 @@ def start_stack(
                         # server binds it; pick another one.
                         if not (exc.port_in_use and not fixed[name] and attempt < 2):
                             raise
-                        _set_port(state, name, _free_port(taken))
+                        _set_port(state, name, free_port(taken))
                 ticks = _start_ticks(proc.pid)
                 started[name] = (proc.pid, ticks)
                 state.processes[name] = proc.pid

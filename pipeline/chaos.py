@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,24 +63,19 @@ def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> l
     return sorted(events, key=lambda e: e.at_s)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ChaosRun:
     """The processes and servers of one chaos run, and the faults applied to them."""
 
     def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, partition_s: float, log):
         from infra.fault_proxy import FaultProxy, FaultSpec, Route
-        from infra.local_stack import start_stack
+        from infra.local_stack import free_port, start_stack
         from pipeline.train import Processes
 
         self.cfg, self.out, self.log, self.partition_s = cfg, out, log, partition_s
         self.data_dir = out / "data"
         # The proxy listens first: the broker advertises it and is probed through it.
-        ports = {name: _free_port() for name in ("kafka", "redis", "s3", "proxy-kafka")}
+        taken: set[int] = set()
+        ports = {name: free_port(taken) for name in ("kafka", "redis", "s3", "proxy-kafka")}
         self.proxy = FaultProxy([
             Route("kafka", ports["proxy-kafka"], "127.0.0.1", ports["kafka"]),
             Route("redis", 0, "127.0.0.1", ports["redis"]),
@@ -103,10 +97,12 @@ class ChaosRun:
         self.next_slot = samplers
 
     def _services(self, redis: str, s3: str) -> dict:
-        s = self.stack
-        return {"KAFKA_BOOTSTRAP_SERVERS": self.proxy.address("kafka"), "REDIS_URL": redis, "AWS_ENDPOINT_URL": s3,
-                "AWS_ACCESS_KEY_ID": s.s3_access_key, "AWS_SECRET_ACCESS_KEY": s.s3_secret_key,
-                "AWS_DEFAULT_REGION": s.s3_region, "HETERORL_S3_BUCKET": s.bucket}
+        """The stack's environment (credentials, bucket) with these Redis and S3 URLs, and Kafka
+        through the proxy."""
+        from infra.local_stack import stack_env
+
+        return {**stack_env(self.stack), "KAFKA_BOOTSTRAP_SERVERS": self.proxy.address("kafka"),
+                "REDIS_URL": redis, "AWS_ENDPOINT_URL": s3}
 
     def count(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -134,8 +130,7 @@ class ChaosRun:
         if event.kind == "partition":
             self.proxy.blackhole(self.partition_s, routes=["kafka", "redis", "s3"])
         elif event.kind == "kill_learner":
-            os.killpg(self.procs.procs["learner"].pid, signal.SIGKILL)
-            self.procs.procs["learner"].wait()
+            self.procs.kill("learner")
             time.sleep(2.0)
             self.start_learner()
         elif event.kind == "restart_broker":
@@ -147,8 +142,7 @@ class ChaosRun:
             if not alive:
                 return
             slot = rng.choice(alive)
-            os.killpg(self.procs.procs[f"sampler-{slot}"].pid, signal.SIGKILL)
-            self.procs.procs[f"sampler-{slot}"].wait()
+            self.procs.kill(f"sampler-{slot}")
             time.sleep(rng.uniform(2.0, 8.0))
             self.start_sampler(slot)  # same spool: what it had not sent goes out now
         elif event.kind == "add_sampler":
@@ -179,7 +173,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     from pipeline.audit import audit_topic
     from pipeline.checkpoints import CheckpointStore, connect_s3
     from pipeline.redis_state import RunState, connect_redis
-    from pipeline.services import Services
+    from infra.local_stack import stack_services
 
     log = setup_logging("chaos")
     logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)  # its refusals are counted in its stats
@@ -205,8 +199,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     try:
         run = ChaosRun(cfg, out, samplers, partition_s, log)
         s = run.stack
-        services = Services(s.kafka_bootstrap, s.redis_url, s.s3_endpoint, s.s3_access_key, s.s3_secret_key,
-                            s.s3_region, s.bucket)
+        services = stack_services(s)
         state = RunState(connect_redis(s.redis_url), run_name)
         store = CheckpointStore(connect_s3(services), s.bucket, run_name)
         task = make_task_from_config(cfg)

@@ -9,27 +9,22 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 from pipeline.config import LearnerConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_engine(model, cfg: LearnerConfig):
     """A DeepSpeed engine with AdamW and ZeRO stage `cfg.zero_stage`, one step per batch."""
     import torch
 
+    from infra.local_stack import free_port
+
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
         # One process: a private rendezvous on a free port. An inherited MASTER_PORT (say,
         # from a parent that ran a learner itself) would collide with the parent's.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1")
     import importlib
 

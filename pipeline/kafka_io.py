@@ -96,9 +96,15 @@ def end_offsets(bootstrap: str, topic: str, timeout_s: float = 5.0) -> dict[int,
         deadline = time.monotonic() + timeout_s
         while any(consumer.highwater(tp) is None for tp in parts if ends[tp] > 0) and time.monotonic() < deadline:
             consumer.poll(timeout_ms=200, max_records=1)
-        return {tp.partition: max(ends[tp], consumer.highwater(tp) or 0) for tp in parts}
+        return {tp.partition: _log_end(consumer, tp, ends[tp]) for tp in parts}
     finally:
         consumer.close()
+
+
+def _log_end(consumer: KafkaConsumer, tp: TopicPartition, listed: int) -> int:
+    """The end of a partition's log: Tansu's ListOffsets answer `listed`, corrected by the
+    high watermark of the consumer's latest fetch (right even after multi-record batches)."""
+    return max(listed, consumer.highwater(tp) or 0)
 
 
 class RolloutSink:
@@ -188,8 +194,7 @@ class RolloutSource:
         """Messages not read yet; the fetch high watermark corrects Tansu's ListOffsets answer."""
         ends = self.consumer.end_offsets(self.partitions)
         positions = self.positions()
-        return sum(max(0, max(ends[tp], self.consumer.highwater(tp) or 0) - positions[tp.partition])
-                   for tp in self.partitions)
+        return sum(max(0, _log_end(self.consumer, tp, ends[tp]) - positions[tp.partition]) for tp in self.partitions)
 
     def close(self) -> None:
         self.consumer.close()
@@ -204,21 +209,11 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0,
     """
     source = RolloutSource(bootstrap, topic, start_offsets=start_offsets, max_records=500)
     try:
-        ends = source.consumer.end_offsets(source.partitions)
-        wanted = {tp.partition: end for tp, end in ends.items()}
+        wanted = end_offsets(bootstrap, topic)
         records: list[RawRecord] = []
         last_progress = time.monotonic()
-        seen_highwater: set[int] = set()
-        while any(source.consumer.position(tp) < wanted[tp.partition] for tp in source.partitions):
+        while any(source.consumer.position(tp) < wanted.get(tp.partition, 0) for tp in source.partitions):
             batch = source.poll(1.0)
-            # Tansu answers ListOffsets(latest) with the last batch's base offset + 1, not the
-            # log end, after a multi-record batch (what send_many produces). The first fetch
-            # response's high watermark is right, so the end is raised to it, once per partition.
-            for tp in source.partitions:
-                highwater = source.consumer.highwater(tp)
-                if highwater is not None and tp.partition not in seen_highwater:
-                    wanted[tp.partition] = max(wanted[tp.partition], highwater)
-                    seen_highwater.add(tp.partition)
             fresh = [r for r in batch if r.offset < wanted[r.partition]]
             if fresh:
                 records.extend(fresh)

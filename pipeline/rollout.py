@@ -57,6 +57,10 @@ class Rollout:
     def group_size(self) -> int:
         return len(self.completion_ids)
 
+    def token_ids(self) -> list[int]:
+        """Every token id of the group, prompt first (what must fit a model's vocabulary)."""
+        return list(self.prompt_ids) + [t for c in self.completion_ids for t in c]
+
     def headers(self) -> list[tuple[str, bytes]]:
         return [
             ("schema_version", str(self.schema_version).encode()),

@@ -9,6 +9,7 @@ always speaks the Kafka, Redis and S3 protocols; only the addresses differ.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
@@ -103,3 +104,24 @@ def check_reachable(services: Services, timeout_s: float = 5.0) -> None:
     err = _tcp_probe(s.hostname or "localhost", s.port or (443 if s.scheme == "https" else 80), timeout_s)
     if err:
         raise ServiceUnavailable(f"cannot reach S3 at {services.s3_endpoint} ({err}): {hint}")
+
+
+class Backoff:
+    """Retry pacing for an unreachable server: doubling waits up to a bound, reset on success."""
+
+    def __init__(self, max_s: float, first_s: float = 0.5):
+        self.max_s, self.first_s = max_s, first_s
+        self.failures = 0
+        self.next_try = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.next_try
+
+    def failed(self) -> float:
+        self.failures += 1
+        wait = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.next_try = time.monotonic() + wait
+        return wait
+
+    def succeeded(self) -> None:
+        self.failures, self.next_try = 0, 0.0

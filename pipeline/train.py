@@ -60,8 +60,12 @@ class Processes:
             try:
                 self.procs[n].wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(self.procs[n].pid, signal.SIGKILL)
-                self.procs[n].wait()
+                self.kill(n)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and everything it started (a crash, as far as it can tell)."""
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
 
     def wait(self, name: str, timeout_s: float) -> None:
         """Let one process finish by itself; stop it if it has not within timeout_s."""

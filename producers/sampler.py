@@ -41,6 +41,7 @@ from typing import Optional
 from pipeline.config import HeteroConfig
 from pipeline.rollout import Rollout
 from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
+from pipeline.services import Backoff
 
 
 def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
@@ -163,27 +164,6 @@ class PolicyHolder:
         return self.swap_if_ready() is not None
 
 
-class Backoff:
-    """Retry pacing for an unreachable server: doubling waits up to a bound, reset on success."""
-
-    def __init__(self, max_s: float, first_s: float = 0.5):
-        self.max_s, self.first_s = max_s, first_s
-        self.failures = 0
-        self.next_try = 0.0
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.next_try
-
-    def failed(self) -> float:
-        self.failures += 1
-        wait = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
-        self.next_try = time.monotonic() + wait
-        return wait
-
-    def succeeded(self) -> None:
-        self.failures, self.next_try = 0, 0.0
-
-
 class Outbox:
     """Finished groups on their way to the broker: simulated transit, then the on-disk spool.
 
@@ -232,7 +212,7 @@ class Outbox:
             except ServiceUnavailable as e:
                 self._failed(str(e))
                 return
-        delivered = self.spool.flush_to(self._acked_sink(), is_stale=is_stale, on_discarded=self._discarded)
+        delivered = self.spool.flush_to(self, is_stale=is_stale, on_discarded=self._discarded)
         if self.spool.last_error:
             self._failed(self.spool.last_error)
         elif delivered or not self.spool.pending():
@@ -240,18 +220,13 @@ class Outbox:
                 self.log.info("broker %s reachable again: spool flushed", self.broker)
             self.backoff.succeeded()
 
-    def _acked_sink(self):
-        outbox = self
-
-        class Acked:
-            def send_many(self, rollouts):
-                acks = outbox.sink.send_many(rollouts)
-                for partition, offset in acks:
-                    outbox.acked_up_to[partition] = max(outbox.acked_up_to.get(partition, 0), offset + 1)
-                outbox.published += len(rollouts)
-                return acks
-
-        return Acked()
+    def send_many(self, rollouts: list[Rollout]) -> list[tuple[int, int]]:
+        """The spool's sink: the producer, with the acknowledgements recorded for the backlog."""
+        acks = self.sink.send_many(rollouts)
+        for partition, offset in acks:
+            self.acked_up_to[partition] = max(self.acked_up_to.get(partition, 0), offset + 1)
+        self.published += len(rollouts)
+        return acks
 
     def _discarded(self, rollouts: list[Rollout]) -> None:
         self.discarded_at_source += len(rollouts)
