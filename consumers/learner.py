@@ -8,13 +8,13 @@ The loop, top to bottom:
   2. read the rollout topic by explicit partition assignment;
   3. for each message: decode and validate (a poison message — undecodable, wrong schema
      version, non-finite or positive log-probs, over the length limits — is counted and
-     copied to the dead-letter topic `<topic>.dead` with the reason in a header); a
+     copied to the dead-letter topic `<run>.dead` with the reason in a header); a
      second copy of a rollout id already judged is ignored and counted; staleness
      τ = learner version − rollout version; drop or reweight past `max_delay_steps` /
      `max_delay_seconds` (every drop counted);
   4. once `groups_per_step` whole groups are kept: one loss, one DeepSpeed step; the
      version is the number of steps taken; the step's entry goes to the update log
-     (`<topic>.updates` and RUN_DIR/updates.jsonl: which offsets were used, dropped,
+     (`<run>.updates` and RUN_DIR/updates.jsonl: which offsets were used, dropped,
      set aside), which replay and the chaos audit read;
   5. every `sync_every` steps save the weights (and, beside them, the optimizer and
      LR-schedule state) and hand them to the background publisher (S3 files → manifest
@@ -217,7 +217,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
     update_log = RolloutSink(bootstrap, updates_topic(cfg.run.topic))
     # Steps logged after the checkpoint we start from were lost with the learner that made them.
     attempt = uuid.uuid4().hex[:12]
-    start_marker = rewind_entry(version, lcfg.loss_type, attempt)
+    start_marker = rewind_entry(version, lcfg.loss_type, attempt, cfg.run.topic)
     send_retrying(update_log, start_marker.to_json().encode(), key=str(version).encode())
     append_entry(run_dir, start_marker)
     dead_letters = RolloutSink(bootstrap, dead_letter_topic(cfg.run.topic))
@@ -296,7 +296,7 @@ def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
             used=[UsedGroup(g.partition, g.offset, g.rollout.rollout_id, g.rollout.policy_version, g.staleness,
                             g.decision.weight, g.age_s) for g in batch],
             dropped=judged["dropped"], malformed=judged["malformed"], duplicates=judged["duplicates"],
-            vocab_size=vocab_size, tokenizer_sha=tokenizer_sha, attempt=attempt)
+            vocab_size=vocab_size, tokenizer_sha=tokenizer_sha, attempt=attempt, topic=cfg.run.topic)
         send_retrying(update_log, entry.to_json().encode(), key=str(version).encode())
         append_entry(run_dir, entry)
         judged.update(dropped=[], malformed=[], duplicates=[])

@@ -6,7 +6,7 @@ Run: `heterorl replay --source kafka://HOST:PORT/TOPIC|FILE.parquet --base s3://
 The question it answers: "what would another loss, clip range or max delay have done
 with exactly this data?" The loop, top to bottom:
   1. load the record: every message of the topic and the original learner's update log
-     (Kafka `<topic>.updates`, or both from an exported Parquet file); refuse an unknown
+     (Kafka `<run>.updates`, or both from an exported Parquet file); refuse an unknown
      or empty topic, a source without update log, filters that keep nothing;
   2. fetch the base checkpoint and refuse it if its tokenizer or vocabulary is not the
      one the rollouts were recorded with;
@@ -39,7 +39,7 @@ from typing import Iterator, Optional
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
-from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, append_entry
+from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, append_entry, updates_topic
 
 
 class ReplayError(ValueError):
@@ -104,7 +104,7 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
     if not records:
         raise ReplayError(f"topic {topic} on {where} is empty: nothing to replay")
     if not log:
-        raise ReplayError(f"topic {topic} on {where} has no update log ({topic}.updates): replay takes each "
+        raise ReplayError(f"topic {topic} on {where} has no update log ({updates_topic(topic)}): replay takes each "
                           "group's staleness from the original learner's log")
     messages: dict[tuple[int, int], list[bytes]] = {}
     for r in records:
@@ -411,7 +411,8 @@ def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exac
             plan.counters.staleness_used.extend(staleness)
             append_entry(out_dir, UpdateEntry(step=version, policy_version=version, loss_type=lcfg.loss_type,
                                               time=time.time(), used=[g.recorded for g in batch],
-                                              dropped=plan.take_dropped(), vocab_size=vocab_size))
+                                              dropped=plan.take_dropped(), vocab_size=vocab_size,
+                                              topic=record.topic))
             counts = plan.counters.staleness
             metrics.write("learner", version, {
                 "policy_version": version, **step_metrics, "staleness_mean": sum(staleness) / len(staleness),

@@ -4,8 +4,8 @@ Each count comes from its own source, none is derived from another:
 
 - `produced`: the broker's rollout log, read to its end (what it acknowledged);
 - `used_in_updates`, `dropped_stale`, `duplicates_ignored`: the learner's update log
-  (`<topic>.updates`, rewinds applied: steps lost with a killed learner do not count);
-- `dead_lettered`: the dead-letter topic `<topic>.dead`, by source offset;
+  (`<run>.updates`, rewinds applied: steps lost with a killed learner do not count);
+- `dead_lettered`: the dead-letter topic `<run>.dead`, by source offset;
 - `pending_at_end`: the log's end minus the offsets stored with the learner's final
   checkpoint (what it had not read yet); verdicts the learner reached after its last
   step travel in that checkpoint's manifest (`tail_verdicts`);

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish the replay's checkpoints to S3 (default: RUN_DIR/checkpoints/vN)")
 
     p = sub.add_parser("export", help="write a rollout topic and its update log to one Parquet file",
-                       description="Reads every message of --topic (and <topic>.updates, if present) from the "
+                       description="Reads every message of --topic (and <run>.updates, if present) from the "
                                    "configured or local-stack broker and writes them to --out; docs/schema.md "
                                    "lists the columns. `heterorl replay --source FILE.parquet` trains on it.")
     _add_config_args(p)

@@ -1,7 +1,7 @@
 """The learner's update log: which recorded rollouts went into which optimizer step.
 
-One entry per optimizer step, written by the learner to the Kafka topic
-`<rollout topic>.updates` (key = step) and to `RUN_DIR/updates.jsonl`. Replay follows it
+One entry per optimizer step, written by the learner to the Kafka topic `<run>.updates`
+(beside the rollout topic `<run>.rollouts`; key = step) and to `RUN_DIR/updates.jsonl`. Replay follows it
 (`--exact-batches`), takes the recorded staleness from it, and the chaos audit counts
 `used` from it, independently of the broker's own count of what was produced.
 
@@ -36,14 +36,22 @@ UPDATE_LOG_SCHEMA = 1
 UPDATE_LOG_FILE = "updates.jsonl"
 
 
+def _companion_topic(rollout_topic: str, suffix: str) -> str:
+    """`<run>.<suffix>` beside the default rollout topic `<run>.rollouts`; a custom rollout
+    topic T gets `T.<suffix>`. Either way it follows from the rollout topic alone, so a
+    replay given only the topic finds it."""
+    base = rollout_topic[: -len(".rollouts")] if rollout_topic.endswith(".rollouts") else rollout_topic
+    return f"{base}.{suffix}"
+
+
 def updates_topic(rollout_topic: str) -> str:
-    """Kafka topic of a run's update log."""
-    return f"{rollout_topic}.updates"
+    """Kafka topic of a run's update log: `<run>.updates`."""
+    return _companion_topic(rollout_topic, "updates")
 
 
 def dead_letter_topic(rollout_topic: str) -> str:
-    """Kafka topic where the learner sets poison messages aside (header `reason` says why)."""
-    return f"{rollout_topic}.dead"
+    """Kafka topic where the learner sets poison messages aside (header `reason` says why): `<run>.dead`."""
+    return _companion_topic(rollout_topic, "dead")
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class UpdateEntry:
     duplicates: list[DuplicateGroup] = field(default_factory=list)
     vocab_size: Optional[int] = None
     """Vocabulary size of the learner's model (replay refuses a base that differs)."""
+    topic: str = ""
+    """The rollout topic the partitions and offsets of this entry refer to."""
     tokenizer_sha: Optional[str] = None
     """pipeline.model.tokenizer_fingerprint of the learner's tokenizer."""
     kind: str = "step"
@@ -123,7 +133,7 @@ class UpdateEntry:
                    malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
                    duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
                    vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"),
-                   attempt=d.get("attempt", ""))
+                   attempt=d.get("attempt", ""), topic=d.get("topic", ""))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "UpdateEntry":
@@ -170,9 +180,9 @@ def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def rewind_entry(version: int, loss_type: str, attempt: str = "") -> UpdateEntry:
+def rewind_entry(version: int, loss_type: str, attempt: str = "", topic: str = "") -> UpdateEntry:
     return UpdateEntry(step=version, policy_version=version, loss_type=loss_type, time=time.time(), kind="rewind",
-                       attempt=attempt)
+                       attempt=attempt, topic=topic)
 
 
 def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:

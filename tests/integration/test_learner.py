@@ -75,6 +75,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert [(d.offset, d.staleness, d.reason) for d in entries[2].dropped] == [(2, 2, "too_stale_steps")]
     assert [m.offset for m in entries[2].malformed] == [3]
     assert entries[0].used[0].rollout_id == first.rollout_id
+    assert {e.topic for e in entries} == {cfg.run.topic}
 
     # The poison message was set aside on the dead-letter topic, with the reason in a header.
     from pipeline.kafka_io import read_topic

@@ -37,3 +37,11 @@ def test_a_late_copy_of_a_learner_s_own_rewind_does_not_void_its_steps():
     log = [rewind_entry(0, "gepo", "A"), step(1, "A"), step(2, "A"), rewind_entry(1, "gepo", "B"),
            step(2, "B"), step(3, "B"), rewind_entry(1, "gepo", "B")]  # B's rewind re-sent late
     assert [(e.step, e.attempt) for e in dedup_by_step(log)] == [(1, "A"), (2, "B"), (3, "B")]
+
+
+def test_companion_topics_are_named_after_the_run():
+    from pipeline.update_log import dead_letter_topic, updates_topic
+
+    assert updates_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.updates"
+    assert dead_letter_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.dead"
+    assert updates_topic("my-topic") == "my-topic.updates"  # a custom rollout topic
