@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-CONFIG ?= configs/demo.yaml
+CONFIG ?= demo
 
 .PHONY: install demo test bench clean
 

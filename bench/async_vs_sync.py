@@ -1,6 +1,6 @@
 """Steps per minute: the same learner and sampler, synchronous vs asynchronous.
 
-    python bench/async_vs_sync.py [--config configs/demo.yaml] [--steps 20] [--samplers 1]
+    python bench/async_vs_sync.py [--config demo] [--steps 20] [--samplers 1]
 
 (a) synchronous: one process alternates — sample `groups_per_step` prompt groups with
     the current weights, then one optimizer step on them (the classic RL loop, no
@@ -75,7 +75,7 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
 def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path) -> list[float]:
     from pipeline.metrics import read_metrics
 
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", config, "--out", str(out),
+    cmd = [sys.executable, "-m", "heterorl", "train", "--config", config, "--out", str(out),
            "--set", f"learner.max_steps={steps}", "--set", f"train.num_samplers={samplers}",
            "--set", "eval.problems=8", "--set", "eval.n_samples=1"]
     for o in overrides:
@@ -86,7 +86,7 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="run config both modes use")
+    parser.add_argument("--config", default="demo", help="run config both modes use: a built-in name or a file")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps in each mode")
     parser.add_argument("--samplers", type=int, default=1, help="sampler processes in the asynchronous mode")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -94,8 +94,10 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args()
 
+    from heterorl.config_files import config_path
     from pipeline.config import load_config
 
+    args.config = str(config_path(args.config).resolve())
     cfg = load_config(args.config, args.overrides)
     cores = os.cpu_count() or 1
     print(f"machine: {cores} cores. async: 1 learner + {args.samplers} sampler process(es), 1 torch thread "

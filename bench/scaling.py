@@ -2,7 +2,7 @@
 
     python bench/scaling.py [--samplers 1,2,3] [--steps 100] [--skip 10] [--json FILE]
 
-For each sampler count N this runs one real `heterorl train` (`python -m pipeline train`)
+For each sampler count N this runs one real `heterorl train` (`python -m heterorl train`)
 with `train.num_samplers=N`: one learner process and N sampler processes, every one of
 them with ONE torch thread (`learner.torch_threads=1`, `sampler.torch_threads=1`), all
 sharing this machine's cores with the local servers (Kafka-API broker, Redis, S3) and with
@@ -304,9 +304,8 @@ def _interrupt(signum, frame):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/demo.yaml",
-                        help="run config every run uses (default configs/demo.yaml; a relative path is looked "
-                             "up in the current directory, then in the repository)")
+    parser.add_argument("--config", default="demo",
+                        help="run config every run uses: a built-in name or a file (default demo)")
     parser.add_argument("--samplers", default="1,2,3",
                         help="comma-separated sampler counts, one run each, in this order; ratios are vs the "
                              "first (default 1,2,3)")
@@ -353,15 +352,17 @@ def main() -> int:
         parser.error(f"--steps {args.steps} leaves no steady window after --skip {args.skip} (need >= skip + 2)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    config = str(Path(args.config).resolve() if Path(args.config).is_file() else ROOT / args.config)
-    if not Path(config).is_file():
-        parser.error(f"config file not found: {config}")
+    from heterorl.config_files import config_path
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        config = str(config_path(args.config).resolve())
+    except ConfigError as e:
+        parser.error(str(e))
 
     overrides = ["learner.torch_threads=1", "sampler.torch_threads=1", "eval.every=null",
                  "eval.problems=8", "eval.n_samples=1", f"sampler.max_backlog_groups={args.backlog}",
                  f"learner.max_steps={args.steps}", "learner.idle_timeout_s=120", *args.overrides]
-    from pipeline.config import ConfigError, load_config
-
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
@@ -418,7 +419,7 @@ def main() -> int:
 
         stack_log = work / "stack.log"
         stack_up = True  # from here on, `down` runs on every exit path
-        _check(run_logged([py, "-m", "pipeline", "up", "--data-dir", str(data_dir)], stack_log, 300),
+        _check(run_logged([py, "-m", "heterorl", "up", "--data-dir", str(data_dir)], stack_log, 300),
                "starting the local stack", stack_log)
 
         for rep in range(args.repeats):
@@ -427,7 +428,7 @@ def main() -> int:
                     name = f"run{n}" if args.repeats == 1 else f"run{n}-r{rep + 1}"
                     name += f"-retry{attempt}" if attempt else ""
                     run_dir, log_path = work / name, work / f"{name}.log"
-                    cmd = [py, "-m", "pipeline", "train", "--config", config, "--out", str(run_dir),
+                    cmd = [py, "-m", "heterorl", "train", "--config", config, "--out", str(run_dir),
                            "--data-dir", str(data_dir), "--set", f"train.num_samplers={n}"]
                     for o in overrides:
                         cmd += ["--set", o]
@@ -468,7 +469,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the clean-up finish
         if stack_up:
             down_log = work / "stack.log"
-            rc = run_logged([py, "-m", "pipeline", "down", "--data-dir", str(data_dir)], down_log, 120)
+            rc = run_logged([py, "-m", "heterorl", "down", "--data-dir", str(data_dir)], down_log, 120)
             if rc != 0:
                 print(f"bench/scaling.py: `heterorl down --data-dir {data_dir}` failed ({rc}); last lines of "
                       f"{down_log}:\n{log_tail(down_log)}", file=sys.stderr)

@@ -20,8 +20,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from pipeline.checkpoints import CheckpointNotFound
 from pipeline.config import HeteroConfig
-from pipeline.runtime import connect_run, evaluate_checkpoint, make_task_from_config, setup_logging
+from pipeline.metrics import MetricsWriter, read_metrics
+from pipeline.runtime import connect_run, evaluate_published, make_task_from_config, setup_logging
 
 
 def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
@@ -34,11 +38,6 @@ def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
 
 
 def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5) -> int:
-    import torch
-
-    from pipeline.checkpoints import CheckpointNotFound
-    from pipeline.metrics import MetricsWriter, read_metrics
-
     log = setup_logging("evaluator")
     torch.set_num_threads(cfg.eval.torch_threads)
     run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
@@ -57,13 +56,11 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
             if version is None or not _due(version, done, cfg):
                 time.sleep(poll_s)
                 continue
+            started = time.monotonic()
             try:
-                model_dir, _ = handles.store.fetch(manifest_key, work_dir / f"v{version}")
+                result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task)
             except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
                 continue
-            started = time.monotonic()
-            result = evaluate_checkpoint(cfg, model_dir, task)
-            shutil.rmtree(model_dir, ignore_errors=True)
             metrics.write("eval", version, {"policy_version": version, **result,
                                             "eval_seconds": time.monotonic() - started})
             done.add(version)

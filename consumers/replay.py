@@ -36,13 +36,28 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
+from tqdm import tqdm
+
+from consumers.recorder import StepRecorder
+from pipeline.admission import Admission, PendingGroup
+from pipeline.archive import ArchiveError, read_archive
+from pipeline.checkpoints import (MANIFEST_NAME, BackgroundPublisher, CheckpointNotFound, CheckpointStore,
+                                  CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
+from pipeline.engine import make_engine
+from pipeline.errors import UserError
+from pipeline.kafka_io import read_topic, topic_partitions
+from pipeline.metrics import MetricsWriter
+from pipeline.model import load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
-from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
-from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, append_entry, updates_topic
+from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
+from pipeline.services import ServiceUnavailable, require_services
+from pipeline.update import optimizer_step
+from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
 
 
-class ReplayError(ValueError):
+class ReplayError(UserError, ValueError):
     """A replay that cannot start; the message is one line saying why."""
 
 
@@ -78,10 +93,6 @@ class RecordedRun:
 def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
     """`kafka://BOOTSTRAP/TOPIC` or an exported `.parquet` file."""
     if source.startswith("kafka://"):
-        from pipeline.kafka_io import read_topic, topic_partitions
-        from pipeline.services import ServiceUnavailable
-        from pipeline.update_log import read_entries_kafka
-
         bootstrap, _, topic = source[len("kafka://"):].partition("/")
         if not bootstrap or not topic:
             raise ReplayError(f"--source {source}: expected kafka://HOST:PORT/TOPIC")
@@ -94,8 +105,6 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
             raise ReplayError(str(e)) from None
         where = f"Kafka at {bootstrap}"
     else:
-        from pipeline.archive import ArchiveError, read_archive
-
         try:
             archive = read_archive(Path(source))
         except ArchiveError as e:
@@ -118,10 +127,6 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
 def fetch_base(cfg: HeteroConfig, base: str, dest: Path) -> Path:
     """A local HF model directory for `base` (`s3://BUCKET/PREFIX` or a local directory)."""
     if base.startswith("s3://"):
-        from pipeline.checkpoints import (MANIFEST_NAME, CheckpointNotFound, CheckpointStore,
-                                          CorruptCheckpointError, connect_s3)
-        from pipeline.services import ServiceUnavailable, require_services
-
         bucket, _, prefix = base[len("s3://"):].partition("/")
         prefix = prefix.strip("/")
         if not bucket or not prefix:
@@ -140,8 +145,6 @@ def fetch_base(cfg: HeteroConfig, base: str, dest: Path) -> Path:
 
 def check_base_matches(log: list[UpdateEntry], tokenizer, vocab_size: int, base: str) -> None:
     """The rollouts' token ids must mean the same text to the base model."""
-    from pipeline.model import tokenizer_fingerprint
-
     recorded = next((e for e in log if e.tokenizer_sha), None)
     if recorded is None:
         return
@@ -171,87 +174,55 @@ class ReplayFilter:
                 and (self.to_version is None or v <= self.to_version))
 
 
-@dataclass
-class PlannedGroup:
-    rollout: Rollout
-    recorded: UsedGroup
-    """Where it sits in the topic, and its staleness / age as the original learner saw them."""
-    decision: StalenessDecision
-
-
-@dataclass
-class ReplayCounters:
-    staleness: StalenessCounter = field(default_factory=StalenessCounter)
-    filtered_out: int = 0
-    """Groups outside the --from/--to filters."""
-    unreadable: int = 0
-    """Logged groups whose message no longer decodes or fits the base model."""
-    dropped_by_original: int = 0
-    """With --exact-batches: groups the original run dropped (they stay out of every batch)."""
-    leftover: int = 0
-    """Kept groups that did not fill a last batch."""
-    staleness_used: list = field(default_factory=list)
-
-
 class ReplayPlan:
-    """Turns the record into batches, judging each group by the replay's staleness rule."""
+    """Turns the record into batches. Each logged group is admitted with the staleness and
+    age the original learner recorded, and the replay's own rule judges it: the learner's
+    `Admission`, so both judge, batch and count alike."""
 
     def __init__(self, cfg: HeteroConfig, record: RecordedRun, flt: ReplayFilter, vocab_size: int):
         self.cfg, self.record, self.filter, self.vocab_size = cfg, record, flt, vocab_size
-        self.counters = ReplayCounters()
-        self.dropped: list[DroppedGroup] = []
+        self.admission = Admission(cfg.learner)
+        self.filtered_out = 0
+        """Groups outside the --from/--to filters."""
+        self.unreadable = 0
+        """Logged groups whose message no longer decodes or fits the base model."""
+        self.dropped_by_original = 0
+        """With --exact-batches: groups the original run dropped (they stay out of every batch)."""
+        self.leftover = 0
+        """Kept groups that did not fill a last batch."""
 
-    def _group(self, g: UsedGroup | DroppedGroup) -> Optional[PlannedGroup]:
-        """The recorded group judged anew; None if it takes no part (counted)."""
+    def _admit(self, g: UsedGroup | DroppedGroup) -> None:
         rollout = self._recorded_rollout(g)
         if rollout is None:
-            self.counters.unreadable += 1
-            return None
-        if not self.filter.admits(rollout):
-            self.counters.filtered_out += 1
-            return None
-        lcfg = self.cfg.learner
-        decision = decide_staleness(
-            g.staleness, g.age_s or 0.0, max_delay_steps=lcfg.max_delay_steps,
-            max_delay_seconds=lcfg.max_delay_seconds, stale_policy=lcfg.stale_policy,
-            reweight_decay=lcfg.reweight_decay, reweight_max_extra_steps=lcfg.reweight_max_extra_steps)
-        recorded = UsedGroup(g.partition, g.offset, g.rollout_id, g.policy_version, g.staleness,
-                             decision.weight, g.age_s)
-        if not decision.keep:
-            self.counters.staleness.record(decision)
-            self.dropped.append(DroppedGroup(g.partition, g.offset, g.rollout_id, g.policy_version, g.staleness,
-                                             decision.reason, g.age_s))
-            return None
-        return PlannedGroup(rollout, recorded, decision)
+            self.unreadable += 1
+        elif not self.filter.admits(rollout):
+            self.filtered_out += 1
+        else:
+            self.admission.admit_group(rollout, g.partition, g.offset, g.staleness, g.age_s or 0.0)
 
     def _recorded_rollout(self, g: UsedGroup | DroppedGroup) -> Optional[Rollout]:
         """The message the log names, if it decodes and fits the base model's vocabulary."""
         rollout = self.record.rollout(g.partition, g.offset, g.rollout_id)
         return rollout if rollout is not None and max(rollout.token_ids()) < self.vocab_size else None
 
-    def batches(self, exact: bool) -> Iterator[list[PlannedGroup]]:
+    def batches(self, exact: bool) -> Iterator[list[PendingGroup]]:
+        """The batches to train, one at a time (a batch counts as used once it is asked for)."""
         if exact:
             for entry in self.record.update_log:
-                self.counters.dropped_by_original += len(entry.dropped)
-                batch = [p for p in map(self._group, entry.used) if p is not None]
+                self.dropped_by_original += len(entry.dropped)
+                for g in entry.used:
+                    self._admit(g)
+                batch = self.admission.take_batch(None, last=True)  # None: the recorded ages stand
                 if batch:
                     yield batch
             return
-        pending: list[PlannedGroup] = []
         for entry in self.record.update_log:
-            judged = sorted([*entry.used, *entry.dropped], key=lambda g: (g.partition, g.offset))
-            for planned in map(self._group, judged):
-                if planned is None:
-                    continue
-                pending.append(planned)
-                if len(pending) == self.cfg.learner.groups_per_step:
-                    yield pending
-                    pending = []
-        self.counters.leftover = len(pending)
-
-    def take_dropped(self) -> list[DroppedGroup]:
-        dropped, self.dropped = self.dropped, []
-        return dropped
+            for g in sorted([*entry.used, *entry.dropped], key=lambda g: (g.partition, g.offset)):
+                self._admit(g)
+                batch = self.admission.take_batch(None)
+                if batch:
+                    yield batch
+        self.leftover = len(self.admission.pending)
 
 
 def planned_steps(record: RecordedRun, exact: bool, groups_per_step: int, max_steps: int) -> int:
@@ -312,9 +283,6 @@ class CheckpointSink:
         self.local_root = run_dir / "checkpoints"
         self.publisher = None
         if target:
-            from pipeline.checkpoints import BackgroundPublisher, CheckpointStore, connect_s3
-            from pipeline.services import require_services
-
             bucket, _, prefix = target[len("s3://"):].partition("/")
             if not target.startswith("s3://") or not bucket or not prefix.strip("/"):
                 raise ReplayError(f"--checkpoints {target}: expected s3://BUCKET/PREFIX")
@@ -348,115 +316,134 @@ class CheckpointSink:
             self.publisher.close()
 
 
+class Replay:
+    """One replay: `run()` is the loop; bookkeeping is the learner's (`Admission`, `StepRecorder`)."""
+
+    def __init__(self, cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
+                 flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None, progress: bool = True):
+        self.log = setup_logging("replay")
+        self.cfg, self.lcfg = cfg, cfg.learner
+        self.source, self.base, self.out_dir = source, base, Path(out_dir)
+        self.exact_batches, self.filter, self.checkpoints, self.progress = exact_batches, flt, checkpoints, progress
+        self.work_dir = self.out_dir / ".replay"
+        self.version = 0
+        self.evals: list[dict] = []
+
+    def run(self) -> dict:
+        """Train on the record; returns the summary (also written to OUT/summary.json)."""
+        started = time.monotonic()
+        self.prepare()
+        bar = tqdm(total=planned_steps(self.record, self.exact_batches, self.lcfg.groups_per_step,
+                                       self.lcfg.max_steps),
+                   desc="replay", unit="step", disable=None if self.progress else True)  # None: TTY only
+        try:
+            self.evaluate_if_due()
+            for batch in self.plan.batches(self.exact_batches):
+                step_metrics = self.train(batch)
+                bar.update(1)
+                bar.set_postfix(loss=f"{step_metrics['loss']:.3f}", reward=f"{step_metrics['reward_mean']:.2f}")
+                if self.version >= self.lcfg.max_steps:
+                    break
+            if self.version == 0:
+                raise ReplayError(f"no batch could be formed from {self.record.description} with these filters "
+                                  "and staleness rules")
+            self.finish()
+        finally:
+            bar.close()
+            self.metrics.close()
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        summary = self.summary(time.monotonic() - started)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.log.info("done: %d steps, final checkpoint %s", self.version, summary["final_checkpoint"])
+        return summary
+
+    def prepare(self) -> None:
+        """The record, the base model (checked against it), the engine, the plan and the outputs."""
+        self.record = load_record(self.source)
+        _check_filter_keeps_data(self.record, self.filter)
+        if (self.out_dir / "metrics.jsonl").exists():
+            raise ReplayError(f"--out {self.out_dir} already holds a run (metrics.jsonl): choose a new directory")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        base_dir = fetch_base(self.cfg, self.base, self.work_dir / "base")
+        torch.set_num_threads(self.lcfg.torch_threads)
+        torch.manual_seed(self.cfg.run.seed)
+        model, self.tokenizer = load_policy(base_dir)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
+        (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
+        self.sink = CheckpointSink(self.cfg, self.out_dir, self.checkpoints)
+        self.engine = make_engine(model, self.lcfg)
+        self.plan = ReplayPlan(self.cfg, self.record, self.filter, vocab_size)
+        self.metrics = MetricsWriter(self.out_dir)
+        self.recorder = StepRecorder(self.out_dir, self.metrics, self.plan.admission, loss_type=self.lcfg.loss_type,
+                                     topic=self.record.topic, vocab_size=vocab_size,
+                                     tokenizer_sha=tokenizer_fingerprint(self.tokenizer))
+        self.task = make_task_from_config(self.cfg) if self.cfg.eval.every else None
+        self.log.info("replaying %s from %s with loss %s, %s batches", self.record.description, self.base,
+                      self.lcfg.loss_type, "the original" if self.exact_batches
+                      else f"{self.lcfg.groups_per_step}-group")
+
+    def train(self, batch: list[PendingGroup]) -> dict:
+        """The learner's step on one planned batch, logged; a checkpoint and an evaluation when due."""
+        step_metrics = optimizer_step(self.engine, [g.rollout for g in batch], [g.decision.weight for g in batch],
+                                      self.lcfg, temperature=self.cfg.sampler.temperature,
+                                      max_completion_length=self.cfg.sampler.max_new_tokens)
+        self.version += 1
+        self.recorder.record(self.version, batch, step_metrics)
+        if self.version % self.lcfg.sync_every == 0:
+            self.sink.save(self.version, self.engine.module, self.tokenizer, self.work_dir)
+        self.evaluate_if_due()
+        return step_metrics
+
+    def evaluate_if_due(self) -> None:
+        """With eval.every: held-out accuracy at v0 and every k steps."""
+        if self.task is not None and self.version % self.cfg.eval.every == 0:
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        """Held-out accuracy of the weights being trained, recorded like a training run's."""
+        result = evaluate_model(self.cfg, self.engine.module, self.tokenizer, self.task)
+        self.engine.module.train()
+        self.metrics.write("eval", self.version, {"policy_version": self.version, **result})
+        self.evals.append({"policy_version": self.version, **result})
+
+    def finish(self) -> None:
+        """The final checkpoint and evaluation, unless the last step made them already."""
+        if self.version % self.lcfg.sync_every:
+            self.sink.save(self.version, self.engine.module, self.tokenizer, self.work_dir)
+        if self.task is not None and self.evals[-1]["policy_version"] != self.version:
+            self.evaluate()
+        self.sink.close()
+
+    def summary(self, wall_seconds: float) -> dict:
+        plan, counts = self.plan, self.plan.admission.counters
+        used = counts.staleness_used
+        summary = {
+            "run": self.out_dir.name, "kind": "replay", "source": self.source, "base": self.base,
+            "loss_type": self.lcfg.loss_type, "exact_batches": self.exact_batches,
+            "filters": {k: v for k, v in vars(self.filter).items() if v is not None},
+            "final_policy_version": self.version, "final_checkpoint": self.sink.uri(self.version),
+            "groups_used": counts.staleness.kept,
+            # with --exact-batches the original's drops stay dropped: they count here too
+            "groups_dropped": counts.staleness.dropped + plan.dropped_by_original,
+            "groups_reweighted": counts.staleness.reweighted, "dropped_by_original": plan.dropped_by_original,
+            "filtered_out": plan.filtered_out, "unreadable": plan.unreadable, "leftover": plan.leftover,
+            "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
+            "wall_seconds": wall_seconds,
+        }
+        if self.evals:
+            first, last = self.evals[0], self.evals[-1]
+            summary.update(eval_accuracy_before=first["accuracy_sampled"],
+                           eval_accuracy_after=last["accuracy_sampled"],
+                           eval_best_accuracy=max(e["accuracy_sampled"] for e in self.evals),
+                           eval_last_accuracy=last["accuracy_sampled"],
+                           eval_greedy_before=first.get("accuracy_greedy"),
+                           eval_greedy_after=last.get("accuracy_greedy"))
+        return summary
+
+
 def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
                flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None,
                progress: bool = True) -> dict:
-    import torch
-    from tqdm import tqdm
-
-    from pipeline.engine import make_engine
-    from pipeline.metrics import MetricsWriter
-    from pipeline.model import load_policy
-    from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
-    from pipeline.update import optimizer_step
-
-    log = setup_logging("replay")
-    lcfg, scfg = cfg.learner, cfg.sampler
-    started = time.monotonic()
-    record = load_record(source)
-    _check_filter_keeps_data(record, flt)
-    out_dir = Path(out_dir)
-    if (out_dir / "metrics.jsonl").exists():
-        raise ReplayError(f"--out {out_dir} already holds a run (metrics.jsonl): choose a new directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = out_dir / ".replay"
-    base_dir = fetch_base(cfg, base, work_dir / "base")
-    torch.set_num_threads(lcfg.torch_threads)
-    torch.manual_seed(cfg.run.seed)
-    model, tokenizer = load_policy(base_dir)
-    vocab_size = model.get_input_embeddings().num_embeddings
-    check_base_matches(record.update_log, tokenizer, vocab_size, base)
-    (out_dir / "config.yaml").write_text(dump_config(cfg))
-    sink = CheckpointSink(cfg, out_dir, checkpoints)
-    engine = make_engine(model, lcfg)
-    plan = ReplayPlan(cfg, record, flt, vocab_size)
-    metrics = MetricsWriter(out_dir)
-    task = make_task_from_config(cfg) if cfg.eval.every else None
-    evals: list[dict] = []
-
-    def evaluate(version: int) -> None:
-        result = evaluate_model(cfg, engine.module, tokenizer, task)
-        engine.module.train()
-        metrics.write("eval", version, {"policy_version": version, **result})
-        evals.append({"policy_version": version, **result})
-
-    log.info("replaying %s from %s with loss %s, %s batches", record.description, base, lcfg.loss_type,
-             "the original" if exact_batches else f"{lcfg.groups_per_step}-group")
-    if task is not None:
-        evaluate(0)
-    version = 0
-    total = planned_steps(record, exact_batches, lcfg.groups_per_step, lcfg.max_steps)
-    bar = tqdm(total=total, desc="replay", unit="step", disable=None if progress else True)  # None: TTY only
-    try:
-        for batch in plan.batches(exact_batches):
-            if version >= lcfg.max_steps:
-                break
-            step_metrics = optimizer_step(engine, [g.rollout for g in batch], [g.decision.weight for g in batch],
-                                          lcfg, temperature=scfg.temperature,
-                                          max_completion_length=scfg.max_new_tokens)
-            version += 1
-            for g in batch:
-                plan.counters.staleness.record(g.decision)
-            staleness = [g.recorded.staleness for g in batch]
-            plan.counters.staleness_used.extend(staleness)
-            append_entry(out_dir, UpdateEntry(step=version, policy_version=version, loss_type=lcfg.loss_type,
-                                              time=time.time(), used=[g.recorded for g in batch],
-                                              dropped=plan.take_dropped(), vocab_size=vocab_size,
-                                              topic=record.topic))
-            counts = plan.counters.staleness
-            metrics.write("learner", version, {
-                "policy_version": version, **step_metrics, "staleness_mean": sum(staleness) / len(staleness),
-                "staleness_max": max(staleness), "groups_used": counts.kept, "groups_dropped": counts.dropped,
-                "groups_reweighted": counts.reweighted})
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_metrics['loss']:.3f}", reward=f"{step_metrics['reward_mean']:.2f}")
-            if version % lcfg.sync_every == 0:
-                sink.save(version, engine.module, tokenizer, work_dir)
-            if task is not None and version % cfg.eval.every == 0:
-                evaluate(version)
-        if version == 0:
-            raise ReplayError(f"no batch could be formed from {record.description} with these filters and "
-                              "staleness rules")
-        if version % lcfg.sync_every:
-            sink.save(version, engine.module, tokenizer, work_dir)
-        if task is not None and evals[-1]["policy_version"] != version:
-            evaluate(version)
-        sink.close()
-    finally:
-        bar.close()
-        metrics.close()
-        shutil.rmtree(work_dir, ignore_errors=True)
-    counts = plan.counters
-    used = counts.staleness_used
-    summary = {
-        "run": out_dir.name, "kind": "replay", "source": source, "base": base, "loss_type": lcfg.loss_type,
-        "exact_batches": exact_batches, "filters": {k: v for k, v in vars(flt).items() if v is not None},
-        "final_policy_version": version, "final_checkpoint": sink.uri(version),
-        "groups_used": counts.staleness.kept,
-        # with --exact-batches the original's drops stay dropped: they count here too
-        "groups_dropped": counts.staleness.dropped + counts.dropped_by_original,
-        "groups_reweighted": counts.staleness.reweighted, "dropped_by_original": counts.dropped_by_original,
-        "filtered_out": counts.filtered_out, "unreadable": counts.unreadable, "leftover": counts.leftover,
-        "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
-        "wall_seconds": time.monotonic() - started,
-    }
-    if evals:
-        summary.update(eval_accuracy_before=evals[0]["accuracy_sampled"],
-                       eval_accuracy_after=evals[-1]["accuracy_sampled"],
-                       eval_best_accuracy=max(e["accuracy_sampled"] for e in evals),
-                       eval_last_accuracy=evals[-1]["accuracy_sampled"],
-                       eval_greedy_before=evals[0].get("accuracy_greedy"),
-                       eval_greedy_after=evals[-1].get("accuracy_greedy"))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("done: %d steps, final checkpoint %s", version, summary["final_checkpoint"])
-    return summary
+    return Replay(cfg, source, base, out_dir, exact_batches=exact_batches, flt=flt, checkpoints=checkpoints,
+                  progress=progress).run()

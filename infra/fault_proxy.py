@@ -86,6 +86,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
+from pipeline.errors import UserError
+
 log = logging.getLogger(__name__)
 
 LISTEN_HOST = "127.0.0.1"
@@ -115,7 +117,7 @@ STAT_KEYS = (
 T = TypeVar("T")
 
 
-class FaultProxyError(RuntimeError):
+class FaultProxyError(UserError, RuntimeError):
     """A proxy that cannot start or be controlled (port in use, unknown route, ...)."""
 
 

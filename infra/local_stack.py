@@ -91,10 +91,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
+
+import redis
+import urllib3
+from kafka import KafkaAdminClient
+from minio import Minio
+
+from pipeline.errors import UserError
+from pipeline.services import LOOPBACK, Services, free_port, services_env
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +113,11 @@ LOCK_FILE = ".stack.lock"
 START_ORDER = ("s3", "kafka", "redis")
 KAFKA_STORAGES = ("s3", "memory")
 STOP_GRACE_S = 10.0
-LOOPBACK = "127.0.0.1"
 
 T = TypeVar("T")
 
 
-class StackError(RuntimeError):
+class StackError(UserError, RuntimeError):
     """A local-stack operation failed; the message is one user-facing line."""
 
 
@@ -176,37 +185,20 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def stack_services(state: StackState) -> Any:
+def stack_services(state: StackState) -> Services:
     """``state`` as the ``pipeline.services.Services`` every client connects with."""
-    from pipeline.services import Services
-
     return Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
                     state.s3_secret_key, state.s3_region, state.bucket, from_local_stack=True)
 
 
 def stack_env(state: StackState) -> dict[str, str]:
     """Environment variables that point heterorl (and standard tools) at ``state``."""
-    from pipeline.services import services_env
-
     return services_env(stack_services(state))
 
 
 def _one_line(text: str, limit: int = 240) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def free_port(taken: set[int] | None = None) -> int:
-    """A free loopback port, not in `taken` (which gets it added): ports picked together differ."""
-    taken = set() if taken is None else taken
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((LOOPBACK, 0))
-            port = sock.getsockname()[1]
-        if port not in taken:
-            taken.add(port)
-            return port
-    raise StackError("could not find a free loopback port")
 
 
 def _tcp_open(port: int) -> bool:
@@ -449,11 +441,7 @@ def _serve_localbucket(argv: list[str]) -> None:
        skipped (measured in a 15-minute chaos run: 267 colliding offsets, 37 messages a
        tailing consumer never saw). Writes are serialised so check and write are atomic.
     """
-    from datetime import datetime, timezone
-
-    import localbucket  # type: ignore[import-not-found]
-
-    import threading
+    import localbucket  # type: ignore[import-not-found]  # present when the stack serves S3 with it
 
     handler = localbucket.S3Handler
     temp_prefix = localbucket.TEMP_PREFIX
@@ -604,11 +592,8 @@ def _spec(state: StackState, name: str) -> _Spec:
     raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
 
 
-def s3_client(state: StackState, *, fast_fail: bool = False) -> Any:
+def s3_client(state: StackState, *, fast_fail: bool = False) -> Minio:
     """A ``minio.Minio`` client for the stack's S3 server."""
-    import urllib3
-    from minio import Minio
-
     http = None
     if fast_fail:  # probes: no retries, short timeouts
         http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=3.0),
@@ -627,8 +612,6 @@ def _probe(state: StackState, name: str) -> bool:
         s3_client(state, fast_fail=True).list_buckets()
         return True
     if name == "kafka":
-        from kafka import KafkaAdminClient
-
         admin = KafkaAdminClient(bootstrap_servers=state.kafka_bootstrap,
                                  client_id="heterorl-stack-probe", request_timeout_ms=3000,
                                  bootstrap_timeout_ms=2000)
@@ -638,8 +621,6 @@ def _probe(state: StackState, name: str) -> bool:
             admin.close()
         return True
     if name == "redis":
-        import redis
-
         client = redis.Redis.from_url(state.redis_url, socket_timeout=2, socket_connect_timeout=1)
         try:
             return bool(client.ping())

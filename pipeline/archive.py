@@ -23,6 +23,7 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.kafka_io import RawRecord, read_topic, topic_partitions
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, header_value
 from pipeline.update_log import UpdateEntry, read_entries_kafka, updates_topic
@@ -62,7 +63,7 @@ COLUMNS = pa.schema([
 _VERDICT_COLUMNS = ("update_step", "verdict", "batch_index", "recorded_staleness", "weight", "drop_reason")
 
 
-class ArchiveError(ValueError):
+class ArchiveError(UserError, ValueError):
     """An export or archive that cannot be produced or read; the message is one line."""
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
+from pipeline.kafka_io import read_topic, topic_partitions
+from pipeline.rollout import header_value
 from pipeline.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
 
 
@@ -35,9 +37,6 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
                 sampler_reports: Optional[dict[str, dict]] = None, timeout_s: float = 30.0) -> dict:
     """Account for every message of `topic`, given the `extra` of the learner's final checkpoint
     manifest (its offsets, and the verdicts it reached after its last step)."""
-    from pipeline.kafka_io import read_topic, topic_partitions
-    from pipeline.rollout import header_value
-
     log = read_topic(bootstrap, topic, timeout_s=timeout_s)
     ends: dict[int, int] = {p: 0 for p in topic_partitions(bootstrap, topic)}
     for r in log:

@@ -29,7 +29,9 @@ import hashlib
 import io
 import json
 import logging
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -40,6 +42,8 @@ import urllib3
 from minio import Minio
 from minio.error import S3Error
 
+from pipeline.errors import UserError
+from pipeline.retry import retry_call
 from pipeline.services import ServiceUnavailable, Services
 
 log = logging.getLogger(__name__)
@@ -50,14 +54,16 @@ LEARNER_STATE_DIR = "learner_state"
 """Subdirectory of a checkpoint that only the learner downloads."""
 CHUNK_BYTES = 4 * 1024 * 1024
 """Size of one range request."""
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+"""What a dropped or failing link raises while downloading (retried, the file resumes)."""
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint whose files do not match its manifest; it must not be loaded."""
 
 
-class CheckpointNotFound(LookupError):
-    pass
+class CheckpointNotFound(UserError, LookupError):
+    """No manifest where one was expected (never published, or pruned)."""
 
 
 def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
@@ -65,7 +71,7 @@ def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
     url = urlparse(services.s3_endpoint)
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=timeout_s, read=max(60.0, timeout_s)),
-        retries=urllib3.Retry(total=3, backoff_factor=0.5, status_forcelist=(500, 502, 503, 504)))
+        retries=urllib3.Retry(total=3, backoff_factor=0.5, backoff_jitter=0.5, status_forcelist=(500, 502, 503, 504)))
     client = Minio(url.netloc, access_key=services.s3_access_key or None,
                    secret_key=services.s3_secret_key or None, secure=url.scheme == "https",
                    region=services.s3_region, http_client=http)
@@ -215,8 +221,8 @@ class CheckpointStore:
             f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
 
     def _download(self, key: str, target: Path, size: int, network_retries: int) -> None:
-        """Range-request `key` into `target` from where it stops, CHUNK_BYTES at a time."""
-        failures = 0
+        """Range-request `key` into `target` from where it stops, CHUNK_BYTES at a time; a chunk
+        that fails on the network is retried (`network_retries` times in a row at most)."""
         while True:
             have = target.stat().st_size if target.exists() else 0
             if have > size:
@@ -225,29 +231,34 @@ class CheckpointStore:
             if have == size:
                 return
             try:
-                response = self.client.get_object(self.bucket, key, offset=have, length=min(CHUNK_BYTES, size - have))
-                try:
-                    with open(target, "ab") as out:
-                        for block in response.stream(64 * 1024):
-                            out.write(block)
-                finally:
-                    response.close()
-                    response.release_conn()
-                failures = 0
-            except S3Error as e:
-                if e.code == "NoSuchKey":  # pruned while we were downloading
-                    raise CheckpointNotFound(f"s3://{self.bucket}/{key} was deleted during the download") from None
-                if e.code == "InvalidRange":
-                    raise CorruptCheckpointError(f"{key}: shorter than the manifest's {size} bytes") from None
-                raise
-            except (urllib3.exceptions.HTTPError, OSError) as e:
-                failures += 1
-                if failures > network_retries:
-                    raise ServiceUnavailable(f"download of s3://{self.bucket}/{key} failed {failures} times in a "
-                                             f"row at byte {have} of {size}: {type(e).__name__}") from None
-                log.warning("download of s3://%s/%s interrupted at %d/%d bytes (%s); resuming", self.bucket, key,
-                            target.stat().st_size if target.exists() else 0, size, type(e).__name__)
-                time.sleep(min(8.0, 0.25 * 2 ** failures))
+                retry_call(lambda: self._append_chunk(key, target, size), retry_on=NETWORK_ERRORS, first_s=0.5,
+                           max_s=8.0, attempts=network_retries + 1,
+                           on_retry=lambda e, wait, _: log.warning(
+                               "download of s3://%s/%s interrupted at %d/%d bytes (%s); resuming in %.1fs",
+                               self.bucket, key, target.stat().st_size if target.exists() else 0, size,
+                               type(e).__name__, wait))
+            except NETWORK_ERRORS as e:
+                raise ServiceUnavailable(f"download of s3://{self.bucket}/{key} failed {network_retries + 1} times "
+                                         f"in a row at byte {have} of {size}: {type(e).__name__}") from None
+
+    def _append_chunk(self, key: str, target: Path, size: int) -> None:
+        """Append the next chunk of `key` (from `target`'s current size) to `target`."""
+        have = target.stat().st_size if target.exists() else 0
+        try:
+            response = self.client.get_object(self.bucket, key, offset=have, length=min(CHUNK_BYTES, size - have))
+        except S3Error as e:
+            if e.code == "NoSuchKey":  # pruned while we were downloading
+                raise CheckpointNotFound(f"s3://{self.bucket}/{key} was deleted during the download") from None
+            if e.code == "InvalidRange":
+                raise CorruptCheckpointError(f"{key}: shorter than the manifest's {size} bytes") from None
+            raise
+        try:
+            with open(target, "ab") as out:
+                for block in response.stream(64 * 1024):
+                    out.write(block)
+        finally:
+            response.close()
+            response.release_conn()
 
     def prune(self, keep_last: int, current: int) -> list[int]:
         """Delete all but the newest `keep_last` versions up to `current`: manifest first, so none
@@ -273,9 +284,6 @@ class BackgroundPublisher:
 
     def __init__(self, store: "CheckpointStore", run_state, keep_last: int):
         """`run_state` None: publish to S3 only (a replay announces no version in Redis)."""
-        import queue
-        import threading
-
         self.store = store
         self.run_state = run_state
         self.keep_last = keep_last

@@ -1,6 +1,6 @@
 """Typed configuration: one validated object per role, loaded from YAML with overrides.
 
-A run is described by one YAML file (see `configs/demo.yaml`). Every role reads the
+A run is described by one YAML file (see `heterorl/configs/demo.yaml`). Every role reads the
 whole file, so the sampler and the learner agree on the model, the task and the run
 name, and then uses its own section. Unknown keys are rejected and every error names
 the bad field, so a typo in `loss_type` fails when the file loads, not an hour in.
@@ -15,18 +15,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional
+from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pipeline.delays import DelayModelConfig
+from pipeline.errors import UserError
 
 # Kept in sync with pipeline.losses.LOSS_TYPES by a unit test; listed here so that
 # loading a config never imports torch.
 LossType = Literal["gepo", "grpo", "dr_grpo", "bnpo", "gspo", "gmpo", "cispo", "topr"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message names the field."""
 
 
@@ -88,6 +90,10 @@ class ServicesConfig(_Strict):
     """Ports for a local stack started by `heterorl train`."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long to wait for a server to answer before naming it as unreachable."""
+
+    _from_local_stack: frozenset[str] = PrivateAttr(default=frozenset())
+    # Fields a command filled from the running local stack (`heterorl.stack`): `dump_config`
+    # leaves them out, since the stack may come back on other ports.
 
 
 class ModelConfig(_Strict):
@@ -304,8 +310,6 @@ def strip_password(url: Optional[str]) -> Optional[str]:
     """A URL with any password replaced by ***, for logs, status and saved configs."""
     if not url:
         return url
-    from urllib.parse import urlparse
-
     password = urlparse(url).password
     return url.replace(f":{password}@", ":***@") if password else url
 
@@ -377,8 +381,11 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
 
 
 def dump_config(cfg: HeteroConfig) -> str:
-    """YAML of the effective config without secrets (they travel only in the environment)."""
+    """YAML of the effective config without secrets (they travel only in the environment) and
+    without the addresses of a local stack (found again when the config is used)."""
     data = cfg.model_dump()
+    for name in cfg.services._from_local_stack:
+        data["services"][name] = None
     data["services"]["s3_access_key"] = None
     data["services"]["s3_secret_key"] = None
     data["services"]["redis_url"] = strip_password(data["services"]["redis_url"])

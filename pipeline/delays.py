@@ -266,7 +266,7 @@ class RefreshGate:
         """Call after a successful load: records the refresh and re-arms the gate.
 
         ``forced``: the sampler loaded before the gate allowed it (it was too far behind to
-        produce usable data, see too_far_behind); counted apart, its wait cut short."""
+        produce usable data, see pipeline.pacing.too_far_behind); counted apart, its wait cut short."""
         if forced and self._allowed_at is None and self._first_seen is not None:
             self._allowed_at = self._clock()
             self.stats["forced_refreshes"] += 1
@@ -279,19 +279,3 @@ class RefreshGate:
         self._deadline = None
         self._allowed_at = None
         self._was_delayed = False
-
-
-def too_far_behind(newest_version: Optional[int], current_version: Optional[int], backlog_groups: int,
-                   groups_per_step: int, max_delay_steps: int) -> bool:
-    """Whether a group generated now would be past the learner's max delay when it is used.
-
-    Its staleness at use is about (newest − current) + floor(backlog / groups_per_step):
-    the versions the sampler is already behind, plus the steps the learner takes on the
-    groups queued ahead of it. Past max_delay_steps the learner drops it, so generating it
-    is wasted compute. (The learner's partly filled batch and versions not yet published
-    are unknown here, so this can under-estimate, never over-estimate.)
-    """
-    if newest_version is None or current_version is None:
-        return False
-    ahead_steps = backlog_groups // max(1, groups_per_step)
-    return (newest_version - current_version) + ahead_steps > max_delay_steps

@@ -11,13 +11,12 @@ import logging
 import os
 
 from pipeline.config import LearnerConfig
+from pipeline.services import free_port
 
 
 def make_engine(model, cfg: LearnerConfig):
     """A DeepSpeed engine with AdamW and ZeRO stage `cfg.zero_stage`, one step per batch."""
     import torch
-
-    from infra.local_stack import free_port
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

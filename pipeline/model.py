@@ -33,6 +33,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 from pipeline.tasks import Problem, Task, make_task
 
@@ -75,9 +78,6 @@ def build_tokenizer():
     ``save_pretrained`` writes tokenizer.json so ``AutoTokenizer.from_pretrained(dir)``
     reloads it offline.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
         vocab[ch] = len(vocab)
@@ -115,8 +115,6 @@ class ModelSize:
 
 def build_tiny_model(tokenizer, size: ModelSize | Mapping[str, Any] | None = None, *, seed: int = 0):
     """A randomly initialised Llama-architecture causal LM sized by ``size``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if size is None:
         size = ModelSize()
     elif isinstance(size, Mapping):
@@ -170,8 +168,6 @@ def load_policy(path: str | os.PathLike):
     Only safetensors weights are accepted (``use_safetensors=True``: no pickle is ever
     unpickled). A tokenizer without a pad token gets its EOS token as pad.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
@@ -183,9 +179,6 @@ def load_policy(path: str | os.PathLike):
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of the token -> id map and special tokens: equal iff ids mean the same text."""
-    import hashlib
-    import json
-
     vocab = sorted(tokenizer.get_vocab().items())
     special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
@@ -341,6 +334,19 @@ def _decode_loop(
     return completions, completion_logps
 
 
+def _decode_in_chunks(model, tokenizer, rows: list[list[int]], chunk: int, **decode) -> tuple[list, list]:
+    """`_decode_loop` over `rows`, at most `chunk` rows at a time (bounds the KV cache);
+    returns (completions, log-probs) in row order."""
+    eos_ids, pad_id = _eos_ids(model, tokenizer), _pad_id(tokenizer)
+    completions: list[list[int]] = []
+    logps: list[list[float]] = []
+    for start in range(0, len(rows), chunk):
+        c, lp = _decode_loop(model, rows[start : start + chunk], eos_ids=eos_ids, pad_id=pad_id, **decode)
+        completions += c
+        logps += lp
+    return completions, logps
+
+
 def _encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     for p, r in zip(prompts, ids):
@@ -384,24 +390,9 @@ def sample_groups(
     rows = [p for p in prompt_ids for _ in range(group_size)]
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(seed))
-    eos_ids, pad_id = _eos_ids(model, tokenizer), _pad_id(tokenizer)
-    comps: list[list[int]] = []
-    lps: list[list[float]] = []
-    step = max(group_size, (max_batch_rows // group_size) * group_size)
-    for start in range(0, len(rows), step):
-        c, l = _decode_loop(
-            model,
-            rows[start : start + step],
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            temperature=float(temperature),
-            top_p=top_p,
-            top_k=top_k,
-            generator=gen,
-        )
-        comps += c
-        lps += l
+    chunk = max(group_size, (max_batch_rows // group_size) * group_size)  # whole groups per chunk
+    comps, lps = _decode_in_chunks(model, tokenizer, rows, chunk, max_new_tokens=max_new_tokens,
+                                   temperature=float(temperature), top_p=top_p, top_k=top_k, generator=gen)
     return [
         SampledGroup(
             prompt_ids=prompt_ids[i],
@@ -416,20 +407,9 @@ def greedy_completions(
     model, tokenizer, prompts: list[str], *, max_new_tokens: int, max_batch_rows: int = 4096
 ) -> list[list[int]]:
     """Greedy (argmax) completion tokens for each prompt, batched."""
-    prompt_ids = _encode_prompts(tokenizer, prompts)
-    eos_ids, pad_id = _eos_ids(model, tokenizer), _pad_id(tokenizer)
-    out: list[list[int]] = []
-    for start in range(0, len(prompt_ids), max_batch_rows):
-        c, _ = _decode_loop(
-            model,
-            prompt_ids[start : start + max_batch_rows],
-            max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids,
-            pad_id=pad_id,
-            temperature=None,
-        )
-        out += c
-    return out
+    completions, _ = _decode_in_chunks(model, tokenizer, _encode_prompts(tokenizer, prompts), max_batch_rows,
+                                       max_new_tokens=max_new_tokens, temperature=None)
+    return completions
 
 
 # ----------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import redis
@@ -352,4 +353,32 @@ class RunState:
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")
-        return {int(p): int(o) for p, o in json.loads(raw).items()} if raw else {}
+        return _offsets(raw)
+
+    def sampler_view(self, with_policy: bool = True) -> "RunView":
+        """What a sampler paces itself on, in one round trip: the learner's position and (unless
+        not `with_policy`: then None) the newest policy."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.prefix + "learner", "offsets")
+        if with_policy:
+            pipe.hgetall(self.prefix + "policy")
+        offsets, *policy = pipe.execute()
+        if not policy or not policy[0]:
+            return RunView(None, None, _offsets(offsets))
+        return RunView(int(policy[0]["version"]), policy[0]["manifest_key"], _offsets(offsets))
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A sampler's view of the run, read once per turn (`RunState.sampler_view`)."""
+
+    newest_version: Optional[int]
+    """The newest published policy version (None: none yet)."""
+    manifest_key: Optional[str]
+    """Its checkpoint manifest in S3."""
+    learner_offsets: dict[int, int]
+    """Next offset the learner will read, per partition."""
+
+
+def _offsets(raw: Optional[str]) -> dict[int, int]:
+    return {int(p): int(o) for p, o in json.loads(raw).items()} if raw else {}

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from pipeline.checkpoints import CheckpointStore, connect_s3
-from pipeline.config import HeteroConfig
+from pipeline.config import ConfigError, HeteroConfig
+from pipeline.model import ensure_base_model, evaluate_policy, load_policy
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
+from pipeline.tasks import make_task
 
 
 @dataclass
@@ -54,32 +59,34 @@ def resolve_base_model(cfg: HeteroConfig) -> Path:
     if cfg.model.base != "builtin:tiny":
         path = Path(cfg.model.base)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.base {path} is not a Hugging Face model directory (no config.json)")
+            raise ConfigError(f"model.base {path} is not a Hugging Face model directory (no config.json)")
         return path
-    from pipeline.model import ensure_base_model
-
     return ensure_base_model(Path(cfg.services.data_dir) / "models", base_model_settings(cfg))
 
 
 def make_task_from_config(cfg: HeteroConfig):
-    from pipeline.tasks import make_task
-
     t = cfg.task
     return make_task(t.name, seed=t.seed, digits=t.digits, ops=t.ops, eval_size=t.eval_size)
 
 
 def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy."""
-    from pipeline.model import load_policy
-
     model, tokenizer = load_policy(model_dir)
     return evaluate_model(cfg, model, tokenizer, task)
 
 
+def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: str, work_dir: Path, task) -> dict:
+    """Held-out accuracy of a published version: downloaded (every sha256 verified like a
+    sampler's), scored, and deleted again."""
+    model_dir, _ = store.fetch(manifest_key, work_dir)
+    try:
+        return evaluate_checkpoint(cfg, model_dir, task)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
 def evaluate_model(cfg: HeteroConfig, model, tokenizer, task) -> dict:
     """evaluate_checkpoint for a model already in memory (replay scores its own weights)."""
-    from pipeline.model import evaluate_policy
-
     problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
     return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
                            temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,
@@ -100,7 +107,5 @@ def setup_logging(role: str, verbose: bool = False) -> logging.Logger:
         format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("kafka", "urllib3", "DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # one bar per weight reload would drown the log
     return logging.getLogger(role)

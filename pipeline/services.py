@@ -2,22 +2,26 @@
 
 Resolution order for each URL: the config file / `--set`, then the environment
 (`KAFKA_BOOTSTRAP_SERVERS`, `REDIS_URL`, `AWS_ENDPOINT_URL`, ...; applied by
-`load_config`), then the local stack recorded in `services.data_dir`. The product
-always speaks the Kafka, Redis and S3 protocols; only the addresses differ.
+`load_config`), then a running local stack, which the `heterorl` commands look up in
+`services.data_dir` and pass to `resolve_services`; this library never starts or reads
+one itself. The product always speaks the Kafka, Redis and S3 protocols; only the
+addresses differ.
 """
 
 from __future__ import annotations
 
 import socket
-import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
 from pipeline.config import ENV_OVERRIDES, ServicesConfig, strip_password
+from pipeline.errors import UserError
+
+LOOPBACK = "127.0.0.1"
 
 
-class ServiceUnavailable(RuntimeError):
+class ServiceUnavailable(UserError, RuntimeError):
     """A server that does not answer; the message names it, its URL and what to do."""
 
 
@@ -43,39 +47,54 @@ def services_env(services: Services) -> dict[str, str]:
     return {var: str(getattr(services, field)) for var, field in ENV_OVERRIDES.items()}
 
 
-def resolve_services(cfg: ServicesConfig) -> Optional[Services]:
-    """The configured servers, completed by the running local stack; None if neither suffices.
+def resolve_services(cfg: ServicesConfig, local_stack: Optional[Services] = None) -> Optional[Services]:
+    """The configured servers, completed by `local_stack` (a running local stack's servers,
+    if any); None if neither suffices.
 
     A URL that is configured always wins; the local stack fills in the rest (this is how
-    an existing Kafka is combined with the local Redis and S3).
+    an existing Kafka is combined with the local Redis and S3). S3 credentials, region and
+    bucket go with the S3 endpoint they belong to.
     """
     configured = {"kafka_bootstrap": cfg.kafka_bootstrap, "redis_url": cfg.redis_url, "s3_endpoint": cfg.s3_endpoint}
     if all(configured.values()):
         return Services(cfg.kafka_bootstrap, cfg.redis_url, cfg.s3_endpoint, cfg.s3_access_key or "",
                         cfg.s3_secret_key or "", cfg.s3_region, cfg.bucket)
-    from infra.local_stack import load_stack
-
-    state = load_stack(cfg.data_dir)
-    if state is None:
+    if local_stack is None:
         return None
-    s3_from_config = bool(cfg.s3_endpoint)
+    s, s3_from_config = local_stack, bool(cfg.s3_endpoint)
     return Services(
-        cfg.kafka_bootstrap or state.kafka_bootstrap, cfg.redis_url or state.redis_url,
-        cfg.s3_endpoint or state.s3_endpoint,
-        (cfg.s3_access_key or "") if s3_from_config else state.s3_access_key,
-        (cfg.s3_secret_key or "") if s3_from_config else state.s3_secret_key,
-        cfg.s3_region if s3_from_config else state.s3_region,
-        cfg.bucket if s3_from_config else state.bucket, from_local_stack=True)
+        cfg.kafka_bootstrap or s.kafka_bootstrap, cfg.redis_url or s.redis_url, cfg.s3_endpoint or s.s3_endpoint,
+        (cfg.s3_access_key or "") if s3_from_config else s.s3_access_key,
+        (cfg.s3_secret_key or "") if s3_from_config else s.s3_secret_key,
+        cfg.s3_region if s3_from_config else s.s3_region,
+        cfg.bucket if s3_from_config else s.bucket, from_local_stack=True)
 
 
 def require_services(cfg: ServicesConfig) -> Services:
-    """Like resolve_services, but a missing stack is a user-facing error."""
+    """The configured servers; a missing URL is a user-facing error.
+
+    `heterorl` fills the config from the running local stack before a role starts, so a
+    role never needs to know whether its servers are local.
+    """
     services = resolve_services(cfg)
     if services is None:
         raise ServiceUnavailable(
             f"no service URLs configured and no local stack running in {cfg.data_dir}/: "
             "run `heterorl up`, or set KAFKA_BOOTSTRAP_SERVERS, REDIS_URL and AWS_ENDPOINT_URL")
     return services
+
+
+def free_port(taken: Optional[set[int]] = None) -> int:
+    """A free loopback port, not in `taken` (which gets it added): ports picked together differ."""
+    taken = set() if taken is None else taken
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
+    raise ServiceUnavailable("could not find a free loopback port")
 
 
 def _tcp_probe(host: str, port: int, timeout_s: float) -> Optional[str]:
@@ -104,24 +123,3 @@ def check_reachable(services: Services, timeout_s: float = 5.0) -> None:
     err = _tcp_probe(s.hostname or "localhost", s.port or (443 if s.scheme == "https" else 80), timeout_s)
     if err:
         raise ServiceUnavailable(f"cannot reach S3 at {services.s3_endpoint} ({err}): {hint}")
-
-
-class Backoff:
-    """Retry pacing for an unreachable server: doubling waits up to a bound, reset on success."""
-
-    def __init__(self, max_s: float, first_s: float = 0.5):
-        self.max_s, self.first_s = max_s, first_s
-        self.failures = 0
-        self.next_try = 0.0
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.next_try
-
-    def failed(self) -> float:
-        self.failures += 1
-        wait = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
-        self.next_try = time.monotonic() + wait
-        return wait
-
-    def succeeded(self) -> None:
-        self.failures, self.next_try = 0, 0.0

@@ -57,6 +57,7 @@ from typing import BinaryIO, Callable, Optional, Protocol
 
 from kafka.errors import KafkaError
 
+from pipeline.errors import UserError
 from pipeline.rollout import Rollout, decode_rollout, encode_rollout
 from pipeline.services import ServiceUnavailable
 
@@ -76,8 +77,8 @@ DELIVERY_ERRORS: tuple[type[BaseException], ...] = (KafkaError, ServiceUnavailab
 Anything else (a bug) propagates."""
 
 
-class SpoolLockedError(RuntimeError):
-    """Another process has this spool directory open."""
+class SpoolLockedError(UserError, RuntimeError):
+    """Another process has this spool directory open (two samplers given the same `--id` or spool_dir)."""
 
 
 class SpoolCorruptError(RuntimeError):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
+from pipeline.losses import compute_policy_loss, group_advantages
+from pipeline.model import completion_logprobs
 from pipeline.rollout import Rollout
 
 
@@ -53,9 +55,6 @@ def collate_groups(groups: list[Rollout], weights: list[float]) -> GroupBatch:
 def policy_loss(model, batch: GroupBatch, cfg: LearnerConfig, *, temperature: float,
                 max_completion_length: int) -> tuple[torch.Tensor, dict]:
     """The configured loss of `model` on `batch` (graph attached), and its metrics."""
-    from pipeline.losses import compute_policy_loss, group_advantages
-    from pipeline.model import completion_logprobs
-
     advantages = group_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_adv_by_std)
     learner_logps, mask = completion_logprobs(model, batch.prompt_ids, batch.completion_ids, temperature)
     sampler_logps = batch.sampler_logps[:, : learner_logps.shape[1]]

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from pipeline.kafka_io import read_topic, topic_partitions
+
 UPDATE_LOG_SCHEMA = 1
 UPDATE_LOG_FILE = "updates.jsonl"
 
@@ -187,8 +189,6 @@ def rewind_entry(version: int, loss_type: str, attempt: str = "", topic: str = "
 
 def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:
     """The update log of a rollout topic from Kafka, or None if the run wrote none."""
-    from pipeline.kafka_io import read_topic, topic_partitions
-
     topic = updates_topic(rollout_topic)
     if not topic_partitions(bootstrap, topic):
         return None

@@ -1,20 +1,23 @@
 """Sampler: generate prompt groups with the newest policy it has, publish them to Kafka.
 
-Run: `heterorl sampler --config configs/demo.yaml` (any number, on any machine that can
-reach the three servers; start or stop them at any time).
+Run: `heterorl sampler --config demo` (any number, on any machine that can reach the
+three servers; start or stop them at any time).
 
-The loop, top to bottom:
-  1. announce: take a lease in Redis (id, host, version, rate), renewed by heartbeats;
-  2. wait for a published policy version, download its checkpoint from S3, verify it;
-  3. repeat: if Redis shows a newer version (and the simulated refresh delay, if any,
-     has run out), download + verify it on a background thread while generating with
-     the current weights, and swap it in between batches once ready; hold back while too far
-     behind to produce usable data, or while the learner's backlog is over its bound;
-     claim the next prompts of the shared stream; sample G completions per prompt,
-     recording the sampler's token log-probs; score them with the task's verifier;
-     publish one message per prompt group, tagged with the policy version used (after
-     the simulated transit delay, if any), through an on-disk spool that keeps every
-     group until the broker acknowledged it (a broker outage or a crash loses nothing).
+`Sampler.run` repeats `Sampler.turn`, which reads top to bottom:
+  1. heartbeat: renew this sampler's lease in Redis (id, host, version, rate);
+  2. read the run once (`RunState.sampler_view`: newest policy, learner position);
+  3. refresh weights: if a newer version is published (and the simulated refresh delay,
+     if any, has run out), download + verify it on a background thread while generating
+     with the current weights;
+  4. swap: load a finished download between batches;
+  5. pump the outbox: groups whose simulated transit is over go to the on-disk spool,
+     which keeps every group until the broker acknowledged it (a broker outage or a crash
+     loses nothing), and the spool is sent on;
+  6. pause for a named reason (`pipeline.pacing`: no policy yet, spool full, too far
+     behind, learner backlog), or generate: claim the next prompts of the shared stream,
+     sample G completions per prompt recording the sampler's token log-probs, score them
+     with the task's verifier, and hand one group per prompt, tagged with the policy
+     version used, to the outbox.
 
 Prompts are claimed in Redis (`RunState.claim_prompts`) and marked done once their
 groups are durably spooled; the claims of a sampler whose lease expired are re-issued to
@@ -33,21 +36,34 @@ import os
 import shutil
 import signal
 import socket
+import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+import redis
+import torch
+import urllib3
+from minio.error import S3Error
+
+from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
+from pipeline.delays import RefreshGate, transit_stream
+from pipeline.kafka_io import RolloutSink, ensure_topic
+from pipeline.model import decode_completion, load_policy, sample_groups
+from pipeline.pacing import Pacing
+from pipeline.redis_state import RunView
+from pipeline.retry import Backoff, retry_call
 from pipeline.rollout import Rollout
 from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
-from pipeline.services import Backoff
+from pipeline.services import ServiceUnavailable
+from pipeline.spool import RolloutSpool
 
 
 def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
     """One Rollout per prompt group: rewards from the task's verifier on the decoded completions."""
-    from pipeline.model import decode_completion
-
     return [Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id=sampler_id,
                     policy_version=policy_version, prompt_ids=group.prompt_ids,
                     completion_ids=group.completion_ids, sampler_logps=group.sampler_logps,
@@ -66,14 +82,16 @@ def sampler_seed(run_seed: int, sampler_id: str) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-class _StopFlag:
+class StopRequest:
+    """SIGTERM or SIGINT: finish the turn, send what can be sent, release the lease."""
+
     def __init__(self):
-        self.stop = False
+        self.requested = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, *_):
-        self.stop = True
+        self.requested = True
 
 
 class PolicyHolder:
@@ -86,8 +104,6 @@ class PolicyHolder:
     """
 
     def __init__(self, store, work_dir: Path, log):
-        import threading
-
         self.store = store
         self.work_dir = work_dir
         self.log = log
@@ -103,8 +119,6 @@ class PolicyHolder:
 
     def request(self, version: Optional[int], manifest_key: Optional[str], forced: bool = False) -> None:
         """Start downloading `version` in the background if it is newer than ours and nothing is in flight."""
-        import threading
-
         if version is None or manifest_key is None or (self.version is not None and version <= self.version):
             return
         if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
@@ -115,13 +129,6 @@ class PolicyHolder:
         self._thread.start()
 
     def _download(self, version: int, manifest_key: str, forced: bool) -> None:
-        import urllib3
-        from minio.error import S3Error
-
-        from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
-        from pipeline.model import load_policy
-        from pipeline.services import ServiceUnavailable
-
         try:
             path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")
             model, tokenizer = load_policy(path)
@@ -204,8 +211,6 @@ class Outbox:
         """Send what the spool holds, in order, unless the broker is in its retry backoff."""
         if not self.spool.pending() or not self.backoff.ready():
             return
-        from pipeline.services import ServiceUnavailable
-
         if self.sink is None:
             try:
                 self.sink = self.make_sink()
@@ -264,211 +269,243 @@ class Outbox:
         self.spool.close()
 
 
-def _connect_retrying(cfg: HeteroConfig, log, give_up_s: float = 300.0):
-    """The servers, and the topic, with backoff: a sampler started during an outage waits
-    for the link (saying so) instead of exiting; after `give_up_s` the error stands."""
-    from pipeline.kafka_io import ensure_topic
-    from pipeline.services import ServiceUnavailable
+PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s", "backlog": "paused_backlog_s",
+               "redis": "paused_redis_s"}
+"""Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
+PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2}
+"""How long one pause of each kind sleeps before the next turn looks again."""
 
-    backoff, deadline = Backoff(cfg.sampler.retry_max_backoff_s), time.monotonic() + give_up_s
-    while True:
+
+class Sampler:
+    """One sampler process: `run()` repeats `turn()`, whose steps are the methods below."""
+
+    def __init__(self, cfg: HeteroConfig, sampler_id: Optional[str] = None):
+        self.cfg, self.scfg = cfg, cfg.sampler
+        self.sampler_id = sampler_id or new_sampler_id()
+        self.log = setup_logging(f"sampler {self.sampler_id}")
+        self.stop = StopRequest()
+        self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
+        self.sampling = {"temperature": self.scfg.temperature, "top_p": self.scfg.top_p, "top_k": self.scfg.top_k,
+                         "max_new_tokens": self.scfg.max_new_tokens}
+        self.pacing = Pacing(cfg.learner.groups_per_step, cfg.learner.max_delay_steps, self.scfg.max_backlog_groups)
+        self.gate = RefreshGate(self.scfg.delays, self.sampler_id)
+        self.redis_backoff = Backoff(self.scfg.retry_max_backoff_s)
+        self.view = RunView(None, None, {})
+        self.policy_read_at = self.last_heartbeat = 0.0
+        self.last_wait_log = time.monotonic()
+        self.started = time.time()
+        self.generated = 0
+        self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
+        self.stalled = False
+        self.claim_of: dict[str, int] = {}
+        """Rollout id -> prompt index, until the prompt's claim is marked done."""
+
+    def run(self) -> int:
+        """Generate until stopped (SIGTERM/SIGINT) or `sampler.max_groups`; Redis outages are waited out."""
+        self.start()
         try:
-            handles = connect_run(cfg)
-            ensure_topic(handles.services.kafka_bootstrap, cfg.run.topic, cfg.run.topic_partitions,
-                         retention_ms=cfg.run.topic_retention_ms)
-            return handles
-        except ServiceUnavailable as e:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("%s; retrying in %.1fs", e, backoff.failed())
-            time.sleep(max(0.0, backoff.next_try - time.monotonic()))
+            while not self.stop.requested:
+                if not self.redis_backoff.ready():  # claims and versions live there: wait for it
+                    self.pump_outbox()
+                    self.pause("redis")
+                    continue
+                try:
+                    if not self.turn():
+                        break
+                    if self.redis_backoff.failures:
+                        self.log.info("Redis %s reachable again", self.redis_url)
+                    self.redis_backoff.succeeded()
+                except redis.RedisError as e:
+                    self.log.warning("Redis %s unreachable (%s); retrying in %.1fs, %d groups waiting to be sent",
+                                     self.redis_url, type(e).__name__, self.redis_backoff.failed(),
+                                     self.outbox.waiting())
+        finally:
+            self.close()
+        return 0
 
-
-def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
-    import redis
-    import torch
-
-    from pipeline.delays import RefreshGate, too_far_behind, transit_stream
-    from pipeline.kafka_io import RolloutSink
-    from pipeline.model import sample_groups
-    from pipeline.spool import RolloutSpool
-
-    sampler_id = sampler_id or new_sampler_id()
-    log = setup_logging(f"sampler {sampler_id}")
-    torch.set_num_threads(cfg.sampler.torch_threads)
-    scfg = cfg.sampler
-    handles = _connect_retrying(cfg, log)
-    state, store = handles.state, handles.store
-    task = make_task_from_config(cfg)
-    bootstrap = handles.services.kafka_bootstrap
-    spool_dir = Path(scfg.spool_dir or Path(cfg.services.data_dir) / "spool" / sampler_id)
-    spool = RolloutSpool(spool_dir, max_bytes=int(scfg.spool_max_mb * 1024 * 1024), max_groups=scfg.spool_max_groups)
-    if spool.pending():
-        log.info("recovered %d spooled groups from %s", spool.pending(), spool_dir)
-    outbox = Outbox(spool, lambda: RolloutSink(bootstrap, cfg.run.topic, send_timeout_s=scfg.send_timeout_s,
-                                               connect_timeout_s=scfg.send_timeout_s),
-                    transit_stream(scfg.delays, sampler_id), scfg.retry_max_backoff_s, log, bootstrap)
-    gate = RefreshGate(scfg.delays, sampler_id)
-    work_dir = Path(cfg.services.data_dir) / "samplers" / sampler_id
-    work_dir.mkdir(parents=True, exist_ok=True)
-    policy = PolicyHolder(store, work_dir, log)
-    stop = _StopFlag()
-    seed = sampler_seed(cfg.run.seed, sampler_id)
-    sampling = {"temperature": scfg.temperature, "top_p": scfg.top_p, "top_k": scfg.top_k,
-                "max_new_tokens": scfg.max_new_tokens}
-    started = time.time()
-    generated = 0
-    newest = None
-    waited = {"paused_backlog_s": 0.0, "paused_spool_full_s": 0.0, "paused_redis_s": 0.0,
-              "stalled_behind_s": 0.0, "stalls_behind": 0}
-    stalled = False
-    last_heartbeat = last_poll = 0.0
-    last_wait_log = time.monotonic()
-    redis_backoff = Backoff(scfg.retry_max_backoff_s)
-
-    def totals() -> dict:
-        return {"generated": generated, "published": outbox.published, "spooled": spool.pending(),
-                "discarded_at_source": outbox.discarded_at_source,
-                "paused_s": round(sum(v for k, v in waited.items() if k.endswith("_s")), 1),
-                **{k: round(v, 1) for k, v in waited.items()}, **gate.stats}
-
-    def heartbeat() -> None:
-        minutes = max((time.time() - started) / 60, 1e-9)
-        state.renew_sampler_lease(sampler_id, {
-            "host": socket.gethostname(), "pid": os.getpid(), "policy_version": policy.version,
-            "groups": outbox.published, "rollouts_per_min": round(outbox.published / minutes, 2),
-            "versions_behind": (newest - policy.version) if newest is not None and policy.version is not None else None,
-            "downloading": policy.downloading, "started_at": started, "held_in_transit": len(outbox.held),
-            **totals(),
-        }, scfg.lease_ttl_s)
-        state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
-        touch_heartbeat_file()
-
-    def behind() -> bool:
-        return too_far_behind(newest, policy.version, backlog(), cfg.learner.groups_per_step,
-                              cfg.learner.max_delay_steps)
-
-    def too_stale(rollout: Rollout) -> bool:
-        """Judged at the source with the newest version we know: the learner would drop it."""
-        return newest is not None and newest - rollout.policy_version > cfg.learner.max_delay_steps
-
-    def refresh() -> None:
-        """Load a newer policy once the (simulated) refresh delay allows it."""
-        nonlocal newest
-        newest, manifest_key = state.policy()
-        if newest is None or (policy.version is not None and newest <= policy.version):
-            return
-        # A delay counted in learner steps can only run out if the learner keeps getting
-        # data; a sampler already too far behind to give it any refreshes now.
-        allowed = gate.should_load(policy.version, newest)
-        forced = not allowed and scfg.delays.unit == "steps" and behind()
-        if allowed or forced:
-            policy.request(newest, manifest_key, forced=forced)
-
-    def wait(reason: str, seconds: float = 0.05) -> None:
-        time.sleep(seconds)
-        waited[reason] += seconds
-
-    def backlog() -> int:
-        """Groups the learner has not read yet: in the topic (as of our last acknowledgement),
-        in simulated transit and in the spool here."""
-        read = state.learner_offsets()
-        return outbox.waiting() + sum(max(0, end - read.get(p, 0)) for p, end in outbox.acked_up_to.items())
-
-    claim_of: dict[str, int] = {}  # rollout id -> prompt index, until the claim is marked done
-
-    def confirm_claims() -> None:
-        """Prompts whose groups are safely on disk are done: nobody needs to redo them."""
-        if outbox.spooled_ids:
-            state.complete_prompts(sampler_id, [claim_of[r] for r in outbox.spooled_ids if r in claim_of])
-            for r in outbox.spooled_ids:
-                claim_of.pop(r, None)
-            outbox.spooled_ids.clear()
-
-    def generate() -> None:
-        nonlocal generated
-        indices = state.claim_prompts(sampler_id, scfg.prompts_per_batch)
-        problems = [task.train_problem(i) for i in indices]
-        groups = sample_groups(
-            policy.model, policy.tokenizer, [p.prompt for p in problems], group_size=scfg.group_size,
-            temperature=scfg.temperature, top_p=scfg.top_p, top_k=scfg.top_k,
-            max_new_tokens=scfg.max_new_tokens, seed=seed + indices[0])
-        rollouts = score_groups(task, policy.tokenizer, problems, groups, sampler_id=sampler_id,
-                                policy_version=policy.version, sampling=sampling)
-        claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
-        outbox.add(rollouts)
-        generated += len(groups)
-
-    def step() -> bool:
-        """One turn of the loop; False once sampler.max_groups is reached."""
-        nonlocal last_heartbeat, last_poll, last_wait_log, stalled
-        now = time.monotonic()
-        if now - last_heartbeat >= scfg.heartbeat_interval_s:
-            heartbeat()
-            last_heartbeat = now
-        if now - last_poll >= scfg.weight_poll_interval_s or policy.model is None:
-            refresh()
-            last_poll = now
-        forced = policy.swap_if_ready()
-        if forced is not None:
-            gate.loaded(forced=forced)
-        spool_has_room = outbox.spool_due()
-        confirm_claims()
-        outbox.deliver(too_stale)
-        if policy.model is None:
-            if time.monotonic() - last_wait_log > 5:
-                log.info("waiting for a policy version: %s (Redis %s)", f"downloading v{policy.downloading}"
-                         if policy.downloading is not None else "none published yet", handles.services.redis_url)
-                last_wait_log = time.monotonic()
-            time.sleep(0.5)
+    def turn(self) -> bool:
+        """Heartbeat, refresh weights, swap, pump the outbox, then pause (for a named reason) or
+        generate. False once `sampler.max_groups` groups were generated."""
+        self.heartbeat_if_due()
+        view, policy_polled = self.read_view()  # the turn's one Redis read for pacing
+        if policy_polled:
+            self.refresh_weights(view)
+        self.swap_weights()
+        spool_has_room = self.pump_outbox()
+        self.confirm_claims()
+        reason = self.pacing.pause_reason(has_policy=self.policy.model is not None, spool_has_room=spool_has_room,
+                                          newest=view.newest_version, current=self.policy.version,
+                                          backlog=self.backlog(view))
+        if reason is not None:
+            self.pause(reason)
             return True
-        if not spool_has_room:
-            wait("paused_spool_full_s", 0.5)  # the broker has been away long: nowhere to put more
-            return True
-        if behind():  # don't waste compute on data that will be dropped: wait for a refresh
-            waited["stalls_behind"] += not stalled  # episodes, not polls
-            stalled = True
-            wait("stalled_behind_s", 0.05)
-            return True
-        stalled = False
-        if scfg.max_backlog_groups is not None and backlog() > scfg.max_backlog_groups:
-            wait("paused_backlog_s")  # the learner is behind: don't waste compute
-            return True
-        generate()
-        if scfg.max_groups is not None and generated >= scfg.max_groups:
-            log.info("generated %d groups (sampler.max_groups); stopping", generated)
+        self.stalled = False
+        self.generate()
+        if self.scfg.max_groups is not None and self.generated >= self.scfg.max_groups:
+            self.log.info("generated %d groups (sampler.max_groups); stopping", self.generated)
             return False
         return True
 
-    log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)", sampler_id,
-             cfg.run.topic, seed, spool_dir, scfg.delays.refresh.kind, scfg.delays.transit.kind)
-    try:
-        while not stop.stop:
-            try:
-                if not redis_backoff.ready():
-                    outbox.spool_due()
-                    outbox.deliver(too_stale)
-                    wait("paused_redis_s", 0.2)
-                    continue
-                if not step():
-                    break
-                if redis_backoff.failures:
-                    log.info("Redis %s reachable again", handles.services.redis_url)
-                redis_backoff.succeeded()
-            except redis.RedisError as e:  # claims and versions live there: wait for it
-                log.warning("Redis %s unreachable (%s); retrying in %.1fs, %d groups waiting to be sent",
-                            handles.services.redis_url, type(e).__name__, redis_backoff.failed(), outbox.waiting())
-    finally:
-        outbox.close(timeout_s=scfg.send_timeout_s)
+    # ---- start ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect (waiting out an outage), recover the spool, announce the sampler."""
+        torch.set_num_threads(self.scfg.torch_threads)
+        self.handles = self._connect()
+        self.state, self.redis_url = self.handles.state, self.handles.services.redis_url
+        self.task = make_task_from_config(self.cfg)
+        bootstrap = self.handles.services.kafka_bootstrap
+        self.spool_dir = Path(self.scfg.spool_dir or Path(self.cfg.services.data_dir) / "spool" / self.sampler_id)
+        spool = RolloutSpool(self.spool_dir, max_bytes=int(self.scfg.spool_max_mb * 1024 * 1024),
+                             max_groups=self.scfg.spool_max_groups)
+        if spool.pending():
+            self.log.info("recovered %d spooled groups from %s", spool.pending(), self.spool_dir)
+        self.outbox = Outbox(spool, lambda: RolloutSink(bootstrap, self.cfg.run.topic,
+                                                        send_timeout_s=self.scfg.send_timeout_s,
+                                                        connect_timeout_s=self.scfg.send_timeout_s),
+                             transit_stream(self.scfg.delays, self.sampler_id), self.scfg.retry_max_backoff_s,
+                             self.log, bootstrap)
+        self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log)
+        self.log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
+                      self.sampler_id, self.cfg.run.topic, self.seed, self.spool_dir, self.scfg.delays.refresh.kind,
+                      self.scfg.delays.transit.kind)
+
+    def _connect(self, give_up_s: float = 300.0):
+        """The servers and the topic, retried: a sampler started during an outage waits for the
+        link (saying so) instead of exiting; after `give_up_s` the error stands."""
+        def connect():
+            handles = connect_run(self.cfg)
+            ensure_topic(handles.services.kafka_bootstrap, self.cfg.run.topic, self.cfg.run.topic_partitions,
+                         retention_ms=self.cfg.run.topic_retention_ms)
+            return handles
+
+        return retry_call(connect, retry_on=(ServiceUnavailable,), first_s=0.5, max_s=self.scfg.retry_max_backoff_s,
+                          give_up_after_s=give_up_s,
+                          on_retry=lambda e, wait, _: self.log.warning("%s; retrying in %.1fs", e, wait))
+
+    # ---- the steps of a turn --------------------------------------------------------
+    def heartbeat_if_due(self) -> None:
+        """Renew the lease (with this sampler's numbers); hand back the claims of dead samplers."""
+        now = time.monotonic()
+        if now - self.last_heartbeat < self.scfg.heartbeat_interval_s:
+            return
+        self.last_heartbeat = now
+        minutes = max((time.time() - self.started) / 60, 1e-9)
+        newest, current = self.view.newest_version, self.policy.version
+        self.state.renew_sampler_lease(self.sampler_id, {
+            "host": socket.gethostname(), "pid": os.getpid(), "policy_version": current,
+            "groups": self.outbox.published, "rollouts_per_min": round(self.outbox.published / minutes, 2),
+            "versions_behind": (newest - current) if newest is not None and current is not None else None,
+            "downloading": self.policy.downloading, "started_at": self.started,
+            "held_in_transit": len(self.outbox.held), **self.totals(),
+        }, self.scfg.lease_ttl_s)
+        self.state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
+        touch_heartbeat_file()
+
+    def read_view(self) -> tuple[RunView, bool]:
+        """(the run as this turn sees it, whether the policy pointer was read again): the learner's
+        position every turn, the newest policy every `weight_poll_interval_s` (every turn until a
+        policy is loaded), both in one round trip."""
+        now = time.monotonic()
+        poll_policy = now - self.policy_read_at >= self.scfg.weight_poll_interval_s or self.policy.model is None
+        view = self.state.sampler_view(with_policy=poll_policy)
+        if poll_policy:
+            self.policy_read_at = now
+        else:
+            view = replace(view, newest_version=self.view.newest_version, manifest_key=self.view.manifest_key)
+        self.view = view
+        return view, poll_policy
+
+    def refresh_weights(self, view: RunView) -> None:
+        """Start downloading a newer policy once the (simulated) refresh delay allows it."""
+        newest, current = view.newest_version, self.policy.version
+        if newest is None or (current is not None and newest <= current):
+            return
+        # A delay counted in learner steps can only run out if the learner keeps getting
+        # data; a sampler already too far behind to give it any refreshes now.
+        allowed = self.gate.should_load(current, newest)
+        forced = (not allowed and self.scfg.delays.unit == "steps"
+                  and self.pacing.behind(newest, current, self.backlog(view)))
+        if allowed or forced:
+            self.policy.request(newest, view.manifest_key, forced=forced)
+
+    def swap_weights(self) -> None:
+        """Load a finished download between batches."""
+        forced = self.policy.swap_if_ready()
+        if forced is not None:
+            self.gate.loaded(forced=forced)
+
+    def pump_outbox(self) -> bool:
+        """Spool groups whose transit is over and send what the spool holds (no Redis: this also
+        runs while Redis is away); False if the spool is full."""
+        spool_has_room = self.outbox.spool_due()
+        self.outbox.deliver(lambda r: self.pacing.too_stale(self.view.newest_version, r.policy_version))
+        return spool_has_room
+
+    def pause(self, reason: str) -> None:
+        """Sleep one pause of this kind, counted in the stats."""
+        if reason == "no_policy" and time.monotonic() - self.last_wait_log > 5:
+            self.log.info("waiting for a policy version: %s (Redis %s)", f"downloading v{self.policy.downloading}"
+                          if self.policy.downloading is not None else "none published yet", self.redis_url)
+            self.last_wait_log = time.monotonic()
+        # Stalls while behind (waiting for a refresh instead of making data that would be
+        # dropped) are also counted as episodes: runs of consecutive "behind" pauses.
+        self.paused["stalls_behind"] += reason == "behind" and not self.stalled
+        self.stalled = reason == "behind"
+        seconds = PAUSE_SECONDS[reason]
+        time.sleep(seconds)
+        if reason in PAUSE_STATS:
+            self.paused[PAUSE_STATS[reason]] += seconds
+
+    def generate(self) -> None:
+        """Claim prompts, sample G completions each, score them, hand the groups to the outbox."""
+        indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch)
+        problems = [self.task.train_problem(i) for i in indices]
+        groups = sample_groups(
+            self.policy.model, self.policy.tokenizer, [p.prompt for p in problems], group_size=self.scfg.group_size,
+            temperature=self.scfg.temperature, top_p=self.scfg.top_p, top_k=self.scfg.top_k,
+            max_new_tokens=self.scfg.max_new_tokens, seed=self.seed + indices[0])
+        rollouts = score_groups(self.task, self.policy.tokenizer, problems, groups, sampler_id=self.sampler_id,
+                                policy_version=self.policy.version, sampling=self.sampling)
+        self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
+        self.outbox.add(rollouts)
+        self.generated += len(groups)
+
+    # ---- helpers --------------------------------------------------------------------
+    def backlog(self, view: RunView) -> int:
+        return self.pacing.backlog(self.outbox.waiting(), self.outbox.acked_up_to, view.learner_offsets)
+
+    def confirm_claims(self) -> None:
+        """Prompts whose groups are safely on disk are done: nobody needs to redo them."""
+        if self.outbox.spooled_ids:
+            self.state.complete_prompts(self.sampler_id, [self.claim_of[r] for r in self.outbox.spooled_ids
+                                                          if r in self.claim_of])
+            for r in self.outbox.spooled_ids:
+                self.claim_of.pop(r, None)
+            self.outbox.spooled_ids.clear()
+
+    def totals(self) -> dict:
+        return {"generated": self.generated, "published": self.outbox.published,
+                "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
+                "paused_s": round(sum(v for k, v in self.paused.items() if k.endswith("_s")), 1),
+                **{k: round(v, 1) for k, v in self.paused.items()}, **self.gate.stats}
+
+    def close(self) -> None:
+        """Last delivery attempt, final stats, lease released; the spool keeps what was not sent."""
+        self.outbox.close(timeout_s=self.scfg.send_timeout_s)
         try:
-            confirm_claims()
-            state.record_sampler_stats(sampler_id, totals())
-            state.release_sampler_lease(sampler_id)
+            self.confirm_claims()
+            self.state.record_sampler_stats(self.sampler_id, self.totals())
+            self.state.release_sampler_lease(self.sampler_id)
         except redis.RedisError as e:
-            log.warning("could not record the final stats in Redis: %s", e)
-        shutil.rmtree(work_dir, ignore_errors=True)
-        if not spool.pending():
-            shutil.rmtree(spool_dir, ignore_errors=True)
-        log.info("sampler %s stopped after %d groups (%s)", sampler_id, outbox.published,
-                 ", ".join(f"{k} {v}" for k, v in totals().items()))
-    return 0
+            self.log.warning("could not record the final stats in Redis: %s", e)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        if not self.outbox.spool.pending():
+            shutil.rmtree(self.spool_dir, ignore_errors=True)
+        self.log.info("sampler %s stopped after %d groups (%s)", self.sampler_id, self.outbox.published,
+                      ", ".join(f"{k} {v}" for k, v in self.totals().items()))
+
+
+def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
+    return Sampler(cfg, sampler_id).run()

@@ -18,7 +18,7 @@ def test_three_minute_chaos_run_loses_nothing_and_uses_nothing_twice(tmp_path):
     out = tmp_path / "chaos"
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # its own stack
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", "chaos", "--config", "configs/smoke.yaml", "--minutes", "3",
+        [sys.executable, "-m", "heterorl", "chaos", "--config", "smoke", "--minutes", "3",
          "--samplers", "2", "--out", str(out), "--set", "sampler.max_backlog_groups=64"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_delayed_samplers_never_feed_the_learner_past_its_max_delay(local_stack_env, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", "configs/smoke.yaml", "--out", str(out),
+    cmd = [sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--out", str(out),
            "--data-dir", str(tmp_path / "data"), "--set", "learner.max_steps=8", "--set", "learner.max_delay_steps=1",
            "--set", "train.num_samplers=2", "--set", "sampler.max_backlog_groups=64",
            # refresh only once 2 versions behind (past the max: the sampler must stop and refresh),

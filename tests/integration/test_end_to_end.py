@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from heterorl.config_files import builtin_config
 from pipeline.config import ENV_OVERRIDES, load_config
 from tests.integration.test_local_stack import _gone
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def heterorl(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # no URLs: the local stack
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "heterorl", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -32,12 +33,13 @@ def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
 
 
 def _train_inspect_and_stop(tmp_path):
+    from heterorl.stack import with_local_stack
     from infra.local_stack import load_stack
     from pipeline.metrics import read_metrics
     from pipeline.runtime import connect_run
 
     data, out = tmp_path / "data", tmp_path / "run"
-    proc = heterorl("train", "--config", "configs/smoke.yaml", "--out", str(out), "--data-dir", str(data),
+    proc = heterorl("train", "--config", "smoke", "--out", str(out), "--data-dir", str(data),
                     "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout
@@ -53,7 +55,8 @@ def _train_inspect_and_stop(tmp_path):
     assert summary["final_checkpoint"] == f"s3://{stack.bucket}/{summary['run']}/v4/"
 
     # The version advanced in Redis and checkpoints with valid manifests exist in S3.
-    cfg = load_config(ROOT / "configs/smoke.yaml", [f"run.name={summary['run']}", f"services.data_dir={data}"], env={})
+    cfg = with_local_stack(load_config(builtin_config("smoke"), [f"run.name={summary['run']}",
+                                                                 f"services.data_dir={data}"], env={}))
     handles = connect_run(cfg)
     version, _ = handles.state.policy()
     assert version == 4

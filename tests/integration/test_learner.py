@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from heterorl.config_files import builtin_config
 from pipeline.config import load_config
 from pipeline.kafka_io import RolloutSink, ensure_topic
 from pipeline.rollout import Rollout
@@ -31,7 +32,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     from pipeline.runtime import connect_run
 
     run = f"boundary-{uuid.uuid4().hex[:6]}"
-    cfg = load_config(ROOT / "configs/smoke.yaml", [
+    cfg = load_config(builtin_config("smoke"), [
         f"run.name={run}", "learner.max_delay_steps=1", "learner.groups_per_step=1", "learner.max_steps=3",
         f"services.data_dir={tmp_path / 'data'}"])
     tok = build_tokenizer()
@@ -96,7 +97,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     sink.send(too_long)  # poison: dead-lettered
     sink.send(crafted_group(tok, 3, "after-restart-2"))
     sink.close()
-    cfg = load_config(ROOT / "configs/smoke.yaml", [
+    cfg = load_config(builtin_config("smoke"), [
         f"run.name={run}", "learner.max_delay_steps=1", "learner.groups_per_step=1", "learner.max_steps=5",
         f"services.data_dir={tmp_path / 'data'}"])
     assert run_learner(cfg, tmp_path / "run2") == 0
@@ -129,7 +130,7 @@ def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack
     from pipeline.runtime import connect_run, resolve_base_model
     from producers.sampler import PolicyHolder
 
-    cfg = load_config(ROOT / "configs/smoke.yaml", [f"run.name=tamper-{uuid.uuid4().hex[:6]}",
+    cfg = load_config(builtin_config("smoke"), [f"run.name=tamper-{uuid.uuid4().hex[:6]}",
                                                     f"services.data_dir={tmp_path / 'data'}"])
     handles = connect_run(cfg)
     base = resolve_base_model(cfg)

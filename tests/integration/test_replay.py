@@ -33,7 +33,7 @@ def recorded(local_stack, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("recorded")
     out = tmp / "run"
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", "configs/smoke.yaml", "--out", str(out),
+    cmd = [sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--out", str(out),
            "--data-dir", str(tmp / "data"), *RUN_OVERRIDES]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **stack_env(local_stack)}, capture_output=True,
                           text=True, timeout=600)
@@ -128,7 +128,7 @@ def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
 
 
 def _cli(*args, env):
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env={**os.environ, **env},
+    return subprocess.run([sys.executable, "-m", "heterorl", *args], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=300)
 
 

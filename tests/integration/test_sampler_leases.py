@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from pipeline.redis_state import RunState, connect_redis
-from pipeline.status import collect_status, format_status
+from heterorl.status import collect_status, format_status
 
 pytestmark = pytest.mark.integration
 

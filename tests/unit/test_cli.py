@@ -14,7 +14,7 @@ def heterorl(*args, env=None, timeout=60):
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "AWS_ENDPOINT_URL")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=full_env,
+    return subprocess.run([sys.executable, "-m", "heterorl", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -28,7 +28,7 @@ def test_help_lists_every_command():
 def test_every_option_of_every_command_has_help_text():
     import argparse
 
-    from pipeline.cli import build_parser
+    from heterorl.cli import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -44,7 +44,7 @@ def test_every_option_of_every_command_has_help_text():
 
 
 def test_unreachable_service_is_named_in_one_line(tmp_path):
-    proc = heterorl("learner", "--config", "configs/smoke.yaml", "--data-dir", str(tmp_path),
+    proc = heterorl("learner", "--config", "smoke", "--data-dir", str(tmp_path),
                     env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
                          "AWS_ENDPOINT_URL": "http://127.0.0.1:3"})
     assert proc.returncode == 2
@@ -71,3 +71,35 @@ def test_bad_config_field_is_named(tmp_path):
 def test_missing_config_file(tmp_path):
     proc = heterorl("sampler", "--config", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "config file not found" in proc.stderr
+
+
+def test_built_in_configs_are_found_from_any_directory(tmp_path):
+    assert "built-in config (demo, smoke, study)" in " ".join(heterorl("train", "--help").stdout.split())
+    env = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
+           "AWS_ENDPOINT_URL": "http://127.0.0.1:3"}
+    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "heterorl", "learner", "--config", "smoke"], cwd=tmp_path,
+                          env=full_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot reach Kafka at 127.0.0.1:1" in proc.stderr  # the config loaded
+    proc = subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "demoo"], cwd=tmp_path,
+                          env=full_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "config file not found: demoo (built-in configs: demo, smoke, study)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bug_keeps_its_traceback_and_a_failed_run_exits_1(monkeypatch, capsys):
+    from heterorl import cli
+    from heterorl.processes import RunFailed
+
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    def failed_run(args):
+        raise RunFailed("learner exited with code 1; last lines of runs/x/logs/learner.log:\n...")
+
+    monkeypatch.setitem(cli.COMMANDS, "status", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["status"])
+    monkeypatch.setitem(cli.COMMANDS, "status", failed_run)
+    assert cli.main(["status"]) == 1
+    assert capsys.readouterr().err.startswith("heterorl status: error: learner exited with code 1")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pipeline.compare import CompareError, compare_runs, format_table, format_value, plot_comparison
+from heterorl.compare import CompareError, compare_runs, format_table, format_value, plot_comparison
 
 
 def write_run(run_dir, learner: list[dict], evals: list[dict], summary: dict | None = None,

@@ -465,19 +465,6 @@ def test_assignment_is_validated_and_defaults_are_off():
 
 # --------------------------------------------------------------- too far behind, forced loads
 
-
-def test_too_far_behind_counts_versions_behind_and_queued_steps():
-    from pipeline.delays import too_far_behind
-
-    assert not too_far_behind(None, 3, 0, 64, 4)          # nothing published yet
-    assert not too_far_behind(10, 6, 0, 64, 4)            # 4 behind = max: still usable
-    assert too_far_behind(10, 5, 0, 64, 4)                # 5 behind: would be dropped
-    assert not too_far_behind(10, 6, 63, 64, 4)           # queued groups fill the current step
-    assert too_far_behind(10, 6, 64, 64, 4)               # a full step queued ahead: 5 at use
-    assert too_far_behind(0, 0, 128, 64, 1)               # on the newest version, but 2 steps queued
-    assert not too_far_behind(0, 0, 0, 64, 0)             # max delay 0: only with nothing queued
-
-
 def test_forced_load_is_counted_as_a_refresh_and_apart():
     t = [0.0]
     gate = RefreshGate(DelayModelConfig(unit="steps", refresh=DelayDistributionConfig(kind="fixed", value=5)),

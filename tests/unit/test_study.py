@@ -2,7 +2,7 @@
 
 import json
 
-from pipeline.study import write_report
+from heterorl.study import write_report
 
 
 def record(loss, d, best, last):
@@ -33,7 +33,7 @@ def test_report_table_gap_and_degradation(tmp_path):
 
 
 def test_a_written_analysis_survives_regeneration(tmp_path):
-    from pipeline.study import ANALYSIS_MARKER
+    from heterorl.study import ANALYSIS_MARKER
 
     records = [record("gepo", 0, 0.5, 0.5)]
     write_report(tmp_path, records, ["gepo"], [0], "cmd")

@@ -20,19 +20,28 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
+from heterorl.processes import Processes, child_env
+from infra.fault_proxy import FaultProxy, FaultSpec, Route
+from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
+from pipeline.audit import audit_topic
+from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.runtime import evaluate_checkpoint, make_task_from_config, resolve_base_model, setup_logging
+from pipeline.errors import UserError
+from pipeline.redis_state import RunState, connect_redis
+from pipeline.runtime import (evaluate_checkpoint, evaluate_published, make_task_from_config, resolve_base_model,
+                              setup_logging)
+from pipeline.services import Services, free_port
 
 SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
 """Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""
@@ -67,10 +76,6 @@ class ChaosRun:
     """The processes and servers of one chaos run, and the faults applied to them."""
 
     def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, partition_s: float, log):
-        from infra.fault_proxy import FaultProxy, FaultSpec, Route
-        from infra.local_stack import free_port, start_stack
-        from pipeline.train import Processes
-
         self.cfg, self.out, self.log, self.partition_s = cfg, out, log, partition_s
         self.data_dir = out / "data"
         # The proxy listens first: the broker advertises it and is probed through it.
@@ -86,23 +91,20 @@ class ChaosRun:
         self.sampler_spec = FaultSpec(**SAMPLER_LINK_FAULTS)
         self.proxy.set_spec(self.sampler_spec, routes=["redis", "s3"])
         self.faults: dict[str, int] = {}
-        direct = self._services(redis=self.stack.redis_url, s3=self.stack.s3_endpoint)
-        self.procs = Processes(out, {**os.environ, **direct, "PYTHONUNBUFFERED": "1"})
-        self.sampler_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._services(
-            redis=f"redis://{self.proxy.address('redis')}/0", s3=f"http://{self.proxy.address('s3')}")}
+        self.procs = Processes(out, child_env(self._services(redis=self.stack.redis_url, s3=self.stack.s3_endpoint)))
+        self.sampler_env = child_env(self._services(redis=f"redis://{self.proxy.address('redis')}/0",
+                                                    s3=f"http://{self.proxy.address('s3')}"))
         self.config_path = out / "config.yaml"
         self.config_path.write_text(dump_config(cfg))
         self.slots = list(range(samplers))  # sampler slots alive; each has a stable spool
         self.incarnation: dict[int, int] = {}
         self.next_slot = samplers
 
-    def _services(self, redis: str, s3: str) -> dict:
-        """The stack's environment (credentials, bucket) with these Redis and S3 URLs, and Kafka
+    def _services(self, redis: str, s3: str) -> Services:
+        """The stack's servers (credentials, bucket) with these Redis and S3 URLs, and Kafka
         through the proxy."""
-        from infra.local_stack import stack_env
-
-        return {**stack_env(self.stack), "KAFKA_BOOTSTRAP_SERVERS": self.proxy.address("kafka"),
-                "REDIS_URL": redis, "AWS_ENDPOINT_URL": s3}
+        return replace(stack_services(self.stack), kafka_bootstrap=self.proxy.address("kafka"),
+                       redis_url=redis, s3_endpoint=s3)
 
     def count(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -121,8 +123,7 @@ class ChaosRun:
                          env=self.sampler_env)
 
     def sampler_alive(self, slot: int) -> bool:
-        p = self.procs.procs.get(f"sampler-{slot}")
-        return p is not None and p.poll() is None
+        return self.procs.alive(f"sampler-{slot}")
 
     # ---- faults ----------------------------------------------------------------------
     def apply(self, event: ChaosEvent, rng: random.Random) -> None:
@@ -134,8 +135,6 @@ class ChaosRun:
             time.sleep(2.0)
             self.start_learner()
         elif event.kind == "restart_broker":
-            from infra.local_stack import restart_service
-
             restart_service(self.data_dir, "kafka")
         elif event.kind == "kill_sampler":
             alive = [s for s in self.slots if self.sampler_alive(s)]
@@ -159,8 +158,6 @@ class ChaosRun:
         self.count(event.kind)
 
     def stop(self) -> None:
-        from infra.local_stack import stop_stack
-
         self.procs.stop()
         self.proxy.stop()
         stop_stack(self.data_dir)
@@ -168,18 +165,11 @@ class ChaosRun:
 
 def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, partition_s: float = 30.0,
               keep_stack: bool = False) -> int:
-    from tqdm import tqdm
-
-    from pipeline.audit import audit_topic
-    from pipeline.checkpoints import CheckpointStore, connect_s3
-    from pipeline.redis_state import RunState, connect_redis
-    from infra.local_stack import stack_services
-
     log = setup_logging("chaos")
     logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)  # its refusals are counted in its stats
     out = Path(out)
     if (out / "audit.json").exists():
-        raise FileExistsError(f"{out} already holds a chaos run (audit.json); choose another --out")
+        raise UserError(f"{out} already holds a chaos run (audit.json); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     duration_s = minutes * 60
     run_name = f"{cfg.run.name}-chaos-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -189,7 +179,9 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
     cfg = cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
         "model": cfg.model.model_copy(update={"base": str(base)}),
-        "services": cfg.services.model_copy(update={"data_dir": str(out / "data")}),
+        # Its own stack, whose addresses every process gets from its environment.
+        "services": cfg.services.model_copy(update={"data_dir": str(out / "data"), "kafka_bootstrap": None,
+                                                    "redis_url": None, "s3_endpoint": None}),
         "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "idle_timeout_s": max(600.0, 4 * partition_s)}),
     })
     schedule = chaos_schedule(cfg.run.seed, duration_s, partition_s)
@@ -218,12 +210,11 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
                 run.apply(pending_events.pop(0), rng)
             learner = run.procs.procs["learner"]
             if learner.poll() is not None:
-                raise RuntimeError(f"learner exited with {learner.returncode}:\n{run.procs.log_tail('learner')}")
+                raise run.procs.failure("learner", f"learner exited with {learner.returncode}")
             for slot in run.slots:  # a sampler that died by itself is a finding, not a fault
                 p = run.procs.procs.get(f"sampler-{slot}")
                 if p is not None and p.poll() not in (None, 0, -signal.SIGKILL):
-                    raise RuntimeError(f"sampler-{slot} exited with {p.returncode}:\n"
-                                       f"{run.procs.log_tail(f'sampler-{slot}')}")
+                    raise run.procs.failure(f"sampler-{slot}", f"sampler-{slot} exited with {p.returncode}")
             bar.update(int(time.monotonic() - t0) - bar.n)
             bar.set_postfix_str(f"v{state.policy_version()} samplers {sum(map(run.sampler_alive, run.slots))} "
                                 f"faults {sum(run.faults.values())}")
@@ -237,19 +228,17 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         drain_started = time.monotonic()
         while learner.poll() is None:
             if time.monotonic() - drain_started > 600:
-                raise RuntimeError(f"the learner did not finish draining within 600s:\n{run.procs.log_tail('learner')}")
+                raise run.procs.failure("learner", "the learner did not finish draining within 600s")
             try:
                 learner.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 log.info("waiting for the learner to read the rest of %s (policy v%s)", cfg.run.topic,
                          state.policy_version())
         if learner.returncode != 0:
-            raise RuntimeError(f"learner exited with {learner.returncode} while draining:\n"
-                               f"{run.procs.log_tail('learner')}")
+            raise run.procs.failure("learner", f"learner exited with {learner.returncode} while draining")
         version, manifest_key = state.policy()
-        final_dir, manifest = store.fetch(manifest_key, out / "final_policy")
-        after = evaluate_checkpoint(cfg, final_dir, task)
-        shutil.rmtree(final_dir, ignore_errors=True)
+        manifest = store.read_manifest(manifest_key)
+        after = evaluate_published(cfg, store, manifest_key, out / "final_policy", task)
         reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
         audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, manifest.extra, reports)
         proxy_stats = run.proxy.stats()
@@ -274,9 +263,6 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
               f" -> lost {audit['lost']}, used twice {audit['used_twice']}; policy v{version}; held-out accuracy "
               f"{before['accuracy_sampled']:.3f} -> {after['accuracy_sampled']:.3f}\naudit: {out}/audit.json")
         return 0 if ok else 1
-    except RuntimeError as e:
-        print(f"heterorl chaos: error: {e}", file=sys.stderr)
-        return 1
     finally:
         if run is None:
             pass

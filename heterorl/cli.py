@@ -1,8 +1,12 @@
-"""`heterorl` (or `python -m pipeline`): one command per role, each a thin entry point.
+"""`heterorl` (or `python -m heterorl`): one command per role, each a thin entry point.
 
-Every subcommand parses its arguments, loads the typed config, and calls one function.
-Heavy libraries (torch, transformers, deepspeed) are imported inside those functions,
-so `heterorl --help` is instant. User mistakes end in one line on stderr, exit code 2.
+Every subcommand parses its arguments, loads the typed config (a shipped config by name,
+or a file), and calls one function. The command modules, and with them torch,
+transformers and deepspeed, are imported only by the command that needs them, so
+`heterorl --help` is instant. A user mistake (`pipeline.errors.UserError`: a bad config,
+an unreachable server, a bad file) ends in one line on stderr, exit status 2; a run whose
+process failed (`RunFailed`) in one line plus that process's last log lines, exit
+status 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,14 +16,19 @@ import json
 import sys
 from pathlib import Path
 
+from heterorl.config_files import builtin_configs, config_path
+from heterorl.processes import RunFailed
+from pipeline.config import ConfigError, HeteroConfig, load_config
+from pipeline.errors import UserError
+
 DEFAULT_DATA_DIR = ".heterorl"
 
 EXAMPLES = """\
 examples:
-  heterorl train --config configs/demo.yaml          # the whole loop on a local stack
+  heterorl train --config demo                       # the whole loop on a local stack
   heterorl up && eval "$(heterorl env)"              # start servers, point kcat/redis-cli/aws at them
-  heterorl learner --config configs/demo.yaml --out runs/x
-  heterorl sampler --config configs/demo.yaml        # start as many as you like, anywhere
+  heterorl learner --config demo --out runs/x
+  heterorl sampler --config demo                     # start as many as you like, anywhere
   heterorl status --json
   heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
   heterorl export --topic demo.rollouts --out demo.parquet
@@ -29,22 +38,31 @@ examples:
 """
 
 
+def _config_help() -> str:
+    return (f"a built-in config ({', '.join(builtin_configs())}) or a YAML file; defaults are used for "
+            "missing fields")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="FILE",
-                   help="YAML run config (see configs/demo.yaml); defaults are used for missing fields")
+    p.add_argument("--config", "-c", metavar="NAME|FILE", help=_config_help())
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set learner.lr=3e-4 (repeatable)")
     p.add_argument("--data-dir", metavar="DIR",
                    help=f"local stack directory (default: services.data_dir, i.e. {DEFAULT_DATA_DIR}/)")
 
 
-def _load(args):
-    from pipeline.config import load_config
-
+def _load(args, local_stack: bool = True) -> HeteroConfig:
+    """The command's config; with `local_stack`, servers not configured are taken from the
+    local stack running in the data dir (if any)."""
     overrides = list(args.overrides)
     if getattr(args, "data_dir", None):
         overrides.append(f"services.data_dir={args.data_dir}")
-    return load_config(args.config, overrides)
+    cfg = load_config(config_path(args.config), overrides)
+    if local_stack:
+        from heterorl.stack import with_local_stack
+
+        cfg = with_local_stack(cfg)
+    return cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid (gepo,grpo x 0,16; 50 steps) unless --losses/--max-delays are given")
-    p.add_argument("--config", "-c", default="configs/study.yaml", metavar="FILE",
-                   help="base run config (default configs/study.yaml)")
+    p.add_argument("--config", "-c", default="study", metavar="NAME|FILE",
+                   help=f"base run config: {_config_help()} (default study)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of every cell (repeatable)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
@@ -233,7 +251,7 @@ def _cmd_env(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from pipeline.status import collect_status, format_status
+    from heterorl.status import collect_status, format_status
 
     status = collect_status(args.data_dir, args.run)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
@@ -258,21 +276,21 @@ def _cmd_evaluator(args) -> int:
     return run_evaluator(_load(args), Path(args.out) if args.out else None)
 
 
-def _cmd_study(args) -> int:
-    from pipeline.study import QUICK, run_delay_study
-
-    grid = QUICK if args.quick else {"losses": "gepo,gspo,grpo", "max_delays": "0,4,16,64", "overrides": []}
-    losses, delays = args.losses or grid["losses"], args.max_delays or grid["max_delays"]
-    overrides = [*grid["overrides"], *args.overrides]
+def _comma_list(text: str, kind=str) -> list:
     try:
-        loss_list = [x.strip() for x in losses.split(",") if x.strip()]
-        delay_list = sorted({int(x) for x in delays.split(",") if x.strip()})
-        seed_list = [int(x) for x in args.seeds.split(",") if x.strip()]
+        return [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        from pipeline.config import ConfigError
-
         raise ConfigError(f"--max-delays and --seeds take comma-separated integers ({e})") from None
-    return run_delay_study(args.config, loss_list, delay_list, seed_list, Path(args.out), overrides, args.data_dir,
+
+
+def _cmd_study(args) -> int:
+    from heterorl.study import FULL, QUICK, run_delay_study
+
+    grid = QUICK if args.quick else FULL
+    overrides = [*grid["overrides"], *args.overrides]
+    return run_delay_study(config_path(args.config), _comma_list(args.losses or grid["losses"]),
+                           sorted(set(_comma_list(args.max_delays or grid["max_delays"], int))),
+                           _comma_list(args.seeds, int), Path(args.out), overrides, args.data_dir,
                            "heterorl " + " ".join(sys.argv[1:]))
 
 
@@ -306,14 +324,14 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_chaos(args) -> int:
-    from pipeline.chaos import run_chaos
+    from heterorl.chaos import run_chaos
 
-    return run_chaos(_load(args), Path(args.out), args.minutes, args.samplers, args.partition_s,
+    return run_chaos(_load(args, local_stack=False), Path(args.out), args.minutes, args.samplers, args.partition_s,
                      keep_stack=args.keep_stack)
 
 
 def _cmd_compare(args) -> int:
-    from pipeline.compare import compare_runs, format_table, plot_comparison
+    from heterorl.compare import compare_runs, format_table, plot_comparison
 
     dirs = [Path(d) for d in args.run_dirs]
     rows = compare_runs(dirs)
@@ -323,30 +341,16 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from pipeline.train import run_train
+    from heterorl.train import run_train
 
-    return run_train(_load(args), Path(args.out) if args.out else None, keep_stack=args.keep_stack,
-                     config_path=args.config)
+    return run_train(_load(args, local_stack=False), Path(args.out) if args.out else None,
+                     keep_stack=args.keep_stack)
 
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
             "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
             "chaos": _cmd_chaos}
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean a user mistake or an unreachable server: one line, no traceback."""
-    from consumers.replay import ReplayError
-    from infra.local_stack import StackError
-    from pipeline.archive import ArchiveError
-    from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
-    from pipeline.compare import CompareError
-    from pipeline.config import ConfigError
-    from pipeline.services import ServiceUnavailable
-
-    return (ConfigError, ServiceUnavailable, StackError, CorruptCheckpointError, CheckpointNotFound,
-            FileNotFoundError, FileExistsError, ReplayError, ArchiveError, CompareError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("heterorl: interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as e:
+    except (UserError, RunFailed) as e:  # a bug is neither: it keeps its traceback
         print(f"heterorl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, RunFailed) else 2
 
 
 if __name__ == "__main__":

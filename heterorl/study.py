@@ -1,6 +1,6 @@
 """`heterorl study delay`: loss × max-delay grid, each cell a real pipeline run.
 
-Every cell is `heterorl train` on the study config (configs/study.yaml: delay model on,
+Every cell is `heterorl train` on the study config (built-in `study`: delay model on,
 evaluator on) with the cell's loss, max delay and seed, on one shared local stack. Then:
 
 - DIR/delay_study.json: one record per (loss, max_delay, seed);
@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
+from heterorl.stack import services_for_run
+from pipeline.config import load_config
+from pipeline.metrics import read_metrics
+
+FULL = {"losses": "gepo,gspo,grpo", "max_delays": "0,4,16,64", "overrides": []}
+"""The default grid of `heterorl study delay`."""
 QUICK = {"losses": "gepo,grpo", "max_delays": "0,16", "overrides": ["learner.max_steps=50", "eval.every=10"]}
+"""`--quick`: a small grid of shorter runs."""
 
 
 def _cell_name(loss: str, max_delay: int, seed: int) -> str:
@@ -36,8 +46,6 @@ def _mean(values: list) -> Optional[float]:
 
 
 def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
-    from pipeline.metrics import read_metrics
-
     summary = json.loads((cell_dir / "summary.json").read_text())
     learner = json.loads((cell_dir / "learner_summary.json").read_text())
     steps = read_metrics(cell_dir / "metrics.jsonl", "learner")
@@ -64,8 +72,6 @@ def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
 
 def _eval_setting(cell_dir: Path, key: str):
     """eval.n_samples / the number of held-out problems, from the cell's saved config."""
-    import yaml
-
     cfg = yaml.safe_load((cell_dir / "config.yaml").read_text())
     if key == "problems":
         return cfg["eval"]["problems"] or cfg["task"]["eval_size"]
@@ -182,36 +188,26 @@ def _plots(out: Path, records: list[dict], losses: list[str], delays: list[int])
     plt.close(fig)
 
 
-def run_delay_study(config: str, losses: list[str], delays: list[int], seeds: list[int], out: Path,
+def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: list[int], out: Path,
                     overrides: list[str], data_dir: str, command: str) -> int:
-    from infra.local_stack import start_stack, stop_stack
-    from pipeline.config import load_config
-    from pipeline.services import resolve_services
-
-    cfg = load_config(config, overrides)  # fail on a bad config before starting anything
+    cfg = load_config(config, [*overrides, f"services.data_dir={data_dir}"])  # a bad config fails before anything starts
     for loss in losses:
         load_config(config, [*overrides, f"learner.loss_type={loss}"])
     out.mkdir(parents=True, exist_ok=True)
-    started_stack = False
-    if resolve_services(cfg.services.model_copy(update={"data_dir": data_dir})) is None:
-        start_stack(data_dir)
-        started_stack = True
     records = []
-    try:
+    with services_for_run(cfg):  # every cell is a `heterorl train` on this stack
         cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
         for i, (loss, d, seed) in enumerate(cells, 1):
             cell_dir = out / "cells" / _cell_name(loss, d, seed)
-            spec = {"config": config, "config_text": Path(config).read_text(), "loss": loss, "max_delay": d,
+            spec = {"config": str(config), "config_text": Path(config).read_text(), "loss": loss, "max_delay": d,
                     "seed": seed, "overrides": overrides}
             done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
                 json.loads((cell_dir / "cell.json").read_text()) == spec
             if not done:  # never reuse a cell made with another config or other overrides
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
-                    import shutil
-
                     shutil.rmtree(cell_dir)
-                cmd = [sys.executable, "-m", "pipeline", "train", "--config", config, "--out", str(cell_dir),
+                cmd = [sys.executable, "-m", "heterorl", "train", "--config", str(config), "--out", str(cell_dir),
                        "--data-dir", data_dir, "--set", f"learner.loss_type={loss}",
                        "--set", f"learner.max_delay_steps={d}", "--set", f"run.seed={seed}",
                        "--set", f"sampler.delays.seed={seed}", "--set", f"run.name=study-{loss}-d{d}-s{seed}"]
@@ -225,8 +221,5 @@ def run_delay_study(config: str, losses: list[str], delays: list[int], seeds: li
                     return 1
             records.append(_cell_record(cell_dir, loss, d, seed))
             write_report(out, records, losses, delays, command)
-    finally:
-        if started_stack:
-            stop_stack(data_dir)
     print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")
     return 0

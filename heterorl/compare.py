@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.errors import UserError
 from pipeline.metrics import read_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,7 +38,7 @@ COLUMNS = [  # (row key, table header)
 MISSING = "-"
 
 
-class CompareError(ValueError):
+class CompareError(UserError, ValueError):
     """A directory that cannot be compared; the message is one line."""
 
 

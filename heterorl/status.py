@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from heterorl.stack import resolved_services
+from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import load_config
+from pipeline.kafka_io import end_offsets
+from pipeline.redis_state import RunState, connect_redis, latest_run
 from pipeline.services import require_services
 
 
@@ -13,12 +17,8 @@ RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are li
 
 
 def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
-    from pipeline.checkpoints import CheckpointStore, connect_s3
-    from pipeline.kafka_io import end_offsets
-    from pipeline.redis_state import RunState, connect_redis, latest_run
-
     cfg = load_config(None, [f"services.data_dir={data_dir}"])
-    services = require_services(cfg.services)
+    services = resolved_services(cfg) or require_services(cfg.services)  # the latter names what is missing
     redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s)
     run = run or latest_run(redis_client)
     status = {**services.public(), "local_stack": services.from_local_stack, "run": run,

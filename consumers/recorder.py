@@ -1,0 +1,60 @@
+"""The bookkeeping of one optimizer step, the same for the learner and for replay.
+
+After each step: the update-log entry (which groups the step used, which were dropped,
+dead-lettered or ignored since the previous step) goes to `RUN_DIR/updates.jsonl` (and,
+for the learner, first to Kafka: the log must hold a step before anything builds on
+it), and one `{"kind": "learner"}` metrics record to `RUN_DIR/metrics.jsonl` and
+TensorBoard. The counts come from the `Admission` that judged the groups.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from pipeline.admission import Admission, PendingGroup
+from pipeline.metrics import MetricsWriter
+from pipeline.update_log import UpdateEntry, append_entry
+
+PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
+                 "duplicates_ignored")
+
+
+class StepRecorder:
+    """Writes each step's update-log entry and metrics record."""
+
+    def __init__(self, run_dir: Path, metrics: MetricsWriter, admission: Admission, *, loss_type: str, topic: str,
+                 vocab_size: int, tokenizer_sha: Optional[str], attempt: str = "",
+                 publish: Optional[Callable[[UpdateEntry], None]] = None):
+        """`publish`: where else the entry goes before the file (the learner's Kafka update log)."""
+        self.run_dir, self.metrics, self.admission = Path(run_dir), metrics, admission
+        self.loss_type, self.topic, self.vocab_size, self.tokenizer_sha = loss_type, topic, vocab_size, tokenizer_sha
+        self.attempt, self.publish = attempt, publish
+        self._consumed_at_last_step = 0
+        self._step_started = time.monotonic()
+
+    def record(self, version: int, batch: list[PendingGroup], step_metrics: dict) -> dict:
+        """Log step `version` (trained on `batch`); returns the metrics record's values."""
+        verdicts = self.admission.take_verdicts()
+        entry = UpdateEntry(step=version, policy_version=version, loss_type=self.loss_type, time=time.time(),
+                            used=[g.used() for g in batch], dropped=verdicts.dropped, malformed=verdicts.malformed,
+                            duplicates=verdicts.duplicates, vocab_size=self.vocab_size,
+                            tokenizer_sha=self.tokenizer_sha, attempt=self.attempt, topic=self.topic)
+        if self.publish is not None:
+            self.publish(entry)
+        append_entry(self.run_dir, entry)
+        counters = self.admission.counters
+        progress = counters.as_dict()
+        staleness = [g.staleness for g in batch]
+        elapsed = time.monotonic() - self._step_started
+        values = {
+            "policy_version": version, **step_metrics,
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            **{k: progress[k] for k in PROGRESS_KEYS},
+            "groups_per_s": (counters.groups_consumed - self._consumed_at_last_step) / max(elapsed, 1e-9),
+            "step_seconds": elapsed,
+        }
+        self.metrics.write("learner", version, values)
+        self._consumed_at_last_step, self._step_started = counters.groups_consumed, time.monotonic()
+        return values

@@ -1,0 +1,77 @@
+"""The processes of a run (`train`, `chaos`): each started as `python -m heterorl ROLE ...`
+with its own log in RUN_DIR/logs/, and stopped on every exit path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipeline.services import Services, services_env
+
+
+class RunFailed(RuntimeError):
+    """A process of the run failed or the run ran out of time; the message ends with the last
+    lines of the log that says why (the traceback, if any, is in that log)."""
+
+
+def child_env(services: Services, **extra: str) -> dict:
+    """The environment of a role process: this one's, pointed at `services`."""
+    return {**os.environ, **services_env(services), "PYTHONUNBUFFERED": "1", **extra}
+
+
+class Processes:
+    """The child processes of a run: started with their own logs, stopped on every exit path."""
+
+    def __init__(self, run_dir: Path, env: dict):
+        self.run_dir = run_dir
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], env: Optional[dict] = None) -> None:
+        """Start `heterorl ARGS...` as `name`, logging to RUN_DIR/logs/NAME.log, in a session of its own."""
+        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "heterorl", *args], stdout=log,
+                                            stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
+        log.close()
+
+    def alive(self, name: str) -> bool:
+        p = self.procs.get(name)
+        return p is not None and p.poll() is None
+
+    def stop(self, names: Optional[list[str]] = None, grace_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL whatever is still running after `grace_s`."""
+        targets = [n for n in (names or list(self.procs)) if self.alive(n)]
+        for n in targets:
+            self.procs[n].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for n in targets:
+            try:
+                self.procs[n].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(n)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and everything it started (a crash, as far as it can tell)."""
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def wait(self, name: str, timeout_s: float) -> None:
+        """Let one process finish by itself; stop it if it has not within timeout_s."""
+        try:
+            self.procs[name].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop([name])
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-lines:])
+
+    def failure(self, name: str, what: str) -> RunFailed:
+        """A RunFailed saying `what` happened to `name`, with the last lines of its log."""
+        return RunFailed(f"{what}; last lines of {self.run_dir}/logs/{name}.log:\n{self.log_tail(name)}")

@@ -1,0 +1,74 @@
+"""Which servers a command uses: the configured ones, else a running local stack, else a new one.
+
+Roles (`producers/`, `consumers/`) only ever see a config whose `services` name every
+server; the commands fill it here. `with_local_stack` completes a config from the
+stack recorded in `services.data_dir`, if one runs; `services_for_run` is what `train`
+and `study` do: use what is there, or start a local stack for the run and stop it
+afterwards (unless asked to keep it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Iterator, Optional
+
+from infra.local_stack import load_stack, stack_services, start_stack, stop_stack
+from pipeline.config import HeteroConfig
+from pipeline.services import Services, resolve_services
+
+log = logging.getLogger(__name__)
+
+
+def local_stack_services(data_dir: str) -> Optional[Services]:
+    """The servers of the local stack running in `data_dir`, if any."""
+    state = load_stack(data_dir)
+    return None if state is None else stack_services(state)
+
+
+def resolved_services(cfg: HeteroConfig) -> Optional[Services]:
+    """The configured servers, completed by a running local stack; None if neither suffices."""
+    return resolve_services(cfg.services, local_stack_services(cfg.services.data_dir))
+
+
+def with_services(cfg: HeteroConfig, services: Services) -> HeteroConfig:
+    """`cfg` whose `services` name exactly these servers (what came from a local stack is
+    marked, so that a saved config does not pin its ports)."""
+    values = {"kafka_bootstrap": services.kafka_bootstrap, "redis_url": services.redis_url,
+              "s3_endpoint": services.s3_endpoint, "s3_access_key": services.s3_access_key,
+              "s3_secret_key": services.s3_secret_key, "s3_region": services.s3_region, "bucket": services.bucket}
+    filled = cfg.services.model_copy(update=values)
+    if services.from_local_stack:
+        filled._from_local_stack = frozenset(k for k, v in values.items() if getattr(cfg.services, k) != v)
+    return cfg.model_copy(update={"services": filled})
+
+
+def with_local_stack(cfg: HeteroConfig) -> HeteroConfig:
+    """`cfg` completed by the local stack running in its data dir; unchanged if there is none
+    (the role then names the missing servers in its one-line error)."""
+    services = resolved_services(cfg)
+    return cfg if services is None else with_services(cfg, services)
+
+
+@contextlib.contextmanager
+def services_for_run(cfg: HeteroConfig, keep: bool = False) -> Iterator[tuple[HeteroConfig, Services, bool]]:
+    """(the config completed with servers for a run, those servers, whether a local stack
+    was started for it): a local stack is started in `services.data_dir` if no servers are
+    configured or running, and stopped on the way out unless `keep`."""
+    services = resolved_services(cfg)
+    started = services is None
+    if started:
+        log.info("no servers configured: starting the local stack in %s/", cfg.services.data_dir)
+        ports = cfg.services.local_stack
+        start_stack(cfg.services.data_dir, kafka_port=ports.kafka_port, redis_port=ports.redis_port,
+                    s3_port=ports.s3_port, external_kafka=cfg.services.kafka_bootstrap)
+        services = resolved_services(cfg)
+    try:
+        yield with_services(cfg, services), services, started
+    finally:
+        if started and not keep:
+            stop_stack(cfg.services.data_dir)
+        elif started:
+            print(f"local stack left running in {cfg.services.data_dir}/ (`heterorl status --json`, "
+                  f"`heterorl down`)", file=sys.stderr)

@@ -1,0 +1,150 @@
+"""`heterorl train`: the main job, one command from nothing to a trained policy and a report.
+
+  1. servers: the configured ones, else the running local stack, else start one;
+  2. the base model (the builtin one is warmed up once and cached) and its held-out
+     accuracy;
+  3. one learner and `train.num_samplers` samplers as separate processes, each with its
+     own log in RUN_DIR/logs/, with live progress read from RUN_DIR/metrics.jsonl;
+  4. once the learner has published its last version: stop the samplers, evaluate the
+     final checkpoint (downloaded from S3 and verified like any sampler would);
+  5. summary.json and a PNG plot, then stop whatever this command started.
+
+The run name is `run.name` plus a timestamp, so repeated runs on one stack never mix
+their topics, checkpoints or versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from heterorl.processes import Processes, RunFailed, child_env
+from heterorl.report import plot_run
+from heterorl.stack import services_for_run
+from pipeline.config import HeteroConfig, dump_config
+from pipeline.errors import UserError
+from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
+from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
+                              resolve_base_model, setup_logging)
+
+
+def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
+    """Show live progress until the learner exits; RunFailed if it or every sampler fails."""
+    learner_records = MetricsTail(run_dir / "metrics.jsonl", "learner")
+    started = time.monotonic()
+    bar = tqdm(total=cfg.learner.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    try:
+        while True:
+            records = learner_records.new_records()
+            if records:
+                r = records[-1]
+                bar.update(r["step"] - bar.n)
+                bar.set_postfix_str(
+                    f"v{r['policy_version']} train-acc {r['reward_mean']:.2f} stale {r['staleness_mean']:.1f}"
+                    f"/{r['staleness_max']} kept {r['groups_used']} dropped {r['groups_dropped']} "
+                    f"{r['groups_per_s']:.1f} groups/s")
+            code = procs.procs["learner"].poll()
+            if code is not None:
+                if code != 0:
+                    raise procs.failure("learner", f"learner exited with code {code}")
+                return
+            samplers = [n for n in procs.procs if n.startswith("sampler")]
+            if samplers and not any(procs.alive(n) for n in samplers):
+                raise procs.failure(samplers[0], "every sampler exited")
+            if time.monotonic() - started > cfg.train.timeout_s:
+                raise RunFailed(f"run exceeded train.timeout_s={cfg.train.timeout_s:.0f}s")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = False) -> int:
+    log = setup_logging("train")
+    wall_start = time.time()
+    run_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None})})
+    run_dir = Path(out or cfg.train.out_dir or f"runs/{run_name}")
+    if (run_dir / "metrics.jsonl").exists():
+        raise UserError(f"run directory {run_dir} already holds a run; choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    with services_for_run(cfg, keep=keep_stack) as (cfg, services, started_stack):
+        handles = connect_run(cfg)
+        task = make_task_from_config(cfg)
+        t0 = time.time()
+        base = resolve_base_model(cfg)
+        log.info("base model %s ready in %.1fs", base, time.time() - t0)
+        metrics = MetricsWriter(run_dir, tb_subdir="tb")
+        torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
+        before = evaluate_checkpoint(cfg, base, task)
+        metrics.write("eval", 0, {"policy_version": 0, **before})
+        log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
+                 before["accuracy_sampled"], before["accuracy_greedy"])
+
+        child_config = run_dir / "config.yaml"
+        child_config.write_text(dump_config(cfg))
+        procs = Processes(run_dir, child_env(services))
+        try:
+            common = ["--config", str(child_config), "--data-dir", cfg.services.data_dir]
+            procs.start("learner", ["learner", *common, "--out", str(run_dir)])
+            for i in range(cfg.train.num_samplers):
+                procs.start(f"sampler-{i}", ["sampler", *common, "--id", f"{run_name}-s{i}"])
+            if cfg.eval.every:
+                procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)])
+            log.info("run %s: learner + %d samplers started, logs in %s/logs/", run_name,
+                     cfg.train.num_samplers, run_dir)
+            watch(cfg, procs, run_dir)
+            procs.stop([n for n in procs.procs if n.startswith("sampler")])
+            if "evaluator" in procs.procs:  # it exits once it has scored the last version
+                procs.wait("evaluator", timeout_s=300)
+        finally:
+            procs.stop()
+
+        version, manifest_key = handles.state.policy()
+        scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+        if version not in scored:
+            after = evaluate_published(cfg, handles.store, manifest_key, run_dir / "final_policy", task)
+            metrics.write("eval", version, {"policy_version": version, **after})
+        metrics.close()
+        summary = _summary(cfg, run_dir, version, handles, services, wall_start,
+                           local_stack_kept=keep_stack or not started_stack)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_run(run_dir)
+    print(f"\nrun {run_name}: held-out accuracy {summary['eval_accuracy_before']:.3f} -> "
+          f"{summary['eval_accuracy_after']:.3f} (greedy {summary['eval_greedy_before']:.3f} -> "
+          f"{summary['eval_greedy_after']:.3f}), policy v{version} at {summary['final_checkpoint']}, "
+          f"{summary['groups_used']} groups used / {summary['groups_dropped']} dropped, "
+          f"{summary['wall_seconds']:.0f}s\nreport: {run_dir}/summary.json, {run_dir}/report.png")
+    return 0
+
+
+def _summary(cfg: HeteroConfig, run_dir: Path, version: int, handles, services, wall_start: float,
+             local_stack_kept: bool) -> dict:
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    evals = sorted(read_metrics(run_dir / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
+    before, after = evals[0], evals[-1]
+    return {
+        "run": cfg.run.name, "loss_type": cfg.learner.loss_type,
+        "eval_accuracy_before": before["accuracy_sampled"], "eval_accuracy_after": after["accuracy_sampled"],
+        "eval_best_accuracy": max(r["accuracy_sampled"] for r in evals),
+        "eval_last_accuracy": after["accuracy_sampled"], "eval_versions": [r["policy_version"] for r in evals],
+        "eval_greedy_before": before["accuracy_greedy"], "eval_greedy_after": after["accuracy_greedy"],
+        "eval_metric": f"mean exact-match over {cfg.eval.n_samples} samples per held-out problem "
+                       f"at temperature {cfg.sampler.temperature}",
+        "final_policy_version": version, "final_checkpoint": handles.store.uri(version),
+        "rollout_topic": cfg.run.topic, "groups_consumed": learner["groups_consumed"],
+        "groups_used": learner["groups_used"], "groups_dropped": learner["groups_dropped"],
+        "malformed": learner["malformed"],
+        "max_staleness_used": learner["max_staleness_used"],
+        "mean_staleness_used": learner["mean_staleness_used"],
+        "num_samplers": cfg.train.num_samplers, "sampler_stats": handles.state.sampler_stats(),
+        "wall_seconds": round(time.time() - wall_start, 1),
+        "services": services.public(), "local_stack_kept": local_stack_kept,
+    }

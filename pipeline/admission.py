@@ -1,0 +1,223 @@
+"""Admission: what happens to each prompt group the learner reads, decided without I/O.
+
+The learner hands every Kafka message to `Admission.admit_message` with its version and
+the time; replay hands every recorded group to `Admission.admit_group` with the
+staleness and age the original learner recorded. Either way one object:
+
+  1. decodes the message and checks it fits this learner (`RolloutLimits`); a poison
+     message gets the verdict "malformed" with its reason (the caller dead-letters it);
+  2. ignores a second copy of a rollout id already judged ("duplicate"), also across a
+     restart: a resumed learner starts with the ids its update log has judged;
+  3. judges staleness τ = version − rollout version and the age with the learner's rule
+     (`pipeline.staleness.decide_staleness`): "kept" groups wait in the pending batch,
+     "dropped" ones are recorded with their reason;
+  4. hands out a batch once `groups_per_step` groups wait, after judging them again at use
+     (a wall-clock limit may have passed while the batch filled), or, when draining, a
+     last smaller batch.
+
+Staleness is decided when a group enters the batch and the batch is handed out the
+moment it is full, and versions change only between batches, so τ at decision is τ at
+use. Everything judged since the last step (`take_verdicts`) goes into that step's
+update-log entry; the counters feed metrics and the learner's summary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Optional
+
+from pipeline.config import LearnerConfig
+from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
+from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
+from pipeline.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UsedGroup
+
+Verdict = Literal["kept", "dropped", "malformed", "duplicate"]
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """What decoding cannot check: a rollout must fit this learner's model and sampling settings."""
+
+    vocab_size: int
+    temperature: float
+    max_new_tokens: int
+    max_positions: int
+
+    def check(self, rollout: Rollout, version: int) -> None:
+        """Raises RolloutDecodeError (with a one-line reason) if the learner at `version` cannot use it."""
+        if rollout.policy_version > version:
+            raise RolloutDecodeError(f"policy_version {rollout.policy_version} is newer than the learner's "
+                                     f"{version} (another run on this topic, or a reset Redis)")
+        if abs(float(rollout.sampling.get("temperature", -1)) - self.temperature) > 1e-6:
+            raise RolloutDecodeError(f"sampled at temperature {rollout.sampling.get('temperature')}, "
+                                     f"learner expects sampler.temperature={self.temperature}")
+        ids = rollout.token_ids()
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise RolloutDecodeError(f"token id outside the model's vocabulary of {self.vocab_size}")
+        longest = max(len(c) for c in rollout.completion_ids)
+        if longest > self.max_new_tokens:
+            raise RolloutDecodeError(f"completion of {longest} tokens exceeds "
+                                     f"sampler.max_new_tokens={self.max_new_tokens}")
+        if len(rollout.prompt_ids) + longest > self.max_positions:
+            raise RolloutDecodeError(f"prompt + completion of {len(rollout.prompt_ids) + longest} tokens exceeds "
+                                     f"the model's {self.max_positions} positions")
+
+
+@dataclass
+class PendingGroup:
+    """A group admitted into the batch being filled, with what its admission decided."""
+
+    rollout: Rollout
+    partition: int
+    offset: int
+    staleness: int
+    age_s: float
+    decision: StalenessDecision
+
+    def used(self) -> UsedGroup:
+        """Its line in the update log's `used` list."""
+        return UsedGroup(self.partition, self.offset, self.rollout.rollout_id, self.rollout.policy_version,
+                         self.staleness, self.decision.weight, self.age_s)
+
+    def dropped(self) -> DroppedGroup:
+        return DroppedGroup(self.partition, self.offset, self.rollout.rollout_id, self.rollout.policy_version,
+                            self.staleness, self.decision.reason, self.age_s)
+
+
+@dataclass
+class Admitted:
+    """The verdict on one message; `reason` says why for "malformed" and "dropped"."""
+
+    verdict: Verdict
+    reason: str = ""
+    rollout: Optional[Rollout] = None
+
+
+@dataclass
+class Verdicts:
+    """Groups judged since the last step that no step uses: they go into its update-log entry."""
+
+    dropped: list[DroppedGroup] = field(default_factory=list)
+    malformed: list[SkippedMessage] = field(default_factory=list)
+    duplicates: list[DuplicateGroup] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.dropped or self.malformed or self.duplicates)
+
+
+@dataclass
+class AdmissionCounters:
+    groups_consumed: int = 0
+    """Every message read, whatever happened to it."""
+    malformed: int = 0
+    duplicates: int = 0
+    """Second copies of a rollout id already judged (producer retries), ignored."""
+    staleness: StalenessCounter = field(default_factory=StalenessCounter)
+    """Final verdict of every decodable group: fresh / reweighted (used), or dropped by reason."""
+    staleness_used: list = field(default_factory=list)
+    """τ of every group handed out in a batch."""
+
+    def as_dict(self) -> dict:
+        used = self.staleness_used
+        counts = self.staleness.counts
+        return {"groups_consumed": self.groups_consumed, "groups_used": self.staleness.kept,
+                "groups_dropped": self.staleness.dropped, "groups_reweighted": self.staleness.reweighted,
+                "malformed": self.malformed, "duplicates_ignored": self.duplicates,
+                "dropped_by_reason": {r: counts[r] for r in ("too_stale_steps", "too_old_seconds") if counts[r]},
+                "max_staleness_used": max(used) if used else None,
+                "mean_staleness_used": (sum(used) / len(used)) if used else None,
+                "staleness_histogram": {str(t): n for t, n in sorted(Counter(used).items())}}
+
+
+class Admission:
+    """Decode, validate, deduplicate and judge groups; hold the pending batch. No I/O."""
+
+    def __init__(self, rules: LearnerConfig, limits: Optional[RolloutLimits] = None,
+                 judged_ids: Iterable[str] = ()):
+        """`rules`: the learner's staleness rule and batch size. `limits`: checked on every
+        message (`admit_message`); replay, which admits decoded groups, passes None.
+        `judged_ids`: rollout ids judged before a restart (from the update log)."""
+        self.rules = rules
+        self.limits = limits
+        self.seen_ids: set[str] = set(judged_ids)
+        self.pending: list[PendingGroup] = []
+        self.counters = AdmissionCounters()
+        self._verdicts = Verdicts()
+
+    def judge(self, staleness: int, age_s: float) -> StalenessDecision:
+        r = self.rules
+        return decide_staleness(staleness, age_s, max_delay_steps=r.max_delay_steps,
+                                max_delay_seconds=r.max_delay_seconds, stale_policy=r.stale_policy,
+                                reweight_decay=r.reweight_decay, reweight_max_extra_steps=r.reweight_max_extra_steps)
+
+    def admit_message(self, partition: int, offset: int, value: bytes, version: int, now: float) -> Admitted:
+        """One Kafka message read by a learner at `version` at wall-clock time `now`."""
+        self.counters.groups_consumed += 1
+        try:
+            rollout = decode_rollout(value)
+            if self.limits is not None:
+                self.limits.check(rollout, version)
+        except RolloutDecodeError as e:
+            self.counters.malformed += 1
+            self._verdicts.malformed.append(SkippedMessage(partition, offset, e.reason))
+            return Admitted("malformed", e.reason)
+        return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
+
+    def admit_group(self, rollout: Rollout, partition: int, offset: int, staleness: int, age_s: float) -> Admitted:
+        """A decoded group at (partition, offset) with its staleness and age (a replay's recorded ones)."""
+        self.counters.groups_consumed += 1
+        return self._admit(rollout, partition, offset, staleness, age_s)
+
+    def _admit(self, rollout: Rollout, partition: int, offset: int, staleness: int, age_s: float) -> Admitted:
+        if rollout.rollout_id in self.seen_ids:
+            self.counters.duplicates += 1
+            self._verdicts.duplicates.append(DuplicateGroup(partition, offset, rollout.rollout_id))
+            return Admitted("duplicate", rollout=rollout)
+        self.seen_ids.add(rollout.rollout_id)
+        group = PendingGroup(rollout, partition, offset, staleness, age_s, self.judge(staleness, age_s))
+        if not group.decision.keep:
+            self._drop(group)
+            return Admitted("dropped", group.decision.reason, rollout)
+        self.pending.append(group)
+        return Admitted("kept", rollout=rollout)
+
+    def take_batch(self, now: Optional[float], *, last: bool = False) -> list[PendingGroup]:
+        """The next batch once `groups_per_step` groups wait (with `last`, whatever waits), else [].
+
+        The waiting groups are judged again first, their age measured at `now` (None: ages are
+        fixed, as in a replay of recorded ages); a group that grew too old meanwhile is dropped
+        and the batch keeps filling. A batch handed out counts as used.
+        """
+        if not self.pending or (len(self.pending) < self.rules.groups_per_step and not last):
+            return []
+        if now is not None:
+            self._recheck(now)
+        if not self.pending or (len(self.pending) < self.rules.groups_per_step and not last):
+            return []
+        batch, self.pending = self.pending, []
+        for group in batch:
+            self.counters.staleness.record(group.decision)
+            self.counters.staleness_used.append(group.staleness)
+        return batch
+
+    def take_verdicts(self) -> Verdicts:
+        """What was judged since the last call and used in no batch (for the step's update-log entry)."""
+        verdicts, self._verdicts = self._verdicts, Verdicts()
+        return verdicts
+
+    def _recheck(self, now: float) -> None:
+        still = []
+        for group in self.pending:
+            age_s = now - group.rollout.created_at
+            group = PendingGroup(group.rollout, group.partition, group.offset, group.staleness, age_s,
+                                 self.judge(group.staleness, age_s))
+            if group.decision.keep:
+                still.append(group)
+            else:
+                self._drop(group)
+        self.pending = still
+
+    def _drop(self, group: PendingGroup) -> None:
+        self.counters.staleness.record(group.decision)
+        self._verdicts.dropped.append(group.dropped())
