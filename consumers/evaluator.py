@@ -56,13 +56,11 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
             if version is None or not _due(version, done, cfg):
                 time.sleep(poll_s)
                 continue
-            started = time.monotonic()
             try:
                 result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task)
             except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
                 continue
-            metrics.write("eval", version, {"policy_version": version, **result,
-                                            "eval_seconds": time.monotonic() - started})
+            metrics.write("eval", version, {"policy_version": version, **result})
             done.add(version)
             log.info("v%d: held-out accuracy sampled %.3f greedy %.3f", version, result["accuracy_sampled"],
                      result["accuracy_greedy"])

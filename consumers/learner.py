@@ -142,6 +142,7 @@ class Learner:
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
         self._load_policy()
         self._open_logs()
+        self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
         self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go", self.bootstrap,
                       self.topic, self.lcfg.loss_type, self.lcfg.max_delay_steps, self.lcfg.max_steps - self.version)
 

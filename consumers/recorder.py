@@ -36,6 +36,7 @@ class StepRecorder:
 
     def record(self, version: int, batch: list[PendingGroup], step_metrics: dict) -> dict:
         """Log step `version` (trained on `batch`); returns the metrics record's values."""
+        self.admission.count_used(batch)
         verdicts = self.admission.take_verdicts()
         entry = UpdateEntry(step=version, policy_version=version, loss_type=self.loss_type, time=time.time(),
                             used=[g.used() for g in batch], dropped=verdicts.dropped, malformed=verdicts.malformed,

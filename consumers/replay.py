@@ -198,7 +198,7 @@ class ReplayPlan:
         elif not self.filter.admits(rollout):
             self.filtered_out += 1
         else:
-            self.admission.admit_group(rollout, g.partition, g.offset, g.staleness, g.age_s or 0.0)
+            self.admission.admit_group(rollout, g.partition, g.offset, g.staleness, g.age_s)
 
     def _recorded_rollout(self, g: UsedGroup | DroppedGroup) -> Optional[Rollout]:
         """The message the log names, if it decodes and fits the base model's vocabulary."""
@@ -206,7 +206,7 @@ class ReplayPlan:
         return rollout if rollout is not None and max(rollout.token_ids()) < self.vocab_size else None
 
     def batches(self, exact: bool) -> Iterator[list[PendingGroup]]:
-        """The batches to train, one at a time (a batch counts as used once it is asked for)."""
+        """The batches to train, one at a time."""
         if exact:
             for entry in self.record.update_log:
                 self.dropped_by_original += len(entry.dropped)
@@ -339,11 +339,11 @@ class Replay:
         try:
             self.evaluate_if_due()
             for batch in self.plan.batches(self.exact_batches):
+                if self.version >= self.lcfg.max_steps:
+                    break
                 step_metrics = self.train(batch)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step_metrics['loss']:.3f}", reward=f"{step_metrics['reward_mean']:.2f}")
-                if self.version >= self.lcfg.max_steps:
-                    break
             if self.version == 0:
                 raise ReplayError(f"no batch could be formed from {self.record.description} with these filters "
                                   "and staleness rules")

@@ -40,7 +40,7 @@ def with_services(cfg: HeteroConfig, services: Services) -> HeteroConfig:
               "s3_secret_key": services.s3_secret_key, "s3_region": services.s3_region, "bucket": services.bucket}
     filled = cfg.services.model_copy(update=values)
     if services.from_local_stack:
-        filled._from_local_stack = frozenset(k for k, v in values.items() if getattr(cfg.services, k) != v)
+        filled._configured = {k: getattr(cfg.services, k) for k, v in values.items() if getattr(cfg.services, k) != v}
     return cfg.model_copy(update={"services": filled})
 
 

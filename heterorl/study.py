@@ -36,6 +36,11 @@ QUICK = {"losses": "gepo,grpo", "max_delays": "0,16", "overrides": ["learner.max
 """`--quick`: a small grid of shorter runs."""
 
 
+def _same_cell(recorded: dict, spec: dict) -> bool:
+    """Same config text, loss, max delay, seed and overrides (where the config file lies does not matter)."""
+    return {k: v for k, v in recorded.items() if k != "config"} == {k: v for k, v in spec.items() if k != "config"}
+
+
 def _cell_name(loss: str, max_delay: int, seed: int) -> str:
     return f"{loss}-d{max_delay}-s{seed}"
 
@@ -202,7 +207,7 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
             spec = {"config": str(config), "config_text": Path(config).read_text(), "loss": loss, "max_delay": d,
                     "seed": seed, "overrides": overrides}
             done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
-                json.loads((cell_dir / "cell.json").read_text()) == spec
+                _same_cell(json.loads((cell_dir / "cell.json").read_text()), spec)
             if not done:  # never reuse a cell made with another config or other overrides
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():

@@ -72,7 +72,8 @@ class PendingGroup:
     partition: int
     offset: int
     staleness: int
-    age_s: float
+    age_s: Optional[float]
+    """Seconds from creation to judgement (None: a replayed group whose log did not record it)."""
     decision: StalenessDecision
 
     def used(self) -> UsedGroup:
@@ -164,18 +165,21 @@ class Admission:
             return Admitted("malformed", e.reason)
         return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
 
-    def admit_group(self, rollout: Rollout, partition: int, offset: int, staleness: int, age_s: float) -> Admitted:
-        """A decoded group at (partition, offset) with its staleness and age (a replay's recorded ones)."""
+    def admit_group(self, rollout: Rollout, partition: int, offset: int, staleness: int,
+                    age_s: Optional[float]) -> Admitted:
+        """A decoded group at (partition, offset) with its staleness and age (a replay's recorded
+        ones; an age the log did not record counts as 0)."""
         self.counters.groups_consumed += 1
         return self._admit(rollout, partition, offset, staleness, age_s)
 
-    def _admit(self, rollout: Rollout, partition: int, offset: int, staleness: int, age_s: float) -> Admitted:
+    def _admit(self, rollout: Rollout, partition: int, offset: int, staleness: int,
+               age_s: Optional[float]) -> Admitted:
         if rollout.rollout_id in self.seen_ids:
             self.counters.duplicates += 1
             self._verdicts.duplicates.append(DuplicateGroup(partition, offset, rollout.rollout_id))
             return Admitted("duplicate", rollout=rollout)
         self.seen_ids.add(rollout.rollout_id)
-        group = PendingGroup(rollout, partition, offset, staleness, age_s, self.judge(staleness, age_s))
+        group = PendingGroup(rollout, partition, offset, staleness, age_s, self.judge(staleness, age_s or 0.0))
         if not group.decision.keep:
             self._drop(group)
             return Admitted("dropped", group.decision.reason, rollout)
@@ -187,7 +191,7 @@ class Admission:
 
         The waiting groups are judged again first, their age measured at `now` (None: ages are
         fixed, as in a replay of recorded ages); a group that grew too old meanwhile is dropped
-        and the batch keeps filling. A batch handed out counts as used.
+        and the batch keeps filling. Its groups count as used once `count_used` says so.
         """
         if not self.pending or (len(self.pending) < self.rules.groups_per_step and not last):
             return []
@@ -196,10 +200,13 @@ class Admission:
         if not self.pending or (len(self.pending) < self.rules.groups_per_step and not last):
             return []
         batch, self.pending = self.pending, []
+        return batch
+
+    def count_used(self, batch: list[PendingGroup]) -> None:
+        """The groups of a batch that was trained on."""
         for group in batch:
             self.counters.staleness.record(group.decision)
             self.counters.staleness_used.append(group.staleness)
-        return batch
 
     def take_verdicts(self) -> Verdicts:
         """What was judged since the last call and used in no batch (for the step's update-log entry)."""

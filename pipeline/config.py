@@ -91,9 +91,9 @@ class ServicesConfig(_Strict):
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long to wait for a server to answer before naming it as unreachable."""
 
-    _from_local_stack: frozenset[str] = PrivateAttr(default=frozenset())
-    # Fields a command filled from the running local stack (`heterorl.stack`): `dump_config`
-    # leaves them out, since the stack may come back on other ports.
+    _configured: dict[str, Any] = PrivateAttr(default_factory=dict)
+    # The values, as configured, of the fields a command filled from the running local stack
+    # (`heterorl.stack`): `dump_config` writes these, since the stack may come back on other ports.
 
 
 class ModelConfig(_Strict):
@@ -384,8 +384,7 @@ def dump_config(cfg: HeteroConfig) -> str:
     """YAML of the effective config without secrets (they travel only in the environment) and
     without the addresses of a local stack (found again when the config is used)."""
     data = cfg.model_dump()
-    for name in cfg.services._from_local_stack:
-        data["services"][name] = None
+    data["services"].update(cfg.services._configured)
     data["services"]["s3_access_key"] = None
     data["services"]["s3_secret_key"] = None
     data["services"]["redis_url"] = strip_password(data["services"]["redis_url"])

@@ -79,8 +79,9 @@ def require_services(cfg: ServicesConfig) -> Services:
     services = resolve_services(cfg)
     if services is None:
         raise ServiceUnavailable(
-            f"no service URLs configured and no local stack running in {cfg.data_dir}/: "
-            "run `heterorl up`, or set KAFKA_BOOTSTRAP_SERVERS, REDIS_URL and AWS_ENDPOINT_URL")
+            f"no servers configured (services.kafka_bootstrap, redis_url, s3_endpoint) and no local stack "
+            f"found in {cfg.data_dir}/: run `heterorl up`, or set KAFKA_BOOTSTRAP_SERVERS, REDIS_URL and "
+            "AWS_ENDPOINT_URL")
     return services
 
 

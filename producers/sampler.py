@@ -283,7 +283,6 @@ class Sampler:
         self.cfg, self.scfg = cfg, cfg.sampler
         self.sampler_id = sampler_id or new_sampler_id()
         self.log = setup_logging(f"sampler {self.sampler_id}")
-        self.stop = StopRequest()
         self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
         self.sampling = {"temperature": self.scfg.temperature, "top_p": self.scfg.top_p, "top_k": self.scfg.top_k,
                          "max_new_tokens": self.scfg.max_new_tokens}
@@ -367,6 +366,7 @@ class Sampler:
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log)
+        self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, self.cfg.run.topic, self.seed, self.spool_dir, self.scfg.delays.refresh.kind,
                       self.scfg.delays.transit.kind)
@@ -390,7 +390,6 @@ class Sampler:
         now = time.monotonic()
         if now - self.last_heartbeat < self.scfg.heartbeat_interval_s:
             return
-        self.last_heartbeat = now
         minutes = max((time.time() - self.started) / 60, 1e-9)
         newest, current = self.view.newest_version, self.policy.version
         self.state.renew_sampler_lease(self.sampler_id, {
@@ -402,6 +401,7 @@ class Sampler:
         }, self.scfg.lease_ttl_s)
         self.state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
         touch_heartbeat_file()
+        self.last_heartbeat = now  # only once it succeeded: after a Redis error the next turn tries again
 
     def read_view(self) -> tuple[RunView, bool]:
         """(the run as this turn sees it, whether the policy pointer was read again): the learner's
@@ -450,9 +450,12 @@ class Sampler:
                           if self.policy.downloading is not None else "none published yet", self.redis_url)
             self.last_wait_log = time.monotonic()
         # Stalls while behind (waiting for a refresh instead of making data that would be
-        # dropped) are also counted as episodes: runs of consecutive "behind" pauses.
-        self.paused["stalls_behind"] += reason == "behind" and not self.stalled
-        self.stalled = reason == "behind"
+        # dropped) are also counted as episodes; one ends when the sampler is no longer behind.
+        if reason == "behind":
+            self.paused["stalls_behind"] += not self.stalled
+            self.stalled = True
+        elif reason == "backlog":
+            self.stalled = False
         seconds = PAUSE_SECONDS[reason]
         time.sleep(seconds)
         if reason in PAUSE_STATS:

@@ -32,7 +32,7 @@ def test_staleness_max_is_kept_and_max_plus_one_is_dropped():
     assert not adm.take_verdicts()  # taken once
 
 
-def test_a_batch_is_handed_out_when_full_and_counts_as_used():
+def test_a_batch_is_handed_out_when_full_and_counts_as_used_once_trained():
     adm = Admission(rules(groups_per_step=3), LIMITS)
     for offset in range(2):
         adm.admit_message(0, offset, message(9), version=10, now=NOW)
@@ -41,6 +41,8 @@ def test_a_batch_is_handed_out_when_full_and_counts_as_used():
     batch = adm.take_batch(NOW)
     assert [g.offset for g in batch] == [0, 1, 2] and [g.staleness for g in batch] == [1, 1, 0]
     assert adm.pending == []
+    assert adm.counters.as_dict()["groups_used"] == 0  # not until it was trained on
+    adm.count_used(batch)
     c = adm.counters.as_dict()
     assert (c["groups_consumed"], c["groups_used"], c["max_staleness_used"]) == (3, 3, 1)
     assert [u.rollout_id for u in (g.used() for g in batch)] == [g.rollout.rollout_id for g in batch]
@@ -58,6 +60,9 @@ def test_recheck_at_use_drops_a_group_that_grew_too_old_while_the_batch_filled()
     replay = Admission(rules(groups_per_step=1, max_delay_seconds=30.0))
     replay.admit_group(make_rollout(created_at=0.0), 0, 0, staleness=0, age_s=10.0)
     assert len(replay.take_batch(None)) == 1
+    replay.admit_group(make_rollout(created_at=0.0), 0, 1, staleness=0, age_s=None)  # a log without ages
+    (group,) = replay.take_batch(None)
+    assert group.decision.keep and group.used().age_s is None
 
 
 def test_a_drain_takes_the_last_smaller_batch():
@@ -101,5 +106,6 @@ def test_reweighted_groups_carry_their_weight_into_the_batch():
     adm = Admission(rules(max_delay_steps=2, stale_policy="reweight", reweight_decay=0.5, groups_per_step=1), LIMITS)
     adm.admit_message(0, 0, message(7), version=10, now=NOW)  # τ = 3: one past the limit
     (group,) = adm.take_batch(NOW)
+    adm.count_used([group])
     assert group.decision.weight == 0.5 and group.used().weight == 0.5
     assert adm.counters.as_dict()["groups_reweighted"] == 1

@@ -43,3 +43,13 @@ def test_a_written_analysis_survives_regeneration(tmp_path):
     text = md.read_text()
     assert text.count(ANALYSIS_MARKER) == 1 and text.endswith("We conclude that the test works.\n")
     assert "| gepo | 50.0 | 50.0 | 40.0 | 40.0 |" in text
+
+
+def test_a_finished_cell_is_reused_only_with_the_same_config_text_and_settings():
+    from heterorl.study import _same_cell
+
+    recorded = {"config": "configs/study.yaml", "config_text": "a: 1\n", "loss": "gepo", "max_delay": 4, "seed": 1,
+                "overrides": []}
+    assert _same_cell(recorded, {**recorded, "config": "/elsewhere/heterorl/configs/study.yaml"})  # moved file
+    assert not _same_cell(recorded, {**recorded, "config_text": "a: 2\n"})
+    assert not _same_cell(recorded, {**recorded, "overrides": ["learner.lr=1e-3"]})
