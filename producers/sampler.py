@@ -256,11 +256,11 @@ class Outbox:
         """Last delivery attempt (within `timeout_s`); what is left stays spooled for the next start."""
         self.spool_due(everything=True)
         deadline = time.monotonic() + timeout_s
+        self.backoff.succeeded()  # try at once, then on a fresh jittered backoff
         while self.spool.pending() and time.monotonic() < deadline:
-            self.backoff.next_try = 0.0
             self.deliver(is_stale=None)
             if self.spool.pending():
-                time.sleep(0.5)
+                time.sleep(max(0.05, min(self.backoff.next_try, deadline) - time.monotonic()))
         if self.sink is not None:
             try:
                 self.sink.close()
