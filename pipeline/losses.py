@@ -10,10 +10,14 @@ Layout, top to bottom:
   3. Numeric helpers: the capped exp, group indexing, GEPO's group expectation.
   4. _TokenSweep: one cache-friendly pass over the [B, T] inputs for the per-sequence
      sums, the validation maxima and the k3 KL metric (why: see its docstring).
-  5. _Batch / _prepare: inputs validated once, plus what every loss reads.
-  6. One small function per loss returning LossTerms, and the _LOSSES registry.
-  7. compute_policy_loss: look up -> validate -> loss terms -> sequence weights ->
-     k3 KL penalty -> metrics.
+  5. BatchStats / batch_stats: what a loss needs from the whole batch (advantages, GEPO's
+     group expectation, BNPO's Beta scaling, the normalisers), computed once, so that a
+     batch split into micro-batches gives exactly the one-shot gradient.
+  6. _Batch / _prepare: inputs validated once, plus what every loss reads.
+  7. One small function per loss returning LossTerms, and the _LOSSES registry.
+  8. compute_policy_loss (one batch: loss and metrics) and micro_batch_loss (rows of a
+     batch whose BatchStats are given): look up -> validate -> loss terms -> sequence
+     weights -> k3 KL penalty (-> metrics).
 
 Conventions: B sequences of T token slots; the mask marks completion tokens. Losses
 maximise an objective and return its negation. Inputs in bfloat16/float16 are computed
@@ -98,8 +102,11 @@ def _capped_exp(x: Tensor) -> Tensor:
     """
     if x.numel() == 0 or float(x.detach().amax()) <= LOG_RATIO_CAP:
         return torch.exp(x)  # nothing to cap: same values, one pass
-    capped = x.clamp(max=LOG_RATIO_CAP)
-    return torch.exp(capped) + (x - capped) * math.exp(LOG_RATIO_CAP)
+    # torch.where, not exp(clamp(x)) + (x - clamp(x))·e^20: that sum's gradient adds and
+    # subtracts e^20·g at every element, which in float32 wipes out the exp(x)·g of all the
+    # elements below the cap as soon as one element of the tensor is above it.
+    tangent = math.exp(LOG_RATIO_CAP) * (1 + (x - LOG_RATIO_CAP))
+    return torch.where(x > LOG_RATIO_CAP, tangent, torch.exp(x.clamp(max=LOG_RATIO_CAP)))
 
 
 def _check_tensor(name: str, value: object) -> None:
@@ -247,6 +254,79 @@ def _cap_exp_sums(exp_sums: Tensor, lp: Tensor, lq: Tensor, mask: Tensor, dtype:
     return exp_sums.index_put((rows,), (_capped_exp(d) - 1).sum(-1))
 
 
+# ------------------------------------------------------------------------ batch stats
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What a loss reads from the whole batch rather than from one sequence (detached).
+
+    Every loss is a sum over sequences of terms that depend on the sequence itself and
+    on these alone, so with the same BatchStats the losses of disjoint row sets add up to
+    the loss of the batch, and so do their gradients (REFERENCE.md §2; docs/losses.md).
+    """
+
+    advantages: Tensor  # [B] A_i; for bnpo already divided by the Beta density of its group
+    seq_lq: Tensor  # [B] the sampler's log q̄_i (or log q_i with seq_prob "product")
+    log_qhat: Tensor  # [B] log q̂_i within its prompt group
+    log_expectation: Tensor  # [B] log Ê_q[q] of its prompt group (GEPO)
+    lengths: Tensor  # [B] L_i
+    num_sequences: int  # normaliser of grpo, dr_grpo (· max_completion_length), gspo, gepo, gmpo, topr
+    num_tokens: float  # normaliser of bnpo, cispo and the KL penalty: sum_i L_i
+    smallest_group: int
+    max_completion_length: int | None
+
+    def rows(self, index: Tensor | slice | list[int]) -> "BatchStats":
+        """The per-sequence entries of some rows; the normalisers stay the whole batch's."""
+        return replace(self, advantages=self.advantages[index], seq_lq=self.seq_lq[index],
+                       log_qhat=self.log_qhat[index], log_expectation=self.log_expectation[index],
+                       lengths=self.lengths[index])
+
+
+def batch_stats(loss_type: str, sampler_logps: Tensor, mask: Tensor, advantages: Tensor, group_ids: Tensor, *,
+                seq_prob: SeqProb = "geo_mean", max_completion_length: int | None = None,
+                rewards: Tensor | None = None) -> BatchStats:
+    """BatchStats of a whole batch of prompt groups, from the sampler's side alone (no model
+    needed): call it once per step, then `micro_batch_loss` on any split of the rows.
+
+    Raises ValueError naming the argument, as compute_policy_loss does.
+    """
+    validate_loss_type(loss_type)
+    _check_shapes(sampler_logps, sampler_logps, mask, advantages, seq_prob, max_completion_length)
+    index, sizes = _group_index(group_ids, sampler_logps.shape[0])
+    dtype = torch.float64 if sampler_logps.dtype == torch.float64 else torch.float32
+    m = mask.detach().to(dtype)
+    lengths = m.sum(-1)
+    if bool((lengths < 1).any()):
+        rows = torch.nonzero(lengths < 1).flatten().tolist()
+        raise ValueError(f"mask: sequences {rows[:10]} have no completion tokens (every sequence needs L_i >= 1)")
+    sum_lq = (sampler_logps.detach().to(dtype) * m).sum(-1)
+    if not bool(torch.isfinite(sum_lq).all()):
+        raise ValueError("sampler_logps contains NaN or inf at completion tokens")
+    adv = advantages.detach().to(dtype)
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages contains NaN or inf")
+    if rewards is not None:
+        rewards = _per_sequence_input("rewards", rewards, len(adv), dtype)
+        if not bool(torch.isfinite(rewards).all()):
+            raise ValueError("rewards contains NaN or inf")
+    return _stats(loss_type, sum_lq, lengths, adv, index, sizes, seq_prob, max_completion_length, rewards)
+
+
+def _stats(loss_type: str, sum_lq: Tensor, lengths: Tensor, adv: Tensor, index: Tensor, sizes: Tensor,
+           seq_prob: str, max_completion_length: int | None, rewards: Tensor | None) -> BatchStats:
+    seq_lq = sum_lq / lengths if seq_prob == "geo_mean" else sum_lq
+    log_qhat, log_expectation = _sampler_group_stats(seq_lq, index, len(sizes))
+    if loss_type == "bnpo":
+        if rewards is None:
+            raise ValueError("rewards is required for bnpo (the Beta density is evaluated at each group's mean "
+                             "reward)")
+        adv = adv * _bnpo_scale(rewards, index, sizes)
+    return BatchStats(advantages=adv, seq_lq=seq_lq.detach(), log_qhat=log_qhat, log_expectation=log_expectation,
+                      lengths=lengths.detach(), num_sequences=len(adv), num_tokens=float(lengths.sum()),
+                      smallest_group=int(sizes.min()), max_completion_length=max_completion_length)
+
+
 # ------------------------------------------------------------------- validated inputs
 
 
@@ -259,21 +339,16 @@ class _Batch:
     mask_in: Tensor  # [B, T] as given
     dtype: torch.dtype  # float32, or float64 when an input is float64
     lengths: Tensor  # [B] L_i = sum_t m
-    num_tokens: float  # sum_i L_i
-    advantages: Tensor  # [B]
-    group_index: Tensor  # [B] group of each sequence, 0..n_groups-1
-    group_sizes: Tensor  # [n_groups]
+    num_tokens: float  # sum_i L_i over these rows
+    stats: BatchStats  # these rows' entries; the normalisers of the whole batch
+    group_index: Tensor | None  # [B] group of each sequence, 0..n_groups-1 (None: rows of a larger batch)
+    group_sizes: Tensor | None  # [n_groups]
     sum_lp: Tensor  # [B] sum_t m·lp (carries grad)
     sum_lq: Tensor  # [B] sum_t m·lq
     seq_lp: Tensor  # [B] log p̄_i (geo_mean) or log p_i (product); carries grad
-    seq_lq: Tensor  # [B] the same for the sampler
-    log_qhat: Tensor  # [B] log q̂_i, the sampler's distribution over each group
-    log_expectation: Tensor  # [B] log Ê_q[q] of each sequence's group
     kl_rows: Tensor  # [B] sum_t m·k3 (carries grad)
-    kl_metric: float  # token mean of k3 over the batch (unweighted)
+    kl_metric: float  # token mean of k3 over these rows (unweighted)
     seq_prob: str
-    max_completion_length: int | None
-    rewards: Tensor | None  # [B], only bnpo reads it
     sequence_weights: Tensor | None  # [B] >= 0, None for all ones
 
     @property
@@ -283,6 +358,22 @@ class _Batch:
     @property
     def n_groups(self) -> int:
         return len(self.group_sizes)
+
+    @property
+    def advantages(self) -> Tensor:
+        return self.stats.advantages
+
+    @property
+    def seq_lq(self) -> Tensor:
+        return self.stats.seq_lq
+
+    @property
+    def log_qhat(self) -> Tensor:
+        return self.stats.log_qhat
+
+    @property
+    def log_expectation(self) -> Tensor:
+        return self.stats.log_expectation
 
     # Full [B, T] tensors in the compute dtype, for the token-level losses only
     # (a no-op view for float32 inputs).
@@ -304,22 +395,23 @@ class _Batch:
         return sums / self.lengths if self.seq_prob == "geo_mean" else sums
 
 
-def _check_shapes(learner_logps: Tensor, sampler_logps: Tensor, mask: Tensor, advantages: Tensor,
+def _check_shapes(learner_logps: Tensor, sampler_logps: Tensor, mask: Tensor, advantages: Tensor | None,
                   seq_prob: str, max_completion_length: int | None) -> None:
     for name, value in (("learner_logps", learner_logps), ("sampler_logps", sampler_logps),
                         ("mask", mask), ("advantages", advantages)):
-        _check_tensor(name, value)
+        if value is not None:
+            _check_tensor(name, value)
     shape = tuple(learner_logps.shape)
     if len(shape) != 2 or 0 in shape:
         raise ValueError(f"learner_logps must have shape [B, T] with B, T >= 1, got {shape}")
     for name, value in (("sampler_logps", sampler_logps), ("mask", mask)):
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} must have the shape of learner_logps {shape}, got {tuple(value.shape)}")
-    if tuple(advantages.shape) != shape[:1]:
+    if advantages is not None and tuple(advantages.shape) != shape[:1]:
         raise ValueError(f"advantages must have shape [{shape[0]}], got {tuple(advantages.shape)}")
     for name, value in (("learner_logps", learner_logps), ("sampler_logps", sampler_logps),
                         ("advantages", advantages)):
-        if not value.is_floating_point():
+        if value is not None and not value.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
     if mask.is_complex():
         raise ValueError(f"mask must be bool, integer or real, got {mask.dtype}")
@@ -336,26 +428,39 @@ def _prepare(
     learner_logps: Tensor,
     sampler_logps: Tensor,
     mask: Tensor,
-    advantages: Tensor,
-    group_ids: Tensor,
     seq_prob: str,
-    max_completion_length: int | None,
-    rewards: Tensor | None,
     sequence_weights: Tensor | None,
+    *,
+    stats: BatchStats | None = None,
+    loss_type: str = "",
+    advantages: Tensor | None = None,
+    group_ids: Tensor | None = None,
+    max_completion_length: int | None = None,
+    rewards: Tensor | None = None,
 ) -> _Batch:
     """Check every input (ValueError naming the argument) and compute the shared quantities.
+
+    One whole batch: `advantages` and `group_ids` (and `rewards` for bnpo) are given and its
+    BatchStats are computed here. Rows of a larger batch: its BatchStats for these rows are.
 
     The value checks ride on _TokenSweep's block maxima and sums (a NaN or inf anywhere,
     padding included, makes them non-finite); the exact culprit is looked up only when
     something is wrong. All checks together cost one device sync.
     """
-    _check_shapes(learner_logps, sampler_logps, mask, advantages, seq_prob, max_completion_length)
-    index, sizes = _group_index(group_ids, learner_logps.shape[0])
+    whole = stats is None
+    if whole:
+        _check_shapes(learner_logps, sampler_logps, mask, advantages, seq_prob, max_completion_length)
+        index, sizes = _group_index(group_ids, learner_logps.shape[0])
+    else:
+        _check_shapes(learner_logps, sampler_logps, mask, None, seq_prob, None)
+        if len(stats.lengths) != learner_logps.shape[0]:
+            raise ValueError(f"stats hold {len(stats.lengths)} rows, learner_logps {learner_logps.shape[0]}")
+        index = sizes = None
     dtype = torch.float64 if torch.float64 in (learner_logps.dtype, sampler_logps.dtype) else torch.float32
     lq_in = sampler_logps.detach()
-    adv = advantages.detach().to(dtype)
-    optional = {name: _per_sequence_input(name, value, len(adv), dtype)
+    optional = {name: _per_sequence_input(name, value, learner_logps.shape[0], dtype)
                 for name, value in (("rewards", rewards), ("sequence_weights", sequence_weights)) if value is not None}
+    adv = advantages.detach().to(dtype) if whole else stats.advantages
 
     sum_lp, sum_lq, lengths, exp_sums, maxima = _TokenSweep.apply(learner_logps, lq_in, mask.detach(), dtype)
     # k3 = exp(d) - d - 1 summed per sequence as sum_t m·(exp(d) - 1) - sum_t m·d: the first
@@ -393,15 +498,14 @@ def _prepare(
         if name == "sequence_weights" and min(listed) < 0:
             raise ValueError("sequence_weights must be >= 0")
 
-    geo = seq_prob == "geo_mean"
-    seq_lq = sum_lq / lengths if geo else sum_lq
-    log_qhat, log_expectation = _sampler_group_stats(seq_lq, index, len(sizes))
+    if whole:
+        stats = _stats(loss_type, sum_lq, lengths, adv, index, sizes, seq_prob, max_completion_length,
+                       optional.get("rewards"))
     return _Batch(
         learner_logps=learner_logps, sampler_logps=lq_in, mask_in=mask.detach(), dtype=dtype,
-        lengths=lengths, num_tokens=num_tokens, advantages=adv, group_index=index, group_sizes=sizes,
-        sum_lp=sum_lp, sum_lq=sum_lq, seq_lp=sum_lp / lengths if geo else sum_lp, seq_lq=seq_lq,
-        log_qhat=log_qhat, log_expectation=log_expectation, kl_rows=kl_rows, kl_metric=kl_total / num_tokens,
-        seq_prob=seq_prob, max_completion_length=max_completion_length, rewards=optional.get("rewards"),
+        lengths=lengths, num_tokens=num_tokens, stats=stats, group_index=index, group_sizes=sizes,
+        sum_lp=sum_lp, sum_lq=sum_lq, seq_lp=sum_lp / lengths if seq_prob == "geo_mean" else sum_lp,
+        kl_rows=kl_rows, kl_metric=kl_total / num_tokens, seq_prob=seq_prob,
         sequence_weights=optional.get("sequence_weights"),
     )
 
@@ -468,19 +572,20 @@ def _token_surrogate(b: _Batch, adv: Tensor, eps_low: float, eps_high: float) ->
 def _grpo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     """GRPO (DeepSeekMath): token-clipped surrogate, mean over each sequence's tokens, mean over sequences."""
     terms = _token_surrogate(b, b.advantages, eps_low, eps_high)
-    return replace(terms, per_sequence=terms.per_sequence / b.lengths, normaliser=float(b.batch_size))
+    return replace(terms, per_sequence=terms.per_sequence / b.lengths, normaliser=float(b.stats.num_sequences))
 
 
 def _dr_grpo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     """Dr. GRPO: token-clipped surrogate summed over all tokens / (B · max_completion_length)."""
-    if b.max_completion_length is None:
+    max_len = b.stats.max_completion_length
+    if max_len is None:
         raise ValueError("max_completion_length is required for dr_grpo (its normaliser is B · max_completion_length)")
     longest = int(b.lengths.max())
-    if longest > b.max_completion_length:
-        raise ValueError(f"max_completion_length={b.max_completion_length} is shorter than a sequence "
+    if longest > max_len:
+        raise ValueError(f"max_completion_length={max_len} is shorter than a sequence "
                          f"in the batch ({longest} completion tokens)")
     terms = _token_surrogate(b, b.advantages, eps_low, eps_high)
-    return replace(terms, normaliser=float(b.batch_size * b.max_completion_length))
+    return replace(terms, normaliser=float(b.stats.num_sequences * max_len))
 
 
 def _beta_parameters(success_rates: Tensor) -> tuple[float, float]:
@@ -523,11 +628,9 @@ def _bnpo_scale(rewards: Tensor, index: Tensor, sizes: Tensor) -> Tensor:
 
 
 def _bnpo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
-    """BNPO: token-clipped surrogate with A_i / f_Beta(p_g), token mean over the whole batch."""
-    if b.rewards is None:
-        raise ValueError("rewards is required for bnpo (the Beta density is evaluated at each group's mean reward)")
-    adv = b.advantages * _bnpo_scale(b.rewards, b.group_index, b.group_sizes)
-    return replace(_token_surrogate(b, adv, eps_low, eps_high), normaliser=b.num_tokens)
+    """BNPO: token-clipped surrogate with A_i / f_Beta(p_g) (the division is in BatchStats),
+    token mean over the whole batch."""
+    return replace(_token_surrogate(b, b.advantages, eps_low, eps_high), normaliser=b.stats.num_tokens)
 
 
 def _sequence_surrogate(log_weight: Tensor, b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
@@ -535,7 +638,7 @@ def _sequence_surrogate(log_weight: Tensor, b: _Batch, eps_low: float, eps_high:
     weight = _capped_exp(log_weight)
     objective, clipped = _clipped_surrogate(weight, b.advantages, eps_low, eps_high)
     weight = weight.detach()
-    return LossTerms(objective, float(b.batch_size), weight, weight, clipped)
+    return LossTerms(objective, float(b.stats.num_sequences), weight, weight, clipped)
 
 
 def _gspo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
@@ -545,9 +648,10 @@ def _gspo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
 
 def _gepo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     """GEPO: w_i = p̄_i / Ê_q[q], Ê over the sequence's own prompt group, clipped surrogate."""
-    if int(b.group_sizes.min()) < 2:
+    if b.stats.smallest_group < 2:
+        singles = "" if b.group_sizes is None else f"; {int((b.group_sizes < 2).sum())} group(s) have 1"
         raise ValueError("group_ids: gepo needs at least 2 sequences per prompt group (its weight is an "
-                         f"expectation over the group); {int((b.group_sizes < 2).sum())} group(s) have 1")
+                         f"expectation over the group){singles}")
     return _sequence_surrogate(b.seq_lp - b.log_expectation, b, eps_low, eps_high)
 
 
@@ -561,7 +665,7 @@ def _gmpo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     weight = _capped_exp(b.per_sequence(clipped_log))
     seq_ratio = _capped_exp(b.seq_lp - b.seq_lq).detach()
     clipped = (clipped_log != log_ratio).detach()
-    return LossTerms(b.advantages * weight, float(b.batch_size), seq_ratio, seq_ratio, clipped)
+    return LossTerms(b.advantages * weight, float(b.stats.num_sequences), seq_ratio, seq_ratio, clipped)
 
 
 def _cispo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
@@ -570,7 +674,7 @@ def _cispo(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     weight = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_sequence = (weight * b.lp * b.mask).sum(-1) * b.advantages
     clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
-    return LossTerms(per_sequence, b.num_tokens, ratio, _mean_token_ratio(b, ratio), clipped)
+    return LossTerms(per_sequence, b.stats.num_tokens, ratio, _mean_token_ratio(b, ratio), clipped)
 
 
 def _topr(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
@@ -580,7 +684,7 @@ def _topr(b: _Batch, eps_low: float, eps_high: float) -> LossTerms:
     negative = b.advantages < 0
     taper = torch.where(negative, ratio.clamp(1 - eps_low, 1 + eps_high), torch.ones_like(ratio))
     clipped = negative & ((ratio < 1 - eps_low) | (ratio > 1 + eps_high))
-    return LossTerms(b.advantages * taper * b.seq_lp, float(b.batch_size), ratio, ratio, clipped)
+    return LossTerms(b.advantages * taper * b.seq_lp, float(b.stats.num_sequences), ratio, ratio, clipped)
 
 
 LossFn = Callable[[_Batch, float, float], LossTerms]
@@ -673,18 +777,51 @@ def compute_policy_loss(
     loss_fn = _LOSSES[validate_loss_type(loss_type)]
     eps_low, eps_high = resolve_epsilons(loss_type, epsilon_low, epsilon_high)
     kl_coef = _non_negative("kl_coef", kl_coef)
-    b = _prepare(learner_logps, sampler_logps, mask, advantages, group_ids, seq_prob,
-                 max_completion_length, rewards, sequence_weights)
-    weights = b.sequence_weights
-
+    b = _prepare(learner_logps, sampler_logps, mask, seq_prob, sequence_weights, loss_type=loss_type,
+                 advantages=advantages, group_ids=group_ids, max_completion_length=max_completion_length,
+                 rewards=rewards)
     terms = loss_fn(b, eps_low, eps_high)
+    loss, policy_loss = _total(b, terms, kl_coef)
+    return loss, _metrics(b, terms, loss, policy_loss)
+
+
+def micro_batch_loss(
+    loss_type: str,
+    learner_logps: Tensor,
+    sampler_logps: Tensor,
+    mask: Tensor,
+    stats: BatchStats,
+    *,
+    epsilon_low: float | None = None,
+    epsilon_high: float | None = None,
+    seq_prob: SeqProb = "geo_mean",
+    kl_coef: float = 0.0,
+    sequence_weights: Tensor | None = None,
+) -> Tensor:
+    """This micro-batch's share of the loss of the batch whose BatchStats are `stats`
+    (`batch_stats(...).rows(these rows)`), with gradient; no metrics.
+
+    The shares of disjoint rows add up to compute_policy_loss of the whole batch, and so
+    do their gradients, whatever the split (groups may be cut). Arguments and errors as
+    for compute_policy_loss; `seq_prob` must be the one `stats` were computed with.
+    """
+    loss_fn = _LOSSES[validate_loss_type(loss_type)]
+    eps_low, eps_high = resolve_epsilons(loss_type, epsilon_low, epsilon_high)
+    kl_coef = _non_negative("kl_coef", kl_coef)
+    b = _prepare(learner_logps, sampler_logps, mask, seq_prob, sequence_weights, stats=stats)
+    return _total(b, loss_fn(b, eps_low, eps_high), kl_coef)[0]
+
+
+def _total(b: _Batch, terms: LossTerms, kl_coef: float) -> tuple[Tensor, Tensor]:
+    """(loss, policy loss): sequence weights applied, normalised, the k3 KL penalty added."""
+    weights = b.sequence_weights
     per_sequence = terms.per_sequence if weights is None else terms.per_sequence * weights
     policy_loss = per_sequence.sum() * (-1.0 / terms.normaliser)  # minus the objective
     loss = policy_loss
     if kl_coef > 0:
         weighted = b.kl_rows if weights is None else b.kl_rows * weights
-        loss = loss + kl_coef * (weighted.sum() / b.num_tokens)
-    return loss, _metrics(b, terms, loss, policy_loss)
+        loss = loss + kl_coef * (weighted.sum() / b.stats.num_tokens)
+    return loss, policy_loss
 
 
 @torch.no_grad()
