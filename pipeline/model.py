@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
@@ -415,11 +416,18 @@ def greedy_completions(
 # ----------------------------------------------------------------------------------
 # Learner-side log-probs
 # ----------------------------------------------------------------------------------
+LOGITS_CHUNK_BYTES = 64 << 20
+"""Float32 logits computed at once: completion positions go through the LM head this many
+bytes' worth at a time (with a 151,936-token vocabulary, 110 positions)."""
+
+
 def completion_logprobs(
     model,
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
     temperature: float,
+    *,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of each completion given its prompt, with gradient.
 
@@ -427,6 +435,14 @@ def completion_logprobs(
     ``logps[b, t] = log_softmax(logits / temperature)[completion_ids[b][t]]`` over the
     full vocabulary (the sampler's rule), 0 where ``mask`` is 0. Rows are right-padded
     with positions counted from each row's first token, matching the sampler.
+
+    No [B, L, vocabulary] tensor is made: the decoder's hidden states are taken at the
+    positions that predict a completion token only, and go through the LM head
+    ``chunk_tokens`` positions at a time (default: LOGITS_CHUNK_BYTES of float32 logits).
+    With gradients on and more than one chunk, each chunk is recomputed in the backward
+    pass (activation checkpointing), so at most one chunk's logits exist at a time.
+    Models whose causal-LM head does more than a linear layer (logit soft-capping or
+    scaling) are refused with ValueError.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but completion_ids has {len(completion_ids)}")
@@ -435,7 +451,12 @@ def completion_logprobs(
     B = len(prompt_ids)
     if B == 0:
         raise ValueError("empty batch")
-    device = next(model.parameters()).device
+    head = model.get_output_embeddings()
+    for option in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(model.config, option, None) not in (None, 1, 1.0):
+            raise ValueError(f"model config sets {option}: its LM head is more than a linear layer, which the "
+                             "learner's chunked log-probs do not reproduce")
+    device = head.weight.device
     P = [len(p) for p in prompt_ids]
     C = [len(c) for c in completion_ids]
     if min(P) < 1:
@@ -449,30 +470,35 @@ def completion_logprobs(
     pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # value is irrelevant: masked
     input_ids = torch.full((B, L_in), pad, dtype=torch.long)
     attn = torch.zeros((B, L_in), dtype=torch.long)
-    targets = torch.zeros((B, T), dtype=torch.long)
-    gather_pos = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.float32)
+    rows, positions, targets = [], [], []
     for b in range(B):
-        seq = list(prompt_ids[b]) + list(completion_ids[b])
-        seq = seq[:L_in]
+        seq = (list(prompt_ids[b]) + list(completion_ids[b]))[:L_in]
         input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[b, : len(seq)] = 1
-        if C[b]:
-            targets[b, : C[b]] = torch.tensor(list(completion_ids[b]), dtype=torch.long)
-            gather_pos[b, : C[b]] = torch.arange(P[b] - 1, P[b] - 1 + C[b])
-            mask[b, : C[b]] = 1.0
+        mask[b, : C[b]] = 1.0
+        rows += [b] * C[b]
+        positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
+        targets += completion_ids[b]
     position_ids = torch.arange(L_in, dtype=torch.long).unsqueeze(0).expand(B, L_in)
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attn.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=False,
-    )
-    gather_pos, targets, mask = gather_pos.to(device), targets.to(device), mask.to(device)
-    # Select the T predicting positions before the softmax: cheap for large vocabularies.
-    sel = out.logits.gather(1, gather_pos[:, :, None].expand(B, T, out.logits.shape[-1]))
-    logp = torch.log_softmax(sel.float() / temperature, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
-    return logp * mask, mask
+    hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=attn.to(device),
+                              position_ids=position_ids.to(device), use_cache=False).last_hidden_state
+    selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
+    targets = torch.tensor(targets, dtype=torch.long, device=device)
+    chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    checkpointed = torch.is_grad_enabled() and len(targets) > chunk
+
+    def token_logps(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        logits = head(h).float() / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    flat = torch.cat([
+        torch.utils.checkpoint.checkpoint(token_logps, h, t, use_reentrant=False) if checkpointed
+        else token_logps(h, t)
+        for h, t in zip(selected.split(chunk), targets.split(chunk))])
+    mask = mask.to(device)
+    logps = torch.zeros((B, T), dtype=flat.dtype, device=device).masked_scatter(mask.bool(), flat)
+    return logps, mask
 
 
 # ----------------------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""The learner's log-probs on real model shapes: exact, and never a batch × length × vocabulary tensor."""
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from pipeline.model import completion_logprobs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def qwen2(vocab=151_936, hidden=32, seed=0):
+    """Qwen2 shape (vocabulary of Qwen2-0.5B, grouped KV heads, tied embeddings), random init."""
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, tie_word_embeddings=True)).float()
+
+
+def llama(vocab=128_256, hidden=32, seed=0):
+    """Llama-3 vocabulary, untied LM head, random init."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, tie_word_embeddings=False)).float()
+
+
+def batch(vocab, rows=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows)]
+    comps = [torch.randint(1, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(rows)]
+    return prompts, comps
+
+
+def reference_logps(model, prompts, comps, temperature):
+    """Independent: the full logits of each row on its own, log_softmax in float64, token by token."""
+    out = []
+    for p, c in zip(prompts, comps):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c])).logits[0].double() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append([float(logp[len(p) - 1 + t, tok]) for t, tok in enumerate(c)])
+    return out
+
+
+@pytest.mark.parametrize("make", [qwen2, llama], ids=["qwen2", "llama"])
+def test_chunked_log_probs_match_the_full_softmax_and_their_gradients_match_one_chunk(make):
+    model = make(vocab=1000)
+    prompts, comps = batch(1000)
+    want = reference_logps(model, prompts, comps, temperature=0.7)
+    one, mask = completion_logprobs(model, prompts, comps, 0.7, chunk_tokens=10_000)
+    for b, row in enumerate(want):
+        assert mask[b].sum() == len(row)
+        assert one[b, : len(row)].tolist() == pytest.approx(row, abs=2e-5)
+        assert float(one[b, len(row):].abs().sum()) == 0.0
+    grads = []
+    for chunk in (10_000, 3):  # one chunk; many chunks, each recomputed in the backward pass
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, prompts, comps, 0.7, chunk_tokens=chunk)
+        (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    # Equal but for float32 summation order (the head's gradient is summed chunk by chunk).
+    assert float((grads[0] - grads[1]).abs().max()) <= 1e-5 * float(grads[0].abs().max())
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operator produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("make", [qwen2, llama], ids=["qwen2", "llama"])
+def test_no_batch_by_length_by_vocabulary_tensor_is_made(make):
+    model = make()
+    vocab = model.config.vocab_size
+    prompts, comps = batch(vocab, rows=8)
+    rows, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, comps))
+    with LargestTensor() as seen:
+        logps, _ = completion_logprobs(model, prompts, comps, 1.0, chunk_tokens=16)
+        logps.sum().backward()
+    # The largest tensors are the vocabulary × hidden weights and one chunk's logits.
+    assert seen.largest <= max(16 * vocab, vocab * model.config.hidden_size)
+    assert seen.largest < rows * width * vocab / 4
+
+
+def test_a_batch_whose_full_logits_would_not_fit_the_memory_budget_trains():
+    """In a process whose address space cannot hold a batch × length × vocabulary float32
+    tensor (1.9 GB here), the learner's log-probs and their backward pass still run."""
+    script = textwrap.dedent(f"""
+        import resource, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch
+        from tests.unit.test_logprobs import qwen2
+        from pipeline.model import completion_logprobs
+        model = qwen2()
+        vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024
+        budget = vm + 700 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (budget, budget))
+        rows, prompt, completion, vocab = 32, 32, 64, model.config.vocab_size
+        prompts = [[1 + (7 * i + j) % 1000 for j in range(prompt)] for i in range(rows)]
+        comps = [[1 + (13 * i + j) % (vocab - 1) for j in range(completion)] for i in range(rows)]
+        full = rows * (prompt + completion) * vocab * 4
+        assert full > budget - vm, (full, budget - vm)
+        try:
+            torch.empty(rows, prompt + completion, vocab)
+            sys.exit("a full logits tensor fitted the budget: the test proves nothing")
+        except RuntimeError:
+            pass
+        logps, mask = completion_logprobs(model, prompts, comps, 1.0)
+        logps.sum().backward()
+        assert torch.isfinite(logps).all() and mask.sum() == rows * completion
+        print("ok", full / 2**30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.startswith("ok") and math.isclose(float(proc.stdout.split()[1]), 1.74, rel_tol=0.05)
