@@ -40,7 +40,7 @@ def steps_per_minute(step_times: list[float]) -> float:
 def run_sync(cfg, steps: int, threads: int) -> list[float]:
     import torch
 
-    from pipeline.engine import make_engine
+    from pipeline.engine import make_engine, resolve_device
     from pipeline.model import load_policy, sample_groups
     from pipeline.runtime import make_task_from_config, resolve_base_model
     from pipeline.update import optimizer_step
@@ -50,7 +50,7 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
     torch.manual_seed(cfg.run.seed)
     task = make_task_from_config(cfg)
     model, tokenizer = load_policy(resolve_base_model(cfg))
-    engine = make_engine(model, cfg.learner)
+    engine = make_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
     times, index = [], 0
     for step in range(steps):

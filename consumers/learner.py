@@ -47,8 +47,9 @@ from consumers.recorder import StepRecorder
 from pipeline.admission import Admission, PendingGroup, RolloutLimits, Verdicts
 from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import make_engine
+from pipeline.engine import Ranks, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.learner_state import load_learner_state, save_learner_state, save_weights
 from pipeline.metrics import MetricsWriter
 from pipeline.model import load_policy, tokenizer_fingerprint
 from pipeline.retry import retry_call
@@ -95,6 +96,8 @@ class Learner:
         self.log = setup_logging("learner")
         self.drain_request = DrainRequest()  # first: a drain request during the start must not kill the process
         self.cfg, self.lcfg = cfg, cfg.learner
+        self.ranks = Ranks.from_env()
+        self.device = resolve_device(cfg.model.device, self.ranks.local_rank)
         self.run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
         self.topic = cfg.run.topic
         self.version = 0
@@ -156,15 +159,15 @@ class Learner:
                                                            learner_state=True)
             self.version, offsets = version, {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
             self.log.info("resuming from policy v%d at offsets %s", version, offsets)
-        model, self.tokenizer = load_policy(model_dir)
+        model, self.tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
         self.limits = RolloutLimits(
             vocab_size=model.get_input_embeddings().num_embeddings, temperature=self.cfg.sampler.temperature,
             max_new_tokens=self.cfg.sampler.max_new_tokens,
             max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
-        self.engine = make_engine(model, self.lcfg)
+        self.engine = make_engine(model, self.lcfg, self.device, self.ranks)
         if (model_dir / LEARNER_STATE_DIR).is_dir():
             # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
-            self.engine.load_checkpoint(str(model_dir / LEARNER_STATE_DIR), tag="state", load_module_strict=True)
+            load_learner_state(self.engine, model_dir / LEARNER_STATE_DIR)
         elif self.version > 0:
             self.log.warning("checkpoint v%d has no learner state: continuing with a fresh optimizer", self.version)
         if base_model is not None:
@@ -244,9 +247,8 @@ class Learner:
         # A fresh directory each time: the publisher may still be uploading (then deleting)
         # an earlier snapshot of this same version.
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{self.version}-", dir=self.work_dir))
-        self.engine.module.save_pretrained(snapshot, safe_serialization=True)
-        self.tokenizer.save_pretrained(snapshot)
-        self.engine.save_checkpoint(str(snapshot / LEARNER_STATE_DIR), tag="state", save_latest=False)
+        save_weights(self.engine, self.tokenizer, snapshot)
+        save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
         extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
             # Verdicts since the last step (no step logs them) travel with the final checkpoint.

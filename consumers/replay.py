@@ -45,9 +45,10 @@ from pipeline.archive import ArchiveError, read_archive
 from pipeline.checkpoints import (MANIFEST_NAME, BackgroundPublisher, CheckpointNotFound, CheckpointStore,
                                   CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import make_engine
+from pipeline.engine import make_engine, resolve_device
 from pipeline.errors import UserError
 from pipeline.kafka_io import read_topic, topic_partitions
+from pipeline.learner_state import save_weights
 from pipeline.metrics import MetricsWriter
 from pipeline.model import load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
@@ -292,16 +293,14 @@ class CheckpointSink:
             self.store = CheckpointStore(client, bucket, prefix.strip("/"))
             self.publisher = BackgroundPublisher(self.store, None, self.keep)
 
-    def save(self, version: int, model, tokenizer, work_dir: Path) -> None:
+    def save(self, version: int, engine, tokenizer, work_dir: Path) -> None:
         if self.publisher is not None:
             snapshot = work_dir / f"v{version}"
-            model.save_pretrained(snapshot, safe_serialization=True)
-            tokenizer.save_pretrained(snapshot)
+            save_weights(engine, tokenizer, snapshot)
             self.publisher.submit(version, snapshot, {"step": version, "replay": True})
             return
         target = self.local_root / f"v{version}"
-        model.save_pretrained(target, safe_serialization=True)
-        tokenizer.save_pretrained(target)
+        save_weights(engine, tokenizer, target)
         saved = sorted((p for p in self.local_root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for old in saved[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -367,12 +366,12 @@ class Replay:
         base_dir = fetch_base(self.cfg, self.base, self.work_dir / "base")
         torch.set_num_threads(self.lcfg.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
-        model, self.tokenizer = load_policy(base_dir)
+        model, self.tokenizer = load_policy(base_dir)  # DeepSpeed moves it to model.device
         vocab_size = model.get_input_embeddings().num_embeddings
         check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
         (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
         self.sink = CheckpointSink(self.cfg, self.out_dir, self.checkpoints)
-        self.engine = make_engine(model, self.lcfg)
+        self.engine = make_engine(model, self.lcfg, resolve_device(self.cfg.model.device))
         self.plan = ReplayPlan(self.cfg, self.record, self.filter, vocab_size)
         self.metrics = MetricsWriter(self.out_dir)
         self.recorder = StepRecorder(self.out_dir, self.metrics, self.plan.admission, loss_type=self.lcfg.loss_type,
@@ -391,7 +390,7 @@ class Replay:
         self.version += 1
         self.recorder.record(self.version, batch, step_metrics)
         if self.version % self.lcfg.sync_every == 0:
-            self.sink.save(self.version, self.engine.module, self.tokenizer, self.work_dir)
+            self.sink.save(self.version, self.engine, self.tokenizer, self.work_dir)
         self.evaluate_if_due()
         return step_metrics
 
@@ -410,7 +409,7 @@ class Replay:
     def finish(self) -> None:
         """The final checkpoint and evaluation, unless the last step made them already."""
         if self.version % self.lcfg.sync_every:
-            self.sink.save(self.version, self.engine.module, self.tokenizer, self.work_dir)
+            self.sink.save(self.version, self.engine, self.tokenizer, self.work_dir)
         if self.task is not None and self.evals[-1]["policy_version"] != self.version:
             self.evaluate()
         self.sink.close()

@@ -13,10 +13,14 @@ versions whose manifest is present, so a learner that dies mid-upload leaves not
 a sampler could load. Fetching checks size and sha256 of every file and refuses the
 checkpoint (CorruptCheckpointError) on any mismatch.
 
-Files under `learner_state/` (DeepSpeed's optimizer and LR-scheduler state, so a
-restarted learner continues exactly) sit beside the public weights; samplers and the
-evaluator never download them, and only the learner loads them (DeepSpeed's format is
-pickled, which is why they are loaded only after their sha256 matched the manifest).
+Files under `learner_state/` (the optimizer moments, fp32 master weights and LR schedule
+as safetensors + JSON, see pipeline/learner_state.py, so a restarted learner continues
+exactly) sit beside the public weights; samplers and the evaluator never download them.
+
+No pickle crosses the network: `publish` leaves out files that formats built on pickle
+use (`.pt`, `.pth`, `.bin`, `.pkl`, `.pickle`, `.ckpt`), for instance the PyTorch weights
+beside the safetensors of a downloaded model, and `fetch` refuses a manifest that names
+one.
 
 Downloads are chunked HTTP range requests into a partial file kept beside the
 destination: a transfer cut at 90 % resumes at 90 % (also in a later `fetch` of the same
@@ -52,6 +56,8 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "heterorl-checkpoint/1"
 LEARNER_STATE_DIR = "learner_state"
 """Subdirectory of a checkpoint that only the learner downloads."""
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+"""File endings of formats that unpickle when loaded: never published, never fetched."""
 CHUNK_BYTES = 4 * 1024 * 1024
 """Size of one range request."""
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
@@ -97,7 +103,14 @@ def _safe_relpath(name: str) -> str:
     p = PurePosixPath(name)
     if p.is_absolute() or ".." in p.parts or not p.parts:
         raise CorruptCheckpointError(f"manifest names an unsafe path {name!r}")
+    if is_pickle_file(name):
+        raise CorruptCheckpointError(f"manifest names {name!r}, a pickle-based file: refused (checkpoints carry "
+                                     "safetensors and JSON only)")
     return str(p)
+
+
+def is_pickle_file(name: str) -> bool:
+    return name.lower().endswith(PICKLE_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,7 @@ class CheckpointStore:
         # version visible while its files are being replaced: hide it first.
         self.client.remove_object(self.bucket, self.manifest_key(version))
         files = []
-        for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and not is_pickle_file(p.name)):
             rel = path.relative_to(model_dir).as_posix()
             digest = sha256_file(path)
             self.client.fput_object(self.bucket, self.version_prefix(version) + rel, str(path))

@@ -100,6 +100,10 @@ class ModelConfig(_Strict):
     base: str = "builtin:tiny"
     """`builtin:tiny` (a small Llama-style model warmed up on the task, cached in
     `<data_dir>/models`) or the path of any local Hugging Face model directory."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    """Where the learner, replay, evaluator and samplers run the model: `auto` (the GPU when
+    there is one, else the CPU), `cpu`, `cuda` or `cuda:N`. A learner of several processes
+    puts rank k on its local GPU k."""
     hidden_size: int = Field(64, ge=8)
     """Builtin model only: width."""
     num_layers: int = Field(4, ge=1)
@@ -207,8 +211,26 @@ class LearnerConfig(_Strict):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient norm clipping."""
-    zero_stage: int = Field(1, ge=0, le=2)
-    """DeepSpeed ZeRO stage (0, 1 or 2; stage 3 gains nothing with one process)."""
+    zero_stage: int = Field(1, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 0 (none), 1 (optimizer state partitioned across learner
+    processes), 2 (and gradients), 3 (and the weights themselves)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16`: forward and backward in bfloat16, fp32 master weights and optimizer state
+    (DeepSpeed's bf16 support; needs zero_stage >= 1). Published weights are then bf16."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of
+    keeping them: less memory for about one more forward pass."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (and its update) in CPU memory (ZeRO-Offload; zero_stage >= 1)."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Token budget of one micro-batch: a step's sequences (whole groups) are split into
+    micro-batches of at most this many padded tokens (rows × longest row, at least one
+    sequence each), their gradients accumulated, then one optimizer step. Every batch-level
+    quantity is computed over the whole step first, so the result is the one-shot step's."""
+    num_processes: int = Field(1, ge=1)
+    """Learner processes (data-parallel DeepSpeed ranks). `heterorl learner` started with
+    more than one and no launcher around it (`torchrun`, `deepspeed`) starts the others
+    itself; rank 0 reads Kafka and publishes, every rank trains on its share of each step."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups in one optimizer step (whole groups only)."""
     max_delay_steps: int = Field(4, ge=0)
@@ -236,6 +258,15 @@ class LearnerConfig(_Strict):
     network_retry_s: float = Field(300.0, gt=0)
     """How long the learner retries writing its update log or dead letters through a broker
     outage (with backoff, logged) before it gives up and exits (a restart resumes)."""
+
+    @model_validator(mode="after")
+    def _zero_options(self) -> "LearnerConfig":
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("learner.precision=bf16 needs learner.zero_stage >= 1 (DeepSpeed keeps the fp32 "
+                             "master weights in its ZeRO optimizer)")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
+        return self
 
 
 class EvalConfig(_Strict):

@@ -1,63 +1,125 @@
-"""The learner's DeepSpeed engine, set up for one process (on CPU: gloo backend).
+"""The learner's DeepSpeed engine: device, precision, ZeRO stage, ranks.
 
 DeepSpeed is imported here and nowhere else, after pointing it at the CPU accelerator
-when no GPU is present, so `heterorl --help` stays instant and the rest of the code
-never sees distributed set-up.
+when the model runs on the CPU, so `heterorl --help` stays instant and the rest of the
+code never sees distributed set-up. One process sets up a private rendezvous; under a
+launcher (`torchrun`, `deepspeed`, or `heterorl learner` starting its own ranks) the
+usual RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are used.
+
+Gradient accumulation is ours (`pipeline.update.optimizer_step`): the number of
+micro-batches changes from step to step, so DeepSpeed runs with
+`managed_gradient_accumulation: false` (backward only accumulates; `step()` reduces across
+ranks and updates).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+from dataclasses import dataclass
 
-from pipeline.config import LearnerConfig
+import torch
+
+from pipeline.config import ConfigError, LearnerConfig
 from pipeline.services import free_port
 
 
-def make_engine(model, cfg: LearnerConfig):
-    """A DeepSpeed engine with AdamW and ZeRO stage `cfg.zero_stage`, one step per batch."""
-    import torch
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the learner's data-parallel processes."""
 
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 reads Kafka, keeps the update log and publishes checkpoints."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                   int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """`model.device` as a torch device: `auto` is this rank's GPU if there is one, else the CPU.
+
+    Raises ConfigError if a GPU is asked for and none (or not that one) is visible.
+    """
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
     if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
-        # One process: a private rendezvous on a free port. An inherited MASTER_PORT (say,
-        # from a parent that ran a learner itself) would collide with the parent's.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1")
-    import importlib
+        raise ConfigError(f"model.device={setting}, but no GPU is visible to this process (use cpu or auto)")
+    device = torch.device(setting if setting not in ("auto", "cuda") else f"cuda:{local_rank}")
+    if device.index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device={setting}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
-    import deepspeed
 
-    # (not `import deepspeed.comm.torch as m`: deepspeed.comm's attribute `torch` is PyTorch)
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
-
-    if os.environ.get("WORLD_SIZE", "1") == "1":
-        # DeepSpeed JIT-compiles a shared-memory all-reduce kernel whenever it sets up
-        # communication (about 40 s and a C++ compiler on first use). One process never
-        # all-reduces over shared memory, and DeepSpeed skips the kernel when it is None.
-        ds_comm_torch.build_shm_op = lambda: None
-    for name in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
-                                   verbose=False)
-    ds_config = {
-        "train_batch_size": 1,  # one backward per optimizer step; the batch is whole groups
+def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
+    """The DeepSpeed configuration of a learner with these settings."""
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    ds = {
+        "train_batch_size": world_size,  # bookkeeping only: our micro-batches are accumulated by hand
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
         "gradient_clipping": cfg.grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
                                                   "betas": [0.9, 0.99], "eps": 1e-8, "torch_adam": True}},
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW also with the optimizer offloaded: no op to build
+        "bf16": {"enabled": cfg.precision == "bf16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if cfg.lr_warmup_steps > 0:
         # Linear from lr/warmup to lr: step k (0-based) uses lr·(k+1)/warmup, so none is wasted at 0.
-        ds_config["scheduler"] = {"type": "WarmupLR", "params": {
+        ds["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": cfg.lr / (cfg.lr_warmup_steps + 1), "warmup_max_lr": cfg.lr,
             "warmup_num_steps": cfg.lr_warmup_steps, "warmup_type": "linear"}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return ds
+
+
+def init_distributed(device: torch.device, ranks: Ranks) -> None:
+    """Point DeepSpeed at the device's accelerator and join the learner's process group."""
+    if device.type == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized() and ranks.world_size == 1:
+        # One process: a private rendezvous on a free port. An inherited MASTER_PORT (say,
+        # from a parent that ran a learner itself) would collide with the parent's.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+    import deepspeed
+
+    if device.type == "cpu":
+        # DeepSpeed JIT-compiles a shared-memory all-reduce kernel whenever it sets up
+        # communication on the CPU (about 40 s and a C++ compiler on first use). With None
+        # it all-reduces through torch.distributed (gloo) instead.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
+
+
+def make_engine(model, cfg: LearnerConfig, device: torch.device, ranks: Ranks = Ranks()):
+    """A DeepSpeed engine for `model` on `device` with AdamW, the configured ZeRO stage,
+    precision, gradient checkpointing and optimizer offload."""
+    init_distributed(device, ranks)
+    import deepspeed
+
+    if cfg.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=deepspeed_config(cfg, ranks.world_size))
     engine.train()
     return engine

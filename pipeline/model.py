@@ -163,8 +163,8 @@ class _seeded:
 # ----------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------
-def load_policy(path: str | os.PathLike):
-    """Load any local HF causal-LM directory: (model in float32 eval mode, tokenizer).
+def load_policy(path: str | os.PathLike, device: torch.device | str = "cpu"):
+    """Load any local HF causal-LM directory: (model in float32 eval mode on `device`, tokenizer).
 
     Only safetensors weights are accepted (``use_safetensors=True``: no pickle is ever
     unpickled). A tokenizer without a pad token gets its EOS token as pad.
@@ -174,7 +174,7 @@ def load_policy(path: str | os.PathLike):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 

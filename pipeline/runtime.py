@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, HeteroConfig
+from pipeline.engine import resolve_device
 from pipeline.model import ensure_base_model, evaluate_policy, load_policy
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
@@ -71,7 +72,7 @@ def make_task_from_config(cfg: HeteroConfig):
 
 def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy."""
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = load_policy(model_dir, resolve_device(cfg.model.device))
     return evaluate_model(cfg, model, tokenizer, task)
 
 

@@ -1,7 +1,22 @@
-"""From whole prompt groups to one policy loss: the learner's update, without the loop.
+"""From whole prompt groups to one optimizer step: the learner's update, without the loop.
 
-The learner, the replay tool and the synchronous baseline of `bench/async_vs_sync.py`
-all build their loss here, so they cannot drift apart.
+The learner (every rank of it), the replay tool and the synchronous baseline of
+`bench/async_vs_sync.py` all step through `optimizer_step`, so they cannot drift apart.
+
+One step, top to bottom:
+  1. collate the groups and compute every batch-level quantity once, over the whole
+     batch (`pipeline.losses.batch_stats`: advantages, GEPO's group expectations, BNPO's
+     Beta scaling, the normalisers);
+  2. this rank's share of the sequences, balanced by tokens (`rank_share`), split into
+     micro-batches of at most `learner.micro_batch_tokens` padded tokens
+     (`micro_batches`);
+  3. per micro-batch: log-probs (`pipeline.model.completion_logprobs`, chunked over the
+     vocabulary), its share of the loss, backward (gradients accumulate);
+  4. one DeepSpeed step (gradients all-reduced across ranks first);
+  5. the step's metrics from all its log-probs together, exactly as one-shot.
+Because each share uses the whole batch's statistics, the accumulated gradient is the
+gradient of the one-shot loss, whatever the split (tests/unit/test_losses.py,
+tests/unit/test_update.py).
 """
 
 from __future__ import annotations
@@ -11,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
-from pipeline.losses import compute_policy_loss, group_advantages
+from pipeline.engine import Ranks
+from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
 from pipeline.model import completion_logprobs
 from pipeline.rollout import Rollout
 
@@ -23,6 +39,7 @@ class GroupBatch:
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     sampler_logps: torch.Tensor  # [B, T], 0 where mask is 0
+    mask: torch.Tensor           # [B, T] 1 at completion tokens
     rewards: torch.Tensor        # [B]
     group_ids: torch.Tensor      # [B] int64
     sequence_weights: torch.Tensor  # [B] staleness weight of the row's group
@@ -30,6 +47,14 @@ class GroupBatch:
     @property
     def num_sequences(self) -> int:
         return len(self.completion_ids)
+
+    def tokens(self, row: int) -> int:
+        """Input positions the row takes in a forward pass (prompt + completion)."""
+        return len(self.prompt_ids[row]) + len(self.completion_ids[row])
+
+    def to(self, device: torch.device) -> "GroupBatch":
+        return GroupBatch(self.prompt_ids, self.completion_ids, self.sampler_logps.to(device), self.mask.to(device),
+                          self.rewards.to(device), self.group_ids.to(device), self.sequence_weights.to(device))
 
 
 def collate_groups(groups: list[Rollout], weights: list[float]) -> GroupBatch:
@@ -46,41 +71,76 @@ def collate_groups(groups: list[Rollout], weights: list[float]) -> GroupBatch:
             seq_w.append(weight)
     width = max(1, max(len(c) for c in completion_ids))
     sampler = torch.zeros(len(completion_ids), width, dtype=torch.float32)
+    mask = torch.zeros(len(completion_ids), width, dtype=torch.float32)
     for row, lq in enumerate(logps):
         sampler[row, : len(lq)] = torch.tensor(lq, dtype=torch.float32)
-    return GroupBatch(prompt_ids, completion_ids, sampler, torch.tensor(rewards, dtype=torch.float32),
+        mask[row, : len(lq)] = 1.0
+    return GroupBatch(prompt_ids, completion_ids, sampler, mask, torch.tensor(rewards, dtype=torch.float32),
                       torch.tensor(group_ids, dtype=torch.long), torch.tensor(seq_w, dtype=torch.float32))
 
 
-def policy_loss(model, batch: GroupBatch, cfg: LearnerConfig, *, temperature: float,
-                max_completion_length: int) -> tuple[torch.Tensor, dict]:
-    """The configured loss of `model` on `batch` (graph attached), and its metrics."""
-    advantages = group_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_adv_by_std)
-    learner_logps, mask = completion_logprobs(model, batch.prompt_ids, batch.completion_ids, temperature)
-    sampler_logps = batch.sampler_logps[:, : learner_logps.shape[1]]
-    loss, metrics = compute_policy_loss(
-        cfg.loss_type, learner_logps, sampler_logps, mask.to(learner_logps.dtype), advantages, batch.group_ids,
-        epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, seq_prob=cfg.seq_prob,
-        max_completion_length=max_completion_length, kl_coef=cfg.kl_coef,
-        sequence_weights=batch.sequence_weights, rewards=batch.rewards)
-    metrics = dict(metrics)
-    metrics["reward_mean"] = float(batch.rewards.mean())
-    metrics["sequences"] = batch.num_sequences
-    metrics["completion_tokens"] = float(mask.sum())
-    return loss, metrics
+def rank_share(tokens: list[int], ranks: Ranks) -> list[int]:
+    """The rows this rank trains on: longest first, each to the rank with the fewest tokens
+    so far (ties to the lowest rank), so every rank does about the same work."""
+    load = [0] * ranks.world_size
+    mine = []
+    for row in sorted(range(len(tokens)), key=lambda r: (-tokens[r], r)):
+        rank = min(range(ranks.world_size), key=lambda k: (load[k], k))
+        load[rank] += tokens[row]
+        if rank == ranks.rank:
+            mine.append(row)
+    return mine
+
+
+def micro_batches(rows: list[int], tokens: list[int], budget: int) -> list[list[int]]:
+    """`rows` (longest first) packed into micro-batches of at most `budget` padded tokens,
+    rows × longest row, with at least one row each."""
+    batches: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: (-tokens[r], r)):
+        if batches and (len(batches[-1]) + 1) * tokens[batches[-1][0]] <= budget:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
 
 
 def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: LearnerConfig, *,
-                   temperature: float, max_completion_length: int) -> dict:
-    """One loss, one backward, one DeepSpeed step on whole groups; returns the step's metrics.
+                   temperature: float, max_completion_length: int, ranks: Ranks = Ranks()) -> dict:
+    """One DeepSpeed step on whole groups; every rank calls it with the same groups.
+    Returns the step's metrics (the same on every rank).
 
     The learner and `heterorl replay` both step through here: with the same weights,
     optimizer state and batches they produce the same parameters.
     """
-    loss, metrics = policy_loss(engine.module, collate_groups(groups, weights), cfg,
-                                temperature=temperature, max_completion_length=max_completion_length)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss.item()}")
-    engine.backward(loss)
+    batch = collate_groups(groups, weights).to(engine.device)
+    advantages = group_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_adv_by_std)
+    stats = batch_stats(cfg.loss_type, batch.sampler_logps, batch.mask, advantages, batch.group_ids,
+                        seq_prob=cfg.seq_prob, max_completion_length=max_completion_length, rewards=batch.rewards)
+    loss_args = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, seq_prob=cfg.seq_prob,
+                     kl_coef=cfg.kl_coef)
+    tokens = [batch.tokens(r) for r in range(batch.num_sequences)]
+    learner_logps = torch.zeros_like(batch.sampler_logps)
+    for rows in micro_batches(rank_share(tokens, ranks), tokens, cfg.micro_batch_tokens):
+        logps, mask = completion_logprobs(engine.module, [batch.prompt_ids[r] for r in rows],
+                                          [batch.completion_ids[r] for r in rows], temperature)
+        index = torch.tensor(rows, device=engine.device)
+        width = logps.shape[1]
+        share = micro_batch_loss(cfg.loss_type, logps, batch.sampler_logps[index, :width], mask, stats.rows(index),
+                                 sequence_weights=batch.sequence_weights[index], **loss_args)
+        if not torch.isfinite(share):
+            raise FloatingPointError(f"non-finite loss {share.item()}")
+        # DeepSpeed averages gradients over the ranks; each rank's share is a part of one sum.
+        engine.backward(share * ranks.world_size, scale_wrt_gas=False)
+        learner_logps[index, :width] = logps.detach().to(learner_logps.dtype)
     engine.step()
-    return {"loss": loss.item(), **metrics, "lr": engine.get_lr()[0]}
+    if ranks.world_size > 1:  # every row was computed by exactly one rank, zeros elsewhere
+        torch.distributed.all_reduce(learner_logps)
+    with torch.no_grad():
+        _, metrics = compute_policy_loss(
+            cfg.loss_type, learner_logps, batch.sampler_logps, batch.mask, advantages, batch.group_ids,
+            max_completion_length=max_completion_length, sequence_weights=batch.sequence_weights,
+            rewards=batch.rewards, **loss_args)
+    metrics["reward_mean"] = float(batch.rewards.mean())
+    metrics["sequences"] = batch.num_sequences
+    metrics["completion_tokens"] = float(batch.mask.sum())
+    return {**metrics, "lr": engine.get_lr()[0]}

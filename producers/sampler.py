@@ -51,6 +51,7 @@ from minio.error import S3Error
 from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.delays import RefreshGate, transit_stream
+from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
 from pipeline.model import decode_completion, load_policy, sample_groups
 from pipeline.pacing import Pacing
@@ -103,8 +104,9 @@ class PolicyHolder:
     first load.
     """
 
-    def __init__(self, store, work_dir: Path, log):
+    def __init__(self, store, work_dir: Path, log, device: torch.device | str = "cpu"):
         self.store = store
+        self.device = device
         self.work_dir = work_dir
         self.log = log
         self.version: Optional[int] = None
@@ -131,7 +133,7 @@ class PolicyHolder:
     def _download(self, version: int, manifest_key: str, forced: bool) -> None:
         try:
             path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")
-            model, tokenizer = load_policy(path)
+            model, tokenizer = load_policy(path, self.device)
             with self._lock:
                 self._ready = (version, model, tokenizer, forced)
         except CorruptCheckpointError as e:
@@ -365,7 +367,7 @@ class Sampler:
                              self.log, bootstrap)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log)
+        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, resolve_device(self.cfg.model.device))
         self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, self.cfg.run.topic, self.seed, self.spool_dir, self.scfg.delays.refresh.kind,

@@ -107,7 +107,7 @@ class _CutOnce:
 
         self.requests.append((key, offset, length))
         response = self.client.get_object(bucket, key, offset=offset, length=length)
-        if self.cut or not key.endswith("big.bin") or not offset <= self.cut_at < offset + length:
+        if self.cut or not key.endswith("big.safetensors") or not offset <= self.cut_at < offset + length:
             return response
         self.cut, wrapper = True, self
 
@@ -139,7 +139,7 @@ def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path,
     model = tmp_path / "model"
     model.mkdir()
     size = 1_000_000
-    (model / "big.bin").write_bytes(os.urandom(size))
+    (model / "big.safetensors").write_bytes(os.urandom(size))
     (model / "config.json").write_text("{}")
     store = _store(local_stack, "ckpt-resume")
     key = store.publish(1, model)
@@ -147,8 +147,8 @@ def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path,
     cut = _CutOnce(store.client, cut_at=900_000)  # the link drops at 90 %
     store.client = cut
     path, _ = store.fetch(key, tmp_path / "v1")
-    assert (path / "big.bin").read_bytes() == (model / "big.bin").read_bytes()
-    big = [(offset, length) for k, offset, length in cut.requests if k.endswith("big.bin")]
+    assert (path / "big.safetensors").read_bytes() == (model / "big.safetensors").read_bytes()
+    big = [(offset, length) for k, offset, length in cut.requests if k.endswith("big.safetensors")]
     # Four chunks of 256 KiB; the fourth broke at 900 000 and resumed there, not at 0.
     assert [offset for offset, _ in big] == [0, 262144, 524288, 786432, 900_000]
     assert big[-1] == (900_000, size - 900_000)
@@ -160,10 +160,54 @@ def test_samplers_do_not_download_the_learner_state(local_stack, tiny_model_dir,
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     (model / "learner_state").mkdir()
-    (model / "learner_state" / "optimizer.bin").write_bytes(b"x" * 1000)
+    (model / "learner_state" / "optimizer.safetensors").write_bytes(b"x" * 1000)
     store = _store(local_stack, "ckpt-private")
     key = store.publish(2, model)
     public, _ = store.fetch(key, tmp_path / "sampler")
     assert not (public / "learner_state").exists() and (public / "model.safetensors").is_file()
     private, _ = store.fetch(key, tmp_path / "learner", learner_state=True)
-    assert (private / "learner_state" / "optimizer.bin").read_bytes() == b"x" * 1000
+    assert (private / "learner_state" / "optimizer.safetensors").read_bytes() == b"x" * 1000
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that a pickle was executed."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(local_stack, tiny_model_dir,
+                                                                                 tmp_path):
+    import hashlib
+    import io
+    import json
+    import pickle
+    import shutil
+
+    from pipeline.checkpoints import MANIFEST_FORMAT, CorruptCheckpointError
+
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(marker))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    for name in ("pytorch_model.bin", "learner_state/state/mp_rank_00_model_states.pt", "extra.pkl", "w.pth"):
+        (model / name).parent.mkdir(parents=True, exist_ok=True)
+        (model / name).write_bytes(payload)
+    store = _store(local_stack, "ckpt-pickle")
+    key = store.publish(1, model)
+    names = [f["path"] for f in store.read_manifest(key).files]
+    assert "model.safetensors" in names and not [n for n in names if n.endswith((".pt", ".pth", ".bin", ".pkl"))]
+
+    # Someone who can write to the bucket plants a pickle and a manifest that lists it, sha256 and all.
+    manifest = json.loads(store.client.get_object(store.bucket, key).read())
+    planted = "learner_state/state/mp_rank_00_model_states.pt"
+    store.client.put_object(store.bucket, f"ckpt-pickle/v1/{planted}", io.BytesIO(payload), len(payload))
+    manifest["files"].append({"path": planted, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()})
+    body = json.dumps({**manifest, "format": MANIFEST_FORMAT}).encode()
+    store.client.put_object(store.bucket, key, io.BytesIO(body), len(body))
+    with pytest.raises(CorruptCheckpointError, match="pickle-based file"):
+        store.fetch(key, tmp_path / "learner", learner_state=True)
+    assert not marker.exists()

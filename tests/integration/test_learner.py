@@ -66,6 +66,13 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert handles.store.list_versions() == [0, 1, 2, 3]  # keep_checkpoints = 3, plus the base v0
     _, manifest = handles.store.fetch(manifest_key, tmp_path / "final")
     assert manifest.extra["offsets"] == {"0": 5}  # a restarted learner resumes after everything it consumed
+    # No pickle in any published checkpoint: the learner state is safetensors and JSON.
+    files = [f["path"] for v in handles.store.list_versions()
+             for f in handles.store.read_manifest(handles.store.manifest_key(v)).files]
+    assert not [f for f in files if f.endswith((".pt", ".pth", ".bin", ".pkl"))]
+    assert sorted(f["path"] for f in handles.store.read_manifest(manifest_key).files
+                  if f["path"].startswith("learner_state/")) == ["learner_state/optimizer.safetensors",
+                                                         "learner_state/state.json"]
 
     # The update log accounts for every offset once: used in a step, dropped, or set aside.
     from pipeline.update_log import read_entries_file, read_entries_kafka
