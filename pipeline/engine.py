@@ -110,6 +110,15 @@ def init_distributed(device: torch.device, ranks: Ranks) -> None:
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
 
 
+def begin_micro_batch(engine) -> None:
+    """What DeepSpeed's own `engine.forward` does before a forward pass, for ours, which calls
+    the model's decoder and LM head directly: tell the ZeRO optimizer a new micro-batch
+    starts, so that its gradients add to those of the previous ones (ZeRO-3 overwrites them
+    otherwise)."""
+    if hasattr(engine.optimizer, "clear_backward_seen_flag"):
+        engine.optimizer.clear_backward_seen_flag()
+
+
 def make_engine(model, cfg: LearnerConfig, device: torch.device, ranks: Ranks = Ranks()):
     """A DeepSpeed engine for `model` on `device` with AdamW, the configured ZeRO stage,
     precision, gradient checkpointing and optimizer offload."""

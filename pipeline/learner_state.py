@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.engine import begin_micro_batch
+
 STATE_FORMAT = "heterorl-learner-state/1"
 TENSORS_FILE = "optimizer.safetensors"
 META_FILE = "state.json"
@@ -161,6 +163,7 @@ def _materialize_optimizer_state(engine) -> None:
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
     token = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
+    begin_micro_batch(engine)
     out = engine.module(input_ids=token, use_cache=False)
     engine.backward(out.logits.float().sum() * 0.0, scale_wrt_gas=False)
     engine.step()

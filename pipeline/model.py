@@ -485,7 +485,8 @@ def completion_logprobs(
                               position_ids=position_ids.to(device), use_cache=False).last_hidden_state
     selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
     targets = torch.tensor(targets, dtype=torch.long, device=device)
-    chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    vocab = getattr(head, "out_features", None) or model.config.vocab_size  # (a ZeRO-3 weight is a stub)
+    chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
     checkpointed = torch.is_grad_enabled() and len(targets) > chunk
 
     def token_logps(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

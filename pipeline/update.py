@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
-from pipeline.engine import Ranks
+from pipeline.engine import Ranks, begin_micro_batch
 from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
 from pipeline.model import completion_logprobs
 from pipeline.rollout import Rollout
@@ -121,6 +121,7 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
     tokens = [batch.tokens(r) for r in range(batch.num_sequences)]
     learner_logps = torch.zeros_like(batch.sampler_logps)
     for rows in micro_batches(rank_share(tokens, ranks), tokens, cfg.micro_batch_tokens):
+        begin_micro_batch(engine)
         logps, mask = completion_logprobs(engine.module, [batch.prompt_ids[r] for r in rows],
                                           [batch.completion_ids[r] for r in rows], temperature)
         index = torch.tensor(rows, device=engine.device)
