@@ -29,10 +29,13 @@ no group past the limit is ever used.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -47,13 +50,16 @@ from consumers.recorder import StepRecorder
 from pipeline.admission import Admission, PendingGroup, RolloutLimits, Verdicts
 from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import Ranks, make_engine, resolve_device
+from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.learner_state import load_learner_state, save_learner_state, save_weights
 from pipeline.metrics import MetricsWriter
 from pipeline.model import load_policy, tokenizer_fingerprint
+from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.retry import retry_call
+from pipeline.rollout import decode_rollout, encode_rollout
 from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
+from pipeline.services import free_port
 from pipeline.update import optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
@@ -89,8 +95,29 @@ def _write_once(path: Path, text: str) -> None:
         tmp.replace(path)
 
 
+def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log):
+    """(DeepSpeed engine, tokenizer) from a model directory, with its learner state if it has one."""
+    model, tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
+    engine = make_engine(model, cfg.learner, device, ranks)
+    if (model_dir / LEARNER_STATE_DIR).is_dir():
+        # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
+        load_learner_state(engine, model_dir / LEARNER_STATE_DIR)
+    elif model_dir.name.startswith("resume-"):
+        log.warning("checkpoint %s has no learner state: continuing with a fresh optimizer", model_dir.name)
+    return engine, tokenizer
+
+
+def open_rank_link(device, ranks: Ranks, lcfg) -> Optional[RankLink]:
+    """The command channel from rank 0 to the others (None for a single process)."""
+    if ranks.world_size == 1:
+        return None
+    init_distributed(device, ranks)
+    # Rank 0 may wait for rollouts up to learner.idle_timeout_s between two commands.
+    return RankLink(timeout_s=lcfg.idle_timeout_s + 600)
+
+
 class Learner:
-    """One learner process: `run()` is the loop, each of its steps a method below."""
+    """One learner process (rank 0 of several): `run()` is the loop, each of its steps a method below."""
 
     def __init__(self, cfg: HeteroConfig, run_dir: Optional[Path] = None):
         self.log = setup_logging("learner")
@@ -143,6 +170,7 @@ class Learner:
         ensure_topic(self.bootstrap, dead_letter_topic(self.topic), 1, retention_ms=retention)
         self.state.register_run(self.topic)
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
+        self.link = open_rank_link(self.device, self.ranks, self.lcfg)
         self._load_policy()
         self._open_logs()
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
@@ -159,17 +187,15 @@ class Learner:
                                                            learner_state=True)
             self.version, offsets = version, {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
             self.log.info("resuming from policy v%d at offsets %s", version, offsets)
-        model, self.tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
+        if self.link is not None:  # the other ranks start from the same weights and state
+            self.link.send(START, {"base": None if base_model is None else str(base_model),
+                                   "manifest_key": manifest_key if base_model is None else None})
+        self.engine, self.tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log)
+        model = self.engine.module
         self.limits = RolloutLimits(
             vocab_size=model.get_input_embeddings().num_embeddings, temperature=self.cfg.sampler.temperature,
             max_new_tokens=self.cfg.sampler.max_new_tokens,
             max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
-        self.engine = make_engine(model, self.lcfg, self.device, self.ranks)
-        if (model_dir / LEARNER_STATE_DIR).is_dir():
-            # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
-            load_learner_state(self.engine, model_dir / LEARNER_STATE_DIR)
-        elif self.version > 0:
-            self.log.warning("checkpoint v%d has no learner state: continuing with a fresh optimizer", self.version)
         if base_model is not None:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.
@@ -228,10 +254,13 @@ class Learner:
 
     # ---- train a batch --------------------------------------------------------------
     def train(self, batch: list[PendingGroup]) -> None:
-        """One optimizer step on whole groups, logged; a checkpoint every `sync_every` steps."""
-        step_metrics = optimizer_step(self.engine, [g.rollout for g in batch], [g.decision.weight for g in batch],
-                                      self.lcfg, temperature=self.cfg.sampler.temperature,
-                                      max_completion_length=self.cfg.sampler.max_new_tokens)
+        """One optimizer step on whole groups (every rank its share), logged; a checkpoint
+        every `sync_every` steps."""
+        groups, weights = [g.rollout for g in batch], [g.decision.weight for g in batch]
+        if self.link is not None:
+            self.link.send(TRAIN, {"groups": [encode_rollout(r) for r in groups], "weights": weights})
+        step_metrics = optimizer_step(self.engine, groups, weights, self.lcfg, temperature=self.cfg.sampler.temperature,
+                                      max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
         self.version += 1
         values = self.recorder.record(self.version, batch, step_metrics)
         self.state.report_learner({"step": self.version, **self.admission.counters.as_dict()})
@@ -247,6 +276,8 @@ class Learner:
         # A fresh directory each time: the publisher may still be uploading (then deleting)
         # an earlier snapshot of this same version.
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{self.version}-", dir=self.work_dir))
+        if self.link is not None:  # gathering the weights and the optimizer state takes every rank
+            self.link.send(SAVE)
         save_weights(self.engine, self.tokenizer, snapshot)
         save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
         extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
@@ -302,6 +333,8 @@ class Learner:
                    give_up_after_s=self.lcfg.network_retry_s, on_retry=on_retry)
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.send(STOP)
         if not self.publisher.closed:  # an error path: still publish what was handed over
             try:
                 self.publisher.close()
@@ -322,5 +355,90 @@ class Learner:
         self.log.info("done: policy v%d at %s", self.version, summary["final_checkpoint"])
 
 
+class LearnerRank:
+    """A learner process of rank > 0: trains its share of each step rank 0 sends and joins
+    its checkpoint saves; it reads no Kafka and writes no log of its own."""
+
+    def __init__(self, cfg: HeteroConfig):
+        self.ranks = Ranks.from_env()
+        self.log = setup_logging(f"learner r{self.ranks.rank}")
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a drain is rank 0's to do
+        self.cfg, self.lcfg = cfg, cfg.learner
+        self.device = resolve_device(cfg.model.device, self.ranks.local_rank)
+
+    def run(self) -> int:
+        torch.set_num_threads(self.lcfg.torch_threads)
+        torch.manual_seed(self.cfg.run.seed)
+        link = open_rank_link(self.device, self.ranks, self.lcfg)
+        command, start = link.receive()
+        if command != START:
+            raise RuntimeError(f"rank {self.ranks.rank} expected start from rank 0, got {NAMES.get(command)}")
+        with tempfile.TemporaryDirectory(prefix=f".learner-r{self.ranks.rank}-") as work:
+            if start["base"] is not None:
+                model_dir = Path(start["base"])
+            else:  # the checkpoint rank 0 resumes from, fetched and verified here too
+                model_dir, _ = connect_run(self.cfg).store.fetch(start["manifest_key"], Path(work) / "resume-v",
+                                                                 learner_state=True)
+            engine, tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log)
+            self.log.info("rank %d of %d ready on %s", self.ranks.rank, self.ranks.world_size, self.device)
+            while True:
+                command, payload = link.receive()
+                if command == TRAIN:
+                    optimizer_step(engine, [decode_rollout(g) for g in payload["groups"]], payload["weights"],
+                                   self.lcfg, temperature=self.cfg.sampler.temperature,
+                                   max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
+                elif command == SAVE:
+                    save_weights(engine, tokenizer, Path(work), leader=False)
+                    save_learner_state(engine, Path(work), leader=False)
+                elif command == STOP:
+                    return 0
+
+
+def spawn_ranks(cfg: HeteroConfig, world_size: int) -> list[subprocess.Popen]:
+    """Ranks 1..N-1 of a learner started without a launcher, as child processes of rank 0
+    (this process becomes rank 0). They get the whole config, services included, in their
+    environment, and end when rank 0 does."""
+    port = free_port()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE=str(world_size))
+    children = []
+    for rank in range(1, world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), RANK_CONFIG_ENV: cfg.model_dump_json()}
+        children.append(subprocess.Popen([sys.executable, "-c", "from consumers.learner import run_rank; run_rank()"],
+                                         env=env, preexec_fn=_die_with_parent))
+    return children
+
+
+RANK_CONFIG_ENV = "HETERORL_LEARNER_CONFIG"
+"""A spawned rank's config (JSON, secrets included: it lives only in that process's environment)."""
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when rank 0 dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_rank() -> None:
+    """Entry point of a rank spawned by `spawn_ranks`."""
+    sys.exit(LearnerRank(HeteroConfig.model_validate_json(os.environ[RANK_CONFIG_ENV])).run())
+
+
 def run_learner(cfg: HeteroConfig, run_dir: Optional[Path] = None) -> int:
-    return Learner(cfg, run_dir).run()
+    """The learner: rank 0 of `learner.num_processes` (it starts the others itself unless a
+    launcher set WORLD_SIZE), or, under a launcher, whichever rank this process is."""
+    if "WORLD_SIZE" not in os.environ and cfg.learner.num_processes > 1:
+        children = spawn_ranks(cfg, cfg.learner.num_processes)
+        try:
+            return Learner(cfg, run_dir).run()
+        finally:
+            for child in children:
+                try:
+                    child.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+    if Ranks.from_env().leader:
+        return Learner(cfg, run_dir).run()
+    return LearnerRank(cfg).run()

@@ -421,6 +421,13 @@ LOGITS_CHUNK_BYTES = 64 << 20
 bytes' worth at a time (with a 151,936-token vocabulary, 110 positions)."""
 
 
+def logits_chunk_tokens(model) -> int:
+    """Completion positions per LM-head chunk (LOGITS_CHUNK_BYTES of float32 logits)."""
+    head = model.get_output_embeddings()
+    vocab = getattr(head, "out_features", None) or model.config.vocab_size  # (a ZeRO-3 weight is a stub)
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+
 def completion_logprobs(
     model,
     prompt_ids: Sequence[Sequence[int]],
@@ -428,6 +435,7 @@ def completion_logprobs(
     temperature: float,
     *,
     chunk_tokens: int | None = None,
+    n_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of each completion given its prompt, with gradient.
 
@@ -438,7 +446,9 @@ def completion_logprobs(
 
     No [B, L, vocabulary] tensor is made: the decoder's hidden states are taken at the
     positions that predict a completion token only, and go through the LM head
-    ``chunk_tokens`` positions at a time (default: LOGITS_CHUNK_BYTES of float32 logits).
+    ``chunk_tokens`` positions at a time (default: LOGITS_CHUNK_BYTES of float32 logits),
+    or in exactly ``n_chunks`` chunks (some may be empty: ranks of a ZeRO-3 learner must
+    call the head as often as each other).
     With gradients on and more than one chunk, each chunk is recomputed in the backward
     pass (activation checkpointing), so at most one chunk's logits exist at a time.
     Models whose causal-LM head does more than a linear layer (logit soft-capping or
@@ -485,9 +495,9 @@ def completion_logprobs(
                               position_ids=position_ids.to(device), use_cache=False).last_hidden_state
     selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
     targets = torch.tensor(targets, dtype=torch.long, device=device)
-    vocab = getattr(head, "out_features", None) or model.config.vocab_size  # (a ZeRO-3 weight is a stub)
-    chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
-    checkpointed = torch.is_grad_enabled() and len(targets) > chunk
+    if n_chunks is None:
+        n_chunks = -(-len(targets) // (chunk_tokens or logits_chunk_tokens(model)))
+    checkpointed = torch.is_grad_enabled() and n_chunks > 1
 
     def token_logps(h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         logits = head(h).float() / temperature
@@ -496,7 +506,7 @@ def completion_logprobs(
     flat = torch.cat([
         torch.utils.checkpoint.checkpoint(token_logps, h, t, use_reentrant=False) if checkpointed
         else token_logps(h, t)
-        for h, t in zip(selected.split(chunk), targets.split(chunk))])
+        for h, t in zip(selected.tensor_split(n_chunks), targets.tensor_split(n_chunks))])
     mask = mask.to(device)
     logps = torch.zeros((B, T), dtype=flat.dtype, device=device).masked_scatter(mask.bool(), flat)
     return logps, mask

@@ -28,7 +28,7 @@ import torch
 from pipeline.config import LearnerConfig
 from pipeline.engine import Ranks, begin_micro_batch
 from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
-from pipeline.model import completion_logprobs
+from pipeline.model import completion_logprobs, logits_chunk_tokens
 from pipeline.rollout import Rollout
 
 
@@ -104,6 +104,27 @@ def micro_batches(rows: list[int], tokens: list[int], budget: int) -> list[list[
     return batches
 
 
+def _lockstep(engine, batch: GroupBatch, batches: list[list[int]], ranks: Ranks) -> list[tuple[list[int], int]]:
+    """(rows, LM-head chunks) of each micro-batch, the same number of each on every rank.
+
+    Under ZeRO-3 every forward and backward pass gathers the weights from all ranks, so the
+    ranks must make as many passes, and call the LM head as often, as each other: a rank
+    with fewer micro-batches gets empty ones (rows []), and the i-th micro-batch of every
+    rank has as many chunks as the largest one needs.
+    """
+    per_token = logits_chunk_tokens(engine.module)
+    chunks = [max(1, -(-sum(len(batch.completion_ids[r]) for r in rows) // per_token)) for rows in batches]
+    if ranks.world_size == 1:
+        return list(zip(batches, chunks))
+    count = torch.tensor([len(batches)], dtype=torch.int64, device=engine.device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    most = torch.ones(int(count), dtype=torch.int64, device=engine.device)
+    most[: len(chunks)] = torch.tensor(chunks, dtype=torch.int64)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    batches = batches + [[] for _ in range(int(count) - len(batches))]
+    return list(zip(batches, most.tolist()))
+
+
 def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: LearnerConfig, *,
                    temperature: float, max_completion_length: int, ranks: Ranks = Ranks()) -> dict:
     """One DeepSpeed step on whole groups; every rank calls it with the same groups.
@@ -120,10 +141,13 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
                      kl_coef=cfg.kl_coef)
     tokens = [batch.tokens(r) for r in range(batch.num_sequences)]
     learner_logps = torch.zeros_like(batch.sampler_logps)
-    for rows in micro_batches(rank_share(tokens, ranks), tokens, cfg.micro_batch_tokens):
+    for rows, n_chunks in _lockstep(engine, batch, micro_batches(rank_share(tokens, ranks), tokens,
+                                                                 cfg.micro_batch_tokens), ranks):
         begin_micro_batch(engine)
+        dummy = not rows  # this rank has fewer micro-batches than another: a pass that adds nothing
+        rows = rows or [0]
         logps, mask = completion_logprobs(engine.module, [batch.prompt_ids[r] for r in rows],
-                                          [batch.completion_ids[r] for r in rows], temperature)
+                                          [batch.completion_ids[r] for r in rows], temperature, n_chunks=n_chunks)
         index = torch.tensor(rows, device=engine.device)
         width = logps.shape[1]
         share = micro_batch_loss(cfg.loss_type, logps, batch.sampler_logps[index, :width], mask, stats.rows(index),
@@ -131,8 +155,9 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
         if not torch.isfinite(share):
             raise FloatingPointError(f"non-finite loss {share.item()}")
         # DeepSpeed averages gradients over the ranks; each rank's share is a part of one sum.
-        engine.backward(share * ranks.world_size, scale_wrt_gas=False)
-        learner_logps[index, :width] = logps.detach().to(learner_logps.dtype)
+        engine.backward(share * (0.0 if dummy else ranks.world_size), scale_wrt_gas=False)
+        if not dummy:
+            learner_logps[index, :width] = logps.detach().to(learner_logps.dtype)
     engine.step()
     if ranks.world_size > 1:  # every row was computed by exactly one rank, zeros elsewhere
         torch.distributed.all_reduce(learner_logps)
