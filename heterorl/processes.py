@@ -19,9 +19,17 @@ class RunFailed(RuntimeError):
     lines of the log that says why (the traceback, if any, is in that log)."""
 
 
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What `torchrun` or `deepspeed` set for the process they launch. A role started by a
+command of ours is not such a process: the learner starts its own ranks
+(`learner.num_processes`), so these are not passed down."""
+
+
 def child_env(services: Services, **extra: str) -> dict:
-    """The environment of a role process: this one's, pointed at `services`."""
-    return {**os.environ, **services_env(services), "PYTHONUNBUFFERED": "1", **extra}
+    """The environment of a role process: this one's, pointed at `services`, without a
+    launcher's rank variables."""
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**inherited, **services_env(services), "PYTHONUNBUFFERED": "1", **extra}
 
 
 class Processes:

@@ -103,3 +103,19 @@ def test_a_bug_keeps_its_traceback_and_a_failed_run_exits_1(monkeypatch, capsys)
     monkeypatch.setitem(cli.COMMANDS, "status", failed_run)
     assert cli.main(["status"]) == 1
     assert capsys.readouterr().err.startswith("heterorl status: error: learner exited with code 1")
+
+
+def test_roles_started_by_our_commands_do_not_inherit_a_launchers_rank_variables(monkeypatch):
+    """A shell (or a test process) that once ran a learner rank keeps WORLD_SIZE & co.; the
+    learner that `heterorl train` starts must still start its own learner.num_processes ranks."""
+    from heterorl.processes import child_env
+    from pipeline.services import Services
+
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29500",
+                        "MASTER_ADDR": "127.0.0.1", "SOME_USER_SETTING": "kept"}.items():
+        monkeypatch.setenv(name, value)
+    env = child_env(Services("127.0.0.1:9092", "redis://127.0.0.1:6379/0", "http://127.0.0.1:9000", "a", "b",
+                             "us-east-1", "heterorl"))
+    assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"} & set(env)
+    assert env["SOME_USER_SETTING"] == "kept"
+    assert env["PYTHONUNBUFFERED"] == "1"

@@ -86,3 +86,23 @@ def test_the_state_carries_over_from_one_zero_stage_to_another(tmp_path):
     want, got = weights(first), weights(other)
     assert straight_moments["zero_stage"] == 2
     assert max(float((want[k] - got[k]).abs().max()) for k in want) < 1e-6
+
+
+@pytest.mark.parametrize("overrides", [["learner.zero_stage=3"], ["learner.zero_stage=3", "learner.precision=bf16"]],
+                         ids=["zero3", "zero3-bf16"])
+def test_a_zero3_checkpoint_is_a_plain_hugging_face_directory(overrides, tmp_path):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from pipeline.learner_state import save_weights
+    from pipeline.model import build_tokenizer
+
+    engine = engine_for(overrides)
+    train(engine, 2, seed=1)
+    save_weights(engine, build_tokenizer(), tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == ["model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", use_safetensors=True)
+    want = weights(engine)
+    got = dict(loaded.named_parameters())
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k].float(), want[k]) for k in want)
+    assert isinstance(PreTrainedTokenizerFast.from_pretrained(tmp_path / "ckpt"), PreTrainedTokenizerFast)
