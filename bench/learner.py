@@ -101,7 +101,7 @@ def learner_settings(args):
 
     return LearnerConfig(loss_type="grpo", lr=1e-5, lr_warmup_steps=0, grad_clip=1.0, zero_stage=args.zero_stage,
                          precision=args.precision, gradient_checkpointing=args.gradient_checkpointing,
-                         micro_batch_tokens=args.micro_batch_tokens)
+                         micro_batch_tokens=args.micro_batch_tokens, offload_optimizer=args.offload_optimizer)
 
 
 class ProductStep:
@@ -237,6 +237,10 @@ def parse_args(argv=None):
                    help="the product's learner.zero_stage (default 1; one process, so no partitioning)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side after one warm-up (default 3)")
     p.add_argument("--rounds", type=int, default=1, help="alternate product/reference this many times (default 1)")
+    p.add_argument("--product-only", action="store_true",
+                   help="time the product's step alone (to compare settings); no ratio, no targets")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="the product's learner.offload_optimizer (optimizer state in CPU memory)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--json", type=Path, help="also write the records and ratios to this file")
     p.add_argument("--worker", choices=["product", "reference"], help=argparse.SUPPRESS)
@@ -269,16 +273,19 @@ def main(argv=None) -> int:
     print(f"shape {args.shape}: {SHAPES[args.shape][0]}")
     print(f"batch: {args.groups} groups x {args.group_size} x ({args.prompt_tokens} + {args.completion_tokens}) "
           f"tokens; precision {args.precision}, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
-          f"micro-batch {args.micro_batch_tokens} tokens, product ZeRO stage {args.zero_stage}", flush=True)
+          f"micro-batch {args.micro_batch_tokens} tokens, product ZeRO stage {args.zero_stage}"
+          f"{', optimizer offloaded' if args.offload_optimizer else ''}", flush=True)
     records = []
     for r in range(args.rounds):
-        for side in ("product", "reference"):
+        for side in ("product",) if args.product_only else ("product", "reference"):
             rec = run_side(side, argv)
             records.append(rec)
             print(f"  round {r + 1} {side:9s}: {rec['tokens_per_s']:10.0f} tokens/s, peak "
                   f"{rec['peak_memory_bytes'] / 2**30:6.2f} GiB, step "
                   f"{statistics.median(rec['step_seconds']):.3f} s, first-step loss {rec['first_step_loss']:+.6f}",
                   flush=True)
+    if args.product_only:
+        return 0
     speed = {s: statistics.median(r["tokens_per_s"] for r in records if r["side"] == s) for s in ("product", "reference")}
     peak = {s: max(r["peak_memory_bytes"] for r in records if r["side"] == s) for s in ("product", "reference")}
     ratio = speed["product"] / speed["reference"]

@@ -24,6 +24,7 @@ import torch
 
 from pipeline.checkpoints import CheckpointNotFound
 from pipeline.config import HeteroConfig
+from pipeline.engine import resolve_device
 from pipeline.metrics import MetricsWriter, read_metrics
 from pipeline.runtime import connect_run, evaluate_published, make_task_from_config, setup_logging
 
@@ -48,8 +49,9 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     done = {int(r["policy_version"]) for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
-    log.info("evaluator for run %s: every %s versions, %s problems x %d samples", cfg.run.name,
-             cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size, cfg.eval.n_samples)
+    log.info("evaluator for run %s on %s: every %s versions, %s problems x %d samples", cfg.run.name,
+             resolve_device(cfg.model.device), cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size,
+             cfg.eval.n_samples)
     try:
         while not stopping:
             version, manifest_key = handles.state.policy()

@@ -174,8 +174,10 @@ class Learner:
         self._load_policy()
         self._open_logs()
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
-        self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go", self.bootstrap,
-                      self.topic, self.lcfg.loss_type, self.lcfg.max_delay_steps, self.lcfg.max_steps - self.version)
+        self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
+                      "on %s, %s, ZeRO stage %d", self.bootstrap, self.topic, self.lcfg.loss_type,
+                      self.lcfg.max_delay_steps, self.lcfg.max_steps - self.version, self.ranks.world_size,
+                      self.device, self.lcfg.precision, self.lcfg.zero_stage)
 
     def _load_policy(self) -> None:
         version, manifest_key = self.state.policy()

@@ -378,9 +378,9 @@ class Replay:
                                      topic=self.record.topic, vocab_size=vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer))
         self.task = make_task_from_config(self.cfg) if self.cfg.eval.every else None
-        self.log.info("replaying %s from %s with loss %s, %s batches", self.record.description, self.base,
+        self.log.info("replaying %s from %s with loss %s, %s batches, on %s", self.record.description, self.base,
                       self.lcfg.loss_type, "the original" if self.exact_batches
-                      else f"{self.lcfg.groups_per_step}-group")
+                      else f"{self.lcfg.groups_per_step}-group", self.engine.device)
 
     def train(self, batch: list[PendingGroup]) -> dict:
         """The learner's step on one planned batch, logged; a checkpoint and an evaluation when due."""

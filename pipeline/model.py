@@ -477,22 +477,23 @@ def completion_logprobs(
     L = max(p + c for p, c in zip(P, C))
     # The last completion token is never fed as input, so L - 1 input positions suffice.
     L_in = max(L - 1, max(P))
-    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # value is irrelevant: masked
+    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # never seen by a real position (below)
     input_ids = torch.full((B, L_in), pad, dtype=torch.long)
-    attn = torch.zeros((B, L_in), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.float32)
     rows, positions, targets = [], [], []
     for b in range(B):
         seq = (list(prompt_ids[b]) + list(completion_ids[b]))[:L_in]
         input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[b, : len(seq)] = 1
         mask[b, : C[b]] = 1.0
         rows += [b] * C[b]
         positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
         targets += completion_ids[b]
+    # No attention mask: rows are right-padded, so under causal attention no real position
+    # sees a pad, and the model's causal fast path applies (a padded row's pads only change
+    # hidden states at pad positions, which are never read).
     position_ids = torch.arange(L_in, dtype=torch.long).unsqueeze(0).expand(B, L_in)
-    hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=attn.to(device),
-                              position_ids=position_ids.to(device), use_cache=False).last_hidden_state
+    hidden = model.base_model(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
+                              use_cache=False).last_hidden_state
     selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
     targets = torch.tensor(targets, dtype=torch.long, device=device)
     if n_chunks is None:

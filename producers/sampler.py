@@ -369,9 +369,9 @@ class Sampler:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, resolve_device(self.cfg.model.device))
         self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
-        self.log.info("sampler %s started (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
-                      self.sampler_id, self.cfg.run.topic, self.seed, self.spool_dir, self.scfg.delays.refresh.kind,
-                      self.scfg.delays.transit.kind)
+        self.log.info("sampler %s started on %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
+                      self.sampler_id, self.policy.device, self.cfg.run.topic, self.seed, self.spool_dir,
+                      self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
     def _connect(self, give_up_s: float = 300.0):
         """The servers and the topic, retried: a sampler started during an outage waits for the
