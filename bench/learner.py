@@ -167,7 +167,7 @@ class ReferenceStep:
             surrogate = torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
             loss = -surrogate.mean(-1).sum() / n
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

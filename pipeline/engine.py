@@ -14,6 +14,7 @@ ranks and updates).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -108,6 +109,13 @@ def init_distributed(device: torch.device, ranks: Ranks) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
+        atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """At exit: NCCL warns of leaked resources when a process group is never destroyed."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def begin_micro_batch(engine) -> None:

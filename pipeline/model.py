@@ -478,20 +478,19 @@ def completion_logprobs(
     # The last completion token is never fed as input, so L - 1 input positions suffice.
     L_in = max(L - 1, max(P))
     pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # never seen by a real position (below)
-    input_ids = torch.full((B, L_in), pad, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
+    seqs = [(list(prompt_ids[b]) + list(completion_ids[b]))[:L_in] for b in range(B)]
+    input_ids = torch.tensor([seq + [pad] * (L_in - len(seq)) for seq in seqs], dtype=torch.long)
+    mask = torch.tensor([[1.0] * c + [0.0] * (T - c) for c in C], dtype=torch.float32)
     rows, positions, targets = [], [], []
     for b in range(B):
-        seq = (list(prompt_ids[b]) + list(completion_ids[b]))[:L_in]
-        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[b, : C[b]] = 1.0
         rows += [b] * C[b]
         positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
         targets += completion_ids[b]
     # No attention mask: rows are right-padded, so under causal attention no real position
     # sees a pad, and the model's causal fast path applies (a padded row's pads only change
-    # hidden states at pad positions, which are never read).
-    position_ids = torch.arange(L_in, dtype=torch.long).unsqueeze(0).expand(B, L_in)
+    # hidden states at pad positions, which are never read). Every row starts at position
+    # 0, so one row of position ids serves all (the rotary tables are then made once).
+    position_ids = torch.arange(L_in, dtype=torch.long).unsqueeze(0)
     hidden = model.base_model(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
                               use_cache=False).last_hidden_state
     selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]

@@ -70,11 +70,8 @@ def collate_groups(groups: list[Rollout], weights: list[float]) -> GroupBatch:
             group_ids.append(gi)
             seq_w.append(weight)
     width = max(1, max(len(c) for c in completion_ids))
-    sampler = torch.zeros(len(completion_ids), width, dtype=torch.float32)
-    mask = torch.zeros(len(completion_ids), width, dtype=torch.float32)
-    for row, lq in enumerate(logps):
-        sampler[row, : len(lq)] = torch.tensor(lq, dtype=torch.float32)
-        mask[row, : len(lq)] = 1.0
+    sampler = torch.tensor([list(lq) + [0.0] * (width - len(lq)) for lq in logps], dtype=torch.float32)
+    mask = torch.tensor([[1.0] * len(lq) + [0.0] * (width - len(lq)) for lq in logps], dtype=torch.float32)
     return GroupBatch(prompt_ids, completion_ids, sampler, mask, torch.tensor(rewards, dtype=torch.float32),
                       torch.tensor(group_ids, dtype=torch.long), torch.tensor(seq_w, dtype=torch.float32))
 
