@@ -486,13 +486,12 @@ def completion_logprobs(
         rows += [b] * C[b]
         positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
         targets += completion_ids[b]
-    # No attention mask: rows are right-padded, so under causal attention no real position
-    # sees a pad, and the model's causal fast path applies (a padded row's pads only change
-    # hidden states at pad positions, which are never read). Every row starts at position
-    # 0, so one row of position ids serves all (the rotary tables are then made once).
-    position_ids = torch.arange(L_in, dtype=torch.long).unsqueeze(0)
-    hidden = model.base_model(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
-                              use_cache=False).last_hidden_state
+    # Neither an attention mask nor position ids: rows are right-padded, so under causal
+    # attention no real position sees a pad (a row's pads change hidden states at pad
+    # positions only, which are never read), and every row starts at position 0, the
+    # model's default. So the model's causal fast path applies, with no check of the
+    # position ids for packed sequences (a device-to-host sync in transformers).
+    hidden = model.base_model(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
     selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
     targets = torch.tensor(targets, dtype=torch.long, device=device)
     if n_chunks is None:
