@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training over an unreliable WAN: samplers publish "
                     "version-tagged rollouts to Kafka, a DeepSpeed learner trains with GEPO and "
                     "publishes weights to S3, Redis holds the current policy version.")
+    # The deepspeed launcher puts --local_rank=N right after the module name (unless given
+    # --no_local_rank); the LOCAL_RANK it also sets is what the learner reads.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("up", help="start the local stack (Kafka-API broker, Redis, S3) on loopback",
@@ -106,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
 
-    p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)")
+    p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)",
+                       description="One learner process, or learner.num_processes of them: started without a "
+                                   "launcher it starts the other ranks itself; under torchrun or the deepspeed "
+                                   "launcher each process is the rank they set (RANK, LOCAL_RANK, WORLD_SIZE).")
     _add_config_args(p)
     p.add_argument("--out", metavar="RUN_DIR", help="run directory for metrics (default: train.out_dir)")
 

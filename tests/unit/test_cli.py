@@ -119,3 +119,11 @@ def test_roles_started_by_our_commands_do_not_inherit_a_launchers_rank_variables
     assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"} & set(env)
     assert env["SOME_USER_SETTING"] == "kept"
     assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_the_learner_accepts_the_local_rank_argument_of_the_deepspeed_launcher():
+    from heterorl.cli import build_parser
+
+    # deepspeed --module heterorl learner ... runs `python -m heterorl --local_rank=N learner ...`
+    args = build_parser().parse_args(["--local_rank=1", "learner", "--config", "smoke"])
+    assert args.local_rank == 1 and args.config == "smoke"
