@@ -106,7 +106,7 @@ def test_exact_replay_in_micro_batches_of_64_tokens_reproduces_the_original_weig
     replay = run_replay(micro, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "micro",
                         exact_batches=True, checkpoints=f"s3://{local_stack.bucket}/replay-micro", progress=False)
     assert replay["final_policy_version"] == STEPS
-    assert len(passes) >= 3 * STEPS  # every step really was cut into micro-batches
+    assert len(passes) >= 2 * STEPS  # each step (8 sequences) really was cut into micro-batches
     original = _weights(summary["final_checkpoint"], cfg, tmp_path / "w-original")
     replayed = _weights(replay["final_checkpoint"], cfg, tmp_path / "w-replay")
     assert _max_abs_diff(original, replayed) < 1e-5
