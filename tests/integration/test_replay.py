@@ -91,27 +91,6 @@ def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp
     assert _max_abs_diff(original, replayed) < 1e-5  # ...and the replay moved them identically
 
 
-def test_exact_replay_in_micro_batches_of_64_tokens_reproduces_the_original_weights(recorded, local_stack,
-                                                                                     tmp_path, monkeypatch):
-    """The original stepped each batch at once; the replay cuts every step into micro-batches
-    of a few sequences (64 padded tokens). The accumulated gradient is the one-shot one."""
-    import pipeline.update
-    from consumers.replay import run_replay
-
-    run_dir, summary, cfg = recorded
-    passes = []
-    begin = pipeline.update.begin_micro_batch
-    monkeypatch.setattr(pipeline.update, "begin_micro_batch", lambda engine: (passes.append(1), begin(engine)))
-    micro = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"micro_batch_tokens": 64})})
-    replay = run_replay(micro, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "micro",
-                        exact_batches=True, checkpoints=f"s3://{local_stack.bucket}/replay-micro", progress=False)
-    assert replay["final_policy_version"] == STEPS
-    assert len(passes) >= 2 * STEPS  # each step (8 sequences) really was cut into micro-batches
-    original = _weights(summary["final_checkpoint"], cfg, tmp_path / "w-original")
-    replayed = _weights(replay["final_checkpoint"], cfg, tmp_path / "w-replay")
-    assert _max_abs_diff(original, replayed) < 1e-5
-
-
 def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
     from consumers.replay import run_replay
     from pipeline.archive import export_topic
