@@ -95,14 +95,15 @@ def _write_once(path: Path, text: str) -> None:
         tmp.replace(path)
 
 
-def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log):
-    """(DeepSpeed engine, tokenizer) from a model directory, with its learner state if it has one."""
+def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log, *, resuming: bool):
+    """(DeepSpeed engine, tokenizer) from a model directory (the base model, or the checkpoint
+    a learner resumes from), with its learner state if it has one."""
     model, tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
     engine = make_engine(model, cfg.learner, device, ranks)
     if (model_dir / LEARNER_STATE_DIR).is_dir():
         # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
         load_learner_state(engine, model_dir / LEARNER_STATE_DIR)
-    elif model_dir.name.startswith("resume-"):
+    elif resuming:
         log.warning("checkpoint %s has no learner state: continuing with a fresh optimizer", model_dir.name)
     return engine, tokenizer
 
@@ -192,7 +193,8 @@ class Learner:
         if self.link is not None:  # the other ranks start from the same weights and state
             self.link.send(START, {"base": None if base_model is None else str(base_model),
                                    "manifest_key": manifest_key if base_model is None else None})
-        self.engine, self.tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log)
+        self.engine, self.tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log,
+                                                   resuming=base_model is None)
         model = self.engine.module
         self.limits = RolloutLimits(
             vocab_size=model.get_input_embeddings().num_embeddings, temperature=self.cfg.sampler.temperature,
@@ -381,7 +383,8 @@ class LearnerRank:
             else:  # the checkpoint rank 0 resumes from, fetched and verified here too
                 model_dir, _ = connect_run(self.cfg).store.fetch(start["manifest_key"], Path(work) / "resume-v",
                                                                  learner_state=True)
-            engine, tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log)
+            engine, tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log,
+                                             resuming=start["base"] is None)
             self.log.info("rank %d of %d ready on %s", self.ranks.rank, self.ranks.world_size, self.device)
             while True:
                 command, payload = link.receive()

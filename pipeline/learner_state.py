@@ -16,9 +16,9 @@ DeepSpeed's `safe_get_full_*` calls, so the state is the same whatever the ZeRO 
 or the number of learner processes, and a learner may resume with another of either.
 Saving and loading are collective: every rank calls them; rank 0 writes.
 
-Why not DeepSpeed's own `save_checkpoint`: it writes `.pt` files that `load_checkpoint`
-reads with `torch.load(weights_only=False)`, so anyone who can write to the bucket could
-run code in the learner at its next restart.
+Why not DeepSpeed's own checkpoint calls: they write `.pt` files, a pickle-based format,
+and reading one back unpickles it, so anyone who can write to the bucket could run code
+in the learner at its next restart.
 """
 
 from __future__ import annotations
