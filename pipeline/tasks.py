@@ -1,35 +1,66 @@
-"""Verifiable tasks: an endless train stream, a fixed held-out split, an exact verifier.
+"""Verifiable tasks: an endless train stream, a fixed held-out split, a verifier.
 
-A task is anything with ``name``, ``train_problem(index)``, ``eval_problems()`` and
-``reward(problem, completion_text)`` (see :class:`Task`). Samplers call
-``train_problem`` with consecutive indices and ``reward`` on each decoded completion;
-the evaluator calls ``eval_problems``. ``make_task(name, **settings)`` picks one from
-the registry, so a config names a task by string and a typo fails at load time.
+A task is anything with ``name``, ``train_problem(index)``, ``eval_problems()``,
+``reward(problem, completion_text)`` and ``encode_prompt(problem, tokenizer)`` (see
+:class:`Task`). Samplers call ``train_problem`` with consecutive indices, feed the model
+``encode_prompt`` and call ``reward`` on each decoded completion; the evaluator calls
+``eval_problems``. ``make_task(name, **settings)`` picks one from the registry, so a
+config names a task by string and a typo fails at load time.
 
-The built-in task is integer arithmetic (``"arithmetic"``): prompts like ``37+58=``,
-completions are the answer digits followed by the model's end-of-sequence token. It is
-small enough that a tiny character-level model learns it in seconds on one CPU core,
-which is what the end-to-end demo needs. How the held-out split is kept disjoint, and
-what the verifier accepts, is documented on :class:`ArithmeticTask` and in
-docs/task_and_model.md.
+Two tasks are built in:
+
+- ``"arithmetic"`` (:class:`ArithmeticTask`): integer arithmetic, prompts like
+  ``37+58=``, completions are the answer digits followed by the model's end-of-sequence
+  token. It is small enough that a tiny character-level model learns it in seconds on
+  one CPU core, which is what the end-to-end demo needs. How the held-out split is kept
+  disjoint, and what the verifier accepts, is documented on the class and in
+  docs/task_and_model.md.
+- ``"dataset"`` (:class:`DatasetTask`): problems read from a file of records (JSON
+  lines, Parquet, or a ``datasets.save_to_disk`` directory), each with a prompt (text or
+  chat messages) and a gold answer, checked by a verifier from
+  :mod:`pipeline.verifiers` (``exact``, ``numeric``, ``math`` or your own function).
+  The held-out split is a file of its own or a hash-by-prompt slice of the one file.
+  heterorl/configs/data/sums3.jsonl is a worked example the tiny model can learn.
+
+Errors in a dataset or its settings raise :class:`DatasetError`, one line naming the
+file and the line or row; a verifier that cannot be imported raises
+:class:`pipeline.verifiers.VerifierError`. Both are ``UserError`` and ``ValueError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import math
+import numbers
 import random
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline.errors import UserError
+from pipeline.verifiers import (
+    END_MARKERS,
+    Verifier,
+    exact,
+    extract_answer,
+    load_verifier,
+    numeric,
+    parse_number,
+)
+
 __all__ = [
+    "END_MARKERS",
+    "TASKS",
+    "ArithmeticTask",
+    "DatasetError",
+    "DatasetTask",
     "Problem",
     "Task",
-    "ArithmeticTask",
-    "TASKS",
-    "make_task",
     "extract_answer",
-    "END_MARKERS",
+    "make_task",
 ]
 
 
@@ -38,8 +69,10 @@ class Problem:
     """One verifiable problem. ``problem_id`` is stable across processes and runs."""
 
     problem_id: str  # e.g. "arith-train-123" / "arith-eval-7"
-    prompt: str  # e.g. "37+58="
+    prompt: str  # e.g. "37+58="; for a chat prompt, the messages' contents joined by "\n"
     answer: str  # canonical answer, e.g. "95"
+    # A chat prompt as ((role, content), ...), or None for a plain-text prompt.
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 @runtime_checkable
@@ -53,24 +86,10 @@ class Task(Protocol):
         """The fixed held-out split; disjoint from every train problem."""
 
     def reward(self, problem: Problem, completion_text: str) -> float:
-        """1.0 if the completion is exactly the answer, else 0.0."""
+        """The completion's reward (1.0 correct, 0.0 wrong for the built-in verifiers)."""
 
-
-# Strings that end an answer when they appear in the completion text. The samplers
-# decode only the tokens before EOS (special tokens skipped), so normally none is
-# present; they matter for callers that decode with special tokens, and for general
-# HF models whose end-of-turn strings differ.
-END_MARKERS: tuple[str, ...] = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "\n")
-
-
-def extract_answer(completion_text: str) -> str:
-    """The answer part of a completion: text before the first end marker, whitespace-stripped."""
-    cut = len(completion_text)
-    for marker in END_MARKERS:
-        pos = completion_text.find(marker)
-        if pos != -1:
-            cut = min(cut, pos)
-    return completion_text[:cut].strip()
+    def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
+        """The prompt token ids the sampler, evaluator and warm-up feed the model."""
 
 
 _OPS = ("+", "-", "*")
@@ -113,7 +132,7 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+            raise ValueError(f"seed must be an int, got {self.seed!r}")  # noqa: TRY004 (make_task promises ValueError)
         if not isinstance(self.digits, int) or not 1 <= self.digits <= 6:
             raise ValueError(f"digits must be an int in [1, 6], got {self.digits!r}")
         if not self.ops or any(op not in _OPS for op in self.ops) or len(set(self.ops)) != len(self.ops):
@@ -190,8 +209,409 @@ class ArithmeticTask:
     def reward(self, problem: Problem, completion_text: str) -> float:
         return 1.0 if extract_answer(completion_text) == problem.answer else 0.0
 
+    def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
+        """The prompt text with the tokenizer's special tokens (the tiny tokenizer's ``<bos>``)."""
+        return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask}
+
+# ----------------------------------------------------------------------------------
+# Tasks from data
+# ----------------------------------------------------------------------------------
+class DatasetError(UserError, ValueError):
+    """A dataset file or DatasetTask setting that cannot be used; one line naming where and why."""
+
+
+SUPPORTED_FORMATS = ".jsonl, .parquet, or a directory written by datasets' save_to_disk"
+_CHAT_TEMPLATE_MODES = ("auto", "none")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {_one_line(exc.strerror or exc)}") from exc
+
+
+def _jsonl_rows(path: Path, data: bytes) -> list[tuple[str, Any]]:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}); a .jsonl file is UTF-8 JSON lines") from None
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"{path}:{lineno}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+    return rows
+
+
+def _table_rows(path: Path, table: Any) -> list[tuple[str, Any]]:
+    return [(f"{path} row {i}", rec) for i, rec in enumerate(table.to_pylist())]
+
+
+def _parquet_rows(path: Path, data: bytes) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: not a readable Parquet file: {_one_line(exc)}") from None
+    return _table_rows(path, table)
+
+
+def _arrow_rows(path: Path, data: bytes) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    from pyarrow import ipc
+
+    # save_to_disk writes the Arrow IPC stream format; accept the file format as well.
+    try:
+        table = ipc.open_stream(pa.BufferReader(data)).read_all()
+    except (pa.ArrowException, OSError):
+        try:
+            table = ipc.open_file(pa.BufferReader(data)).read_all()
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{path}: not a readable Arrow IPC stream: {_one_line(exc)}") from None
+    return _table_rows(path, table)
+
+
+def _saved_dataset_files(path: Path) -> list[Path]:
+    """The Arrow shards of a ``save_to_disk`` directory, in the order state.json lists them."""
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():
+        try:
+            splits = [str(s) for s in json.loads(dict_file.read_text())["splits"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = []
+        example = path / (splits[0] if splits else "train")
+        raise DatasetError(
+            f"{path}: is a DatasetDict (splits: {', '.join(splits) or '?'}); set the path to one split's "
+            f"directory, e.g. {example}"
+        )
+    state_file = path / "state.json"
+    if not state_file.is_file():
+        # Not written by save_to_disk, but a directory of Arrow shards reads the same way.
+        files = sorted(path.glob("*.arrow"))
+        if not files:
+            raise DatasetError(f"{path}: a directory must be a datasets save_to_disk directory (state.json and "
+                               f"*.arrow files); found neither (supported: {SUPPORTED_FORMATS})")
+        return files
+    try:
+        state = json.loads(state_file.read_text())
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{state_file}: not a datasets state.json with a _data_files list ({_kind(exc)})") from None
+    if state.get("_indices_data_files"):
+        raise DatasetError(f"{path}: saved with an indices mapping (an old datasets version); re-save it with "
+                           "ds.flatten_indices().save_to_disk(...)")
+    files = []
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise DatasetError(f"{state_file}: data file {name!r} is not a plain file name")
+        if not (path / name).is_file():
+            raise DatasetError(f"{path}: state.json lists {name} but the file is missing")
+        files.append(path / name)
+    if not files:
+        raise DatasetError(f"{path}: no records (state.json lists no data files)")
+    return files
+
+
+def _load_rows(path: Path) -> tuple[list[tuple[str, Any]], str]:
+    """``(location, record)`` for every record of ``path``, in file order, and a sha256 of its bytes.
+
+    The location is ``file:line`` for JSON lines, ``file row N`` for Parquet and Arrow.
+    For a directory the digest covers each shard's name and bytes, in load order.
+    """
+    if path.is_dir():
+        digest = hashlib.sha256()
+        rows: list[tuple[str, Any]] = []
+        for shard in _saved_dataset_files(path):
+            data = _read_bytes(shard)
+            digest.update(f"{shard.name}\0{hashlib.sha256(data).hexdigest()}\n".encode())
+            rows.extend(_arrow_rows(shard, data))
+        return rows, digest.hexdigest()
+    if not path.exists():
+        raise DatasetError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise DatasetError(f"{path}: unsupported dataset format {suffix or '(no extension)'!r}; "
+                           f"supported: {SUPPORTED_FORMATS}")
+    data = _read_bytes(path)
+    rows = _jsonl_rows(path, data) if suffix == ".jsonl" else _parquet_rows(path, data)
+    return rows, hashlib.sha256(data).hexdigest()
+
+
+def _prompt_of(loc: str, field: str, value: Any) -> tuple[str, tuple[tuple[str, str], ...] | None]:
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        messages = tuple((m["role"], m["content"]) for m in value)
+        return "\n".join(content for _, content in messages), messages
+    raise DatasetError(f"{loc}: field {field!r} must be a string or a non-empty list of {{role, content}} "
+                       f"messages with string role and content, got {_kind(value)}")
+
+
+def _answer_of(loc: str, field: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise DatasetError(f"{loc}: field {field!r} must be a string or a number, got {_kind(value)}")
+    if isinstance(value, numbers.Integral) or (math.isfinite(value) and float(value).is_integer()):
+        return str(int(value))
+    return repr(float(value))
+
+
+@dataclass(eq=False)
+class DatasetTask:
+    """Problems read from a file of records, each a prompt and a gold answer.
+
+    Settings (all validated; unknown ones are rejected by :func:`make_task`):
+
+    - ``path``: the records. ``.jsonl`` (one JSON object per line, blank lines skipped),
+      ``.parquet``, or a directory written by ``datasets``' ``Dataset.save_to_disk``
+      (its Arrow shards are read with pyarrow, in the order state.json lists them; a
+      ``DatasetDict`` directory is refused with a hint to pick a split). Records are read
+      once, at construction, and kept in memory.
+    - ``eval_path``: a second file of records, the held-out split. Train records whose
+      prompt text also appears in it are dropped, so the splits stay disjoint.
+    - ``eval_fraction`` (0.05): without ``eval_path``, the share of *prompts* held out.
+      A keyed hash of the prompt text decides, so the split is the same in every process
+      and run, ignores ``seed`` and record order, and puts duplicate prompts on one side.
+    - ``eval_size`` (200): at most this many held-out problems, the first in file order
+      (one per distinct prompt text).
+    - ``prompt_field`` ("prompt"), ``answer_field`` ("answer"): the record fields to
+      read. A prompt is a string or a list of ``{"role", "content"}`` messages (other
+      keys are dropped); an answer is a string or a number (an integral number is written
+      without a decimal point: ``42.0`` becomes ``"42"``).
+    - ``verifier`` ("exact"): a name or import spec for
+      :func:`pipeline.verifiers.load_verifier`, resolved at construction. With ``numeric``
+      every gold answer must hold a number, checked at load time.
+    - ``chat_template`` ("auto" | "none") and ``system_prompt`` (None): see
+      :meth:`encode_prompt`.
+    - ``seed`` (0): orders the train stream, epochs of a seeded shuffle of the train
+      records; ``train_problem(index)`` is a pure function of the settings, the data
+      and ``index``.
+
+    Problem ids are ``data-train-<row>`` and ``data-eval-<row>``, where row is the
+    record's index in its file (blank lines not counted), stable across runs; a train
+    problem has the same id in every epoch.
+
+    ``reward`` never raises: a verifier that raises, or returns something that is not a
+    finite number, scores 0.0 and is counted in ``verifier_errors`` (the last message in
+    ``last_verifier_error``). Everything else a verifier returns is passed on as is.
+    """
+
+    path: str
+    eval_path: str | None = None
+    eval_fraction: float = 0.05
+    eval_size: int = 200
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    verifier: str = "exact"
+    chat_template: str = "auto"
+    system_prompt: str | None = None
+    seed: int = 0
+    name: str = dataclasses.field(default="dataset", init=False)
+    verifier_errors: int = dataclasses.field(default=0, init=False)
+    last_verifier_error: str | None = dataclasses.field(default=None, init=False)
+    data_sha256: str = dataclasses.field(default="", init=False)
+    eval_data_sha256: str | None = dataclasses.field(default=None, init=False)
+    _verify: Verifier = dataclasses.field(default=exact, init=False, repr=False)
+    _train: tuple[Problem, ...] = dataclasses.field(default=(), init=False, repr=False)
+    _eval: tuple[Problem, ...] = dataclasses.field(default=(), init=False, repr=False)
+    _order: tuple[int, list[int]] | None = dataclasses.field(default=None, init=False, repr=False)
+    _lock: Any = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_settings()
+        self._verify = load_verifier(self.verifier)
+        records, self.data_sha256 = self._load(self.path)
+        if self.eval_path is None:
+            side = [_heldout(r[2], self.eval_fraction) for r in records]
+            train = [r for r, is_held in zip(records, side) if not is_held]
+            held = [r for r, is_held in zip(records, side) if is_held]
+            if not held:
+                raise DatasetError(f"{self.path}: none of its {len(records)} records fell on the eval side "
+                                   f"(eval_fraction={self.eval_fraction}); raise eval_fraction or set eval_path")
+            if not train:
+                raise DatasetError(f"{self.path}: all of its {len(records)} records fell on the eval side "
+                                   f"(eval_fraction={self.eval_fraction}); lower eval_fraction")
+        else:
+            held, self.eval_data_sha256 = self._load(self.eval_path)
+            held_prompts = {r[2] for r in held}
+            train = [r for r in records if r[2] not in held_prompts]
+            if not train:
+                raise DatasetError(f"{self.path}: every record's prompt also appears in eval_path "
+                                   f"{self.eval_path}, so no train records are left")
+        self._train = tuple(Problem(f"data-train-{row}", prompt, answer, msgs) for row, _, prompt, answer, msgs in train)
+        seen: set[str] = set()
+        eval_problems = []
+        for row, _, prompt, answer, msgs in held:
+            if prompt in seen:
+                continue
+            seen.add(prompt)
+            eval_problems.append(Problem(f"data-eval-{row}", prompt, answer, msgs))
+            if len(eval_problems) == self.eval_size:
+                break
+        self._eval = tuple(eval_problems)
+
+    def _check_settings(self) -> None:
+        if not isinstance(self.path, (str, Path)) or not str(self.path):
+            raise DatasetError(f"path must be a file or directory path, got {self.path!r}")
+        if self.eval_path is not None and (not isinstance(self.eval_path, (str, Path)) or not str(self.eval_path)):
+            raise DatasetError(f"eval_path must be a file or directory path or null, got {self.eval_path!r}")
+        if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) \
+                or not 0.0 < self.eval_fraction < 1.0:
+            raise DatasetError(f"eval_fraction must be a number in (0, 1), got {self.eval_fraction!r}")
+        if isinstance(self.eval_size, bool) or not isinstance(self.eval_size, int) or self.eval_size < 1:
+            raise DatasetError(f"eval_size must be an int >= 1, got {self.eval_size!r}")
+        for key in ("prompt_field", "answer_field"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise DatasetError(f"{key} must be a non-empty string, got {value!r}")
+        if self.chat_template not in _CHAT_TEMPLATE_MODES:
+            raise DatasetError(f"chat_template must be one of {', '.join(_CHAT_TEMPLATE_MODES)}, "
+                               f"got {self.chat_template!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise DatasetError(f"system_prompt must be a string or null, got {_kind(self.system_prompt)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise DatasetError(f"seed must be an int, got {self.seed!r}")
+
+    def _load(self, path: str) -> tuple[list[tuple[int, str, str, str, Any]], str]:
+        """``(row, location, prompt, answer, messages)`` per record of ``path``, and its sha256."""
+        rows, digest = _load_rows(Path(path))
+        if not rows:
+            raise DatasetError(f"{path}: no records (the dataset is empty)")
+        check_number = self._verify is numeric
+        out = []
+        for row, (loc, rec) in enumerate(rows):
+            if not isinstance(rec, dict):
+                raise DatasetError(f"{loc}: a record must be a JSON object, got {_kind(rec)}")
+            for key in (self.prompt_field, self.answer_field):
+                if key not in rec:
+                    setting = "prompt_field" if key == self.prompt_field else "answer_field"
+                    raise DatasetError(f"{loc}: record has no field {key!r} (its fields: "
+                                       f"{', '.join(map(str, rec)) or 'none'}); set {setting}")
+            prompt, messages = _prompt_of(loc, self.prompt_field, rec[self.prompt_field])
+            answer = _answer_of(loc, self.answer_field, rec[self.answer_field])
+            if check_number and parse_number(answer) is None:
+                raise DatasetError(f"{loc}: field {self.answer_field!r} ({answer[-40:]!r}) holds no number "
+                                   "for the numeric verifier")
+            out.append((row, loc, prompt, answer, messages))
+        return out, digest
+
+    # -- settings -------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """Everything that defines the task, with digests of the data (part of model cache keys).
+
+        ``name``, ``data_sha256`` and ``eval_data_sha256`` are not ``make_task`` settings.
+        """
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "eval_path": None if self.eval_path is None else str(self.eval_path),
+            "eval_fraction": self.eval_fraction,
+            "eval_size": self.eval_size,
+            "prompt_field": self.prompt_field,
+            "answer_field": self.answer_field,
+            "verifier": self.verifier,
+            "chat_template": self.chat_template,
+            "system_prompt": self.system_prompt,
+            "seed": self.seed,
+            "data_sha256": self.data_sha256,
+            "eval_data_sha256": self.eval_data_sha256,
+        }
+
+    # -- problems -------------------------------------------------------------------
+    @property
+    def n_train(self) -> int:
+        """Number of train records (one epoch of the train stream)."""
+        return len(self._train)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        cached = self._order
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        order = list(range(len(self._train)))
+        # String seeds are hashed with SHA-512 by `random`: stable across processes.
+        random.Random(f"data-train|{self.seed}|{epoch}").shuffle(order)
+        self._order = (epoch, order)  # one assignment, so concurrent readers see a whole pair
+        return order
+
+    def train_problem(self, index: int) -> Problem:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be a non-negative int, got {index!r}")
+        epoch, pos = divmod(index, len(self._train))
+        return self._train[self._epoch_order(epoch)[pos]]
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._eval)
+
+    # -- verifier -------------------------------------------------------------------
+    def reward(self, problem: Problem, completion_text: str) -> float:
+        try:
+            value = self._verify(problem.prompt, completion_text, problem.answer)
+        except Exception as exc:  # noqa: BLE001 (a verifier's bug must cost one reward, not the sampler)
+            self._verifier_failed(problem, f"raised {type(exc).__name__}: {_one_line(exc)}")
+            return 0.0
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            self._verifier_failed(problem, f"returned {value!r:.80}, not a finite number")
+            return 0.0
+        return float(value)
+
+    def _verifier_failed(self, problem: Problem, what: str) -> None:
+        with self._lock:
+            self.verifier_errors += 1
+            self.last_verifier_error = f"verifier {self.verifier!r} {what} (problem {problem.problem_id})"
+
+    # -- prompt -----------------------------------------------------------------------
+    def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
+        """The prompt token ids.
+
+        The messages are the problem's chat messages, or one user message holding its
+        text; a ``system_prompt`` becomes a leading system message unless the messages
+        already start with one. With ``chat_template="auto"`` and a tokenizer that has a
+        chat template, they are rendered by ``apply_chat_template(...,
+        add_generation_prompt=True)`` and that text is encoded without special tokens
+        (the template writes its own BOS). Otherwise (``"none"``, or no template) the
+        message contents, the system prompt first, are joined by newlines and encoded
+        with the tokenizer's special tokens, which for a plain prompt without a system
+        prompt is exactly what :class:`ArithmeticTask` feeds.
+        """
+        messages = list(problem.messages) if problem.messages else [("user", problem.prompt)]
+        if self.system_prompt and messages[0][0] != "system":
+            messages.insert(0, ("system", self.system_prompt))
+        if self.chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": role, "content": content} for role, content in messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "\n".join(content for _, content in messages)
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _heldout(prompt: str, fraction: float) -> bool:
+    """Whether a prompt belongs to the held-out side (a keyed hash of its text)."""
+    digest = hashlib.blake2b(f"heterorl-data|{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < fraction
+
+
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "dataset": DatasetTask}
 
 
 def make_task(name: str, **settings: Any) -> Task:
