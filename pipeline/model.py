@@ -50,6 +50,7 @@ __all__ = [
     "build_tiny_model",
     "ensure_base_model",
     "load_policy",
+    "load_tokenizer",
     "sample_groups",
     "greedy_completions",
     "decode_completion",
@@ -112,6 +113,7 @@ class ModelSize:
     num_heads: int = 4
     intermediate_size: int = 128
     max_positions: int = 64
+    head_dim: int | None = 32  # None: hidden_size // num_heads. vLLM's CPU attention needs >= 32
 
 
 def build_tiny_model(tokenizer, size: ModelSize | Mapping[str, Any] | None = None, *, seed: int = 0):
@@ -120,7 +122,7 @@ def build_tiny_model(tokenizer, size: ModelSize | Mapping[str, Any] | None = Non
         size = ModelSize()
     elif isinstance(size, Mapping):
         size = ModelSize(**size)
-    if size.hidden_size % size.num_heads:
+    if size.head_dim is None and size.hidden_size % size.num_heads:
         raise ValueError(f"hidden_size {size.hidden_size} is not divisible by num_heads {size.num_heads}")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -129,6 +131,7 @@ def build_tiny_model(tokenizer, size: ModelSize | Mapping[str, Any] | None = Non
         num_hidden_layers=size.num_layers,
         num_attention_heads=size.num_heads,
         num_key_value_heads=size.num_heads,
+        head_dim=size.head_dim or size.hidden_size // size.num_heads,
         max_position_embeddings=size.max_positions,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -163,17 +166,23 @@ class _seeded:
 # ----------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------
-def load_policy(path: str | os.PathLike, device: torch.device | str = "cpu"):
-    """Load any local HF causal-LM directory: (model in float32 eval mode on `device`, tokenizer).
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a local HF model directory; one without a pad token gets its EOS token as pad."""
+    tokenizer = AutoTokenizer.from_pretrained(Path(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load any local HF causal-LM directory: (model in `dtype` eval mode on `device`, tokenizer).
 
     Only safetensors weights are accepted (``use_safetensors=True``: no pickle is ever
     unpickled). A tokenizer without a pad token gets its EOS token as pad.
     """
     path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     return model, tokenizer
 
@@ -186,10 +195,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS, then any other EOS of the model's generation config."""
+    return _merge_eos(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+
+
+def generation_eos_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
+    """`_eos_ids` for a model directory that is not loaded (generation_config.json read as JSON)."""
+    path = Path(model_dir) / "generation_config.json"
+    gen_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return _merge_eos(tokenizer, gen_eos)
+
+
+def _merge_eos(tokenizer, gen_eos) -> list[int]:
     ids: list[int] = []
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(gen_eos, int):
         gen_eos = [gen_eos]
     for i in gen_eos or []:
@@ -348,18 +368,21 @@ def _decode_in_chunks(model, tokenizer, rows: list[list[int]], chunk: int, **dec
     return completions, logps
 
 
-def _encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
-    ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+def _encode_prompts(tokenizer, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    """Token ids of each prompt: a string is encoded (with the tokenizer's BOS), a list of ids is kept."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else [])
+    ids = [list(next(encoded)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for p, r in zip(prompts, ids):
         if not r:
             raise ValueError(f"prompt {p!r} encodes to no tokens")
-    return [list(r) for r in ids]
+    return ids
 
 
 def sample_groups(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: Sequence[str | Sequence[int]],
     *,
     group_size: int,
     temperature: float,
@@ -371,6 +394,7 @@ def sample_groups(
 ) -> list[SampledGroup]:
     """Sample ``group_size`` completions for each prompt, all prompts batched together.
 
+    A prompt is text (encoded with the tokenizer's BOS) or a list of token ids (kept).
     ``top_k=0`` and ``top_p=1.0`` disable truncation. Truncation only changes which
     token is picked; the recorded log-prob is always the full-vocabulary
     log_softmax(logits / temperature) at the picked token. Tokens after EOS are not
@@ -405,7 +429,7 @@ def sample_groups(
 
 
 def greedy_completions(
-    model, tokenizer, prompts: list[str], *, max_new_tokens: int, max_batch_rows: int = 4096
+    model, tokenizer, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int, max_batch_rows: int = 4096
 ) -> list[list[int]]:
     """Greedy (argmax) completion tokens for each prompt, batched."""
     completions, _ = _decode_in_chunks(model, tokenizer, _encode_prompts(tokenizer, prompts), max_batch_rows,
@@ -540,7 +564,7 @@ def evaluate_policy(
     model.eval()
     t0 = time.perf_counter()
     try:
-        prompts = [p.prompt for p in problems]
+        prompts = [task.encode_prompt(p, tokenizer) for p in problems]
         eos_ids = _eos_ids(model, tokenizer)
         result: dict[str, float] = {"n_problems": float(len(problems)), "n_samples": float(n_samples)}
         if n_samples > 0:
@@ -623,9 +647,9 @@ class BaseModelSettings:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _supervised_batch(tokenizer, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded bos+prompt+answer+eos; labels only on answer+eos tokens."""
-    prompt_ids = _encode_prompts(tokenizer, [p.prompt for p in problems])
+def _supervised_batch(tokenizer, task: Task, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt (as the task encodes it) + answer + eos; labels only on answer+eos tokens."""
+    prompt_ids = [task.encode_prompt(p, tokenizer) for p in problems]
     answer_ids = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
     eos, pad = tokenizer.eos_token_id, _pad_id(tokenizer)
     seqs = [pi + ai + [eos] for pi, ai in zip(prompt_ids, answer_ids)]
@@ -688,7 +712,7 @@ def warmup_supervised(
         model.train()
         base = start_index + step * batch_size
         problems = [task.train_problem(base + k) for k in range(batch_size)]
-        ids, attn, labels = _supervised_batch(tokenizer, problems)
+        ids, attn, labels = _supervised_batch(tokenizer, task, problems)
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), label_smoothing=label_smoothing
@@ -716,14 +740,18 @@ def ensure_base_model(cache_dir: str | os.PathLike, settings: BaseModelSettings 
     elif not isinstance(settings, BaseModelSettings):
         settings = BaseModelSettings.from_mapping(settings)
     cache_dir = Path(cache_dir)
-    final = cache_dir / f"base-{settings.cache_key()}"
+    task = make_task(settings.task, **dict(settings.task_settings))
+    data = {k: v for k, v in getattr(task, "settings", dict)().items() if k.endswith("sha256")}
+    # A task read from a file: the data's hashes are part of the key (new data, new model).
+    key = settings.cache_key() if not data else hashlib.sha256(
+        json.dumps([settings.cache_key(), data], sort_keys=True).encode()).hexdigest()[:16]
+    final = cache_dir / f"base-{key}"
     if (final / BASE_MODEL_INFO).is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         t0 = time.perf_counter()
-        task = make_task(settings.task, **dict(settings.task_settings))
         tokenizer = build_tokenizer()
         model = build_tiny_model(tokenizer, settings.size, seed=settings.seed)
         with _seeded(settings.seed):
@@ -745,7 +773,7 @@ def ensure_base_model(cache_dir: str | os.PathLike, settings: BaseModelSettings 
         tokenizer.save_pretrained(tmp)
         info = {
             "settings": settings.to_dict(),
-            "cache_key": settings.cache_key(),
+            "cache_key": key,
             "warmup_seconds": round(time.perf_counter() - t0, 3),
             "warmup_steps_taken": report["steps"],
             "warmup_final_loss": report["losses"][-1] if report["losses"] else None,

