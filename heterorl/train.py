@@ -70,6 +70,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     wall_start = time.time()
     run_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None})})
+    task = make_task_from_config(cfg)  # a bad dataset or verifier fails here, before any server starts
     run_dir = Path(out or cfg.train.out_dir or f"runs/{run_name}")
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"run directory {run_dir} already holds a run; choose another --out")
@@ -77,7 +78,6 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
 
     with services_for_run(cfg, keep=keep_stack) as (cfg, services, started_stack):
         handles = connect_run(cfg)
-        task = make_task_from_config(cfg)
         t0 = time.time()
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)

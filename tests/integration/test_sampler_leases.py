@@ -69,7 +69,7 @@ def test_a_renewed_lease_stays_live_and_a_restart_under_the_same_id_is_live_agai
 def test_status_lists_live_and_recently_gone_samplers_and_the_claims(local_stack, state):
     state.publish_policy(3, "unused/manifest.json")
     state.register_run(f"{state.run}.rollouts")
-    state.renew_sampler_lease("live-1", {**INFO, "paused_s": 2.5}, 60.0)
+    state.renew_sampler_lease("live-1", {**INFO, "paused_s": 2.5, "backend": "vllm", "weight_load_s": 0.0712}, 60.0)
     state.renew_sampler_lease("crashed-1", INFO, 0.3)
     state.renew_sampler_lease("stopped-1", INFO, 60.0)
     state.claim_prompts("crashed-1", 4)
@@ -87,7 +87,7 @@ def test_status_lists_live_and_recently_gone_samplers_and_the_claims(local_stack
 
     text = format_status(status)
     assert "1 live, 2 recently gone" in text
-    assert "live-1: v3 groups 12 (30.5/min, paused 2.5s) on gpu-7" in text
+    assert "live-1: v3 groups 12 (30.5/min, paused 2.5s) on gpu-7, vllm backend, weights loaded in 0.07s" in text
     crashed_line = next(line for line in text.splitlines() if "crashed-1" in line)
     stopped_line = next(line for line in text.splitlines() if "stopped-1" in line)
     assert "expired" in crashed_line and "s ago" in crashed_line

