@@ -94,7 +94,7 @@ def vllm_logprobs_mode(settings: SamplingSettings) -> str:
                      f"{settings.temperature:g} with top-k/top-p on (the config refuses this combination)")
 
 
-def pick_backend(setting: str, device: torch.device, model_dir: Optional[Path] = None) -> str:
+def pick_backend(setting: str, device: torch.device) -> str:
     """`sampler.backend` resolved: `auto` is vLLM when it is installed and the policy runs on a GPU,
     else the `hf` loop. On a CPU the `hf` loop is the faster of the two for the small models a CPU
     can train (bench/generation.py; docs/generation.md)."""
@@ -223,6 +223,7 @@ class VllmEngine:
             kwargs["compilation_config"] = {"mode": 0}  # eager: compiled CPU graphs freeze weights in
         if self.max_model_len:
             kwargs["max_model_len"] = self.max_model_len
+        self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         return LLM(**kwargs)
 
     def sample(self, prompt_ids, *, group_size: int, seed: int) -> list[SampledGroup]:
@@ -246,7 +247,16 @@ class VllmEngine:
         return groups
 
     def close(self) -> None:
+        """Shut the engine down and leave the process as it found it: no torch.distributed group
+        (a DeepSpeed learner in the same process would trip over vLLM's), threads settable."""
+        if self.llm is None:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
+        cleanup_dist_env_and_memory()
+        torch.set_num_threads = self._set_num_threads
 
 
 def make_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",

@@ -135,6 +135,8 @@ def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack
     import logging
 
     from pipeline.runtime import connect_run, resolve_base_model
+    import torch
+
     from pipeline.generation import HfEngine, SamplingSettings
     from producers.sampler import PolicyHolder
 
