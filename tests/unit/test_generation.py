@@ -138,3 +138,13 @@ def test_vllm_reload_puts_new_weights_into_the_running_engine(models, tmp_path):
         engine.close()
     assert largest_logprob_gap(load(models[1]), groups, 1.0) < LOGPROB_TOLERANCE
     assert largest_logprob_gap(load(models[0]), groups, 1.0) > 0.1  # and not the old weights
+
+
+def test_hf_engine_in_bf16_samples_with_bf16_weights(models):
+    """`sampler.precision: bf16`: the weights are bf16, and the recorded log-probs are those of
+    the bf16 model (the fp32 learner's recomputation differs only by bf16 rounding)."""
+    engine = HfEngine(SamplingSettings(1.0, 1.0, 0, 8), torch.device("cpu"), precision="bf16")
+    engine.install(engine.prepare(models[0]))
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    groups = engine.sample(prompt_ids(engine.tokenizer), group_size=4, seed=1)
+    assert 0 < largest_logprob_gap(load(models[0]), groups, 1.0) < 0.1
