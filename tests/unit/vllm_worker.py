@@ -1,0 +1,38 @@
+"""Runs a VllmEngine in a process of its own for tests/unit/test_generation.py.
+
+vLLM sets up torch.distributed and thread settings in the process that starts it; a fresh
+process keeps them away from the DeepSpeed tests that share the pytest process.
+
+    python -m tests.unit.vllm_worker SETTINGS_JSON MODEL_DIR [MODEL_DIR ...]
+
+Installs each model directory in turn into one engine, then samples PROMPTS and prints
+one JSON object: the groups, and whether every install went into the same engine.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.generation import SamplingSettings, VllmEngine
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    engine = VllmEngine(SamplingSettings(**spec["settings"]), torch.device("cpu"), kv_cache_gib=0.25)
+    engines = []
+    for model_dir in argv[1:]:
+        engine.install(engine.prepare(Path(model_dir)))
+        engines.append(id(engine.llm))
+    prompts = [engine.tokenizer(p)["input_ids"] for p in spec["prompts"]]
+    groups = engine.sample(prompts, group_size=spec["group_size"], seed=spec["seed"])
+    out = {"same_engine": len(set(engines)) == 1, "eos": engine.tokenizer.eos_token_id,
+           "groups": [{"prompt_ids": g.prompt_ids, "completion_ids": g.completion_ids,
+                       "sampler_logps": g.sampler_logps} for g in groups]}
+    engine.close()
+    print("VLLM_WORKER_RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
