@@ -86,7 +86,7 @@ def worker(args) -> dict:
     prompts, group, prompt_tokens, new_tokens = batch_of(args)
     device = resolve_device(args.device)
     engine = make_engine(args.worker, SamplingSettings(1.0, 1.0, 0, new_tokens), device, precision=args.precision,
-                         kv_cache_gib=args.kv_cache_gib)
+                         kv_cache_gib=args.kv_cache_gib or kv_cache_for_batch(args))
     started = time.perf_counter()
     engine.install(engine.prepare(Path(args.model_dir)))
     startup_s = time.perf_counter() - started
@@ -110,6 +110,18 @@ def worker(args) -> dict:
             "tokens_per_s": round(sum(tokens) / sum(seconds), 1)}
 
 
+def kv_cache_for_batch(args) -> float:
+    """GiB of KV cache for every sequence of the batch at once (so vLLM never preempts), at least 1."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model_dir)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    prompts, group, prompt_tokens, new_tokens = batch_of(args)
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * (2 if args.precision == "bf16" else 4)
+    return max(1.0, 1.5 * prompts * group * (prompt_tokens + new_tokens) * per_token / (1 << 30))
+
+
 def batch_of(args) -> tuple[int, int, int, int]:
     defaults = SHAPES[args.shape][1]
     return (args.prompts or defaults[0], args.group_size or defaults[1], args.prompt_tokens or defaults[2],
@@ -129,7 +141,8 @@ def parse(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="weights (default fp32)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3, help="timed batches per backend (default 3)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache in GiB (default 1)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="vLLM's KV cache in GiB (default: enough for the whole batch at once, at least 1)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default auto)")
     p.add_argument("--json", type=Path, help="also write the records and ratios to this file")
     p.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)

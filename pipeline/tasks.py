@@ -246,7 +246,7 @@ def _jsonl_rows(path: Path, data: bytes) -> list[tuple[str, Any]]:
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}); a .jsonl file is UTF-8 JSON lines") from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

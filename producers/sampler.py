@@ -364,6 +364,13 @@ class Sampler:
     def start(self) -> None:
         """Connect (waiting out an outage), recover the spool, announce the sampler."""
         torch.set_num_threads(self.scfg.torch_threads)
+        device = resolve_device(self.cfg.model.device)
+        sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
+        backend = pick_backend(self.scfg.backend, device, sampling)
+        engine = make_engine(backend, sampling, device, precision=self.scfg.precision,  # a missing engine fails
+                             kv_cache_gib=self.scfg.vllm_kv_cache_gib,  # here, before any server is waited for
+                             max_model_len=self.scfg.vllm_max_model_len,
+                             gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
         self.handles = self._connect()
         self.state, self.redis_url = self.handles.state, self.handles.services.redis_url
         self.task = make_task_from_config(self.cfg)
@@ -380,12 +387,6 @@ class Sampler:
                              self.log, bootstrap)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        device = resolve_device(self.cfg.model.device)
-        backend = pick_backend(self.scfg.backend, device)
-        engine = make_engine(backend, SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k,
-                                                       self.scfg.max_new_tokens),
-                             device, precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
-                             max_model_len=self.scfg.vllm_max_model_len)
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
         self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",

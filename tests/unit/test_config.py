@@ -81,3 +81,17 @@ def test_every_field_is_documented_where_it_is_declared():
 
     undocumented = [path for path, field in walk(HeteroConfig, "") if not field.description]
     assert undocumented == []
+
+
+def test_task_paths_beside_the_config_file_but_a_set_override_as_typed(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "train.jsonl").write_text("{}\n")
+    (tmp_path / "conf" / "score.py").write_text("def f(p, c, a):\n    return 1.0\n")
+    (tmp_path / "conf" / "run.yaml").write_text(
+        "task:\n  name: dataset\n  path: train.jsonl\n  verifier: score.py:f\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(tmp_path / "conf" / "run.yaml")
+    assert cfg.task.path == str((tmp_path / "conf" / "train.jsonl").resolve())
+    assert cfg.task.verifier == f"{(tmp_path / 'conf' / 'score.py').resolve()}:f"
+    typed = load_config(tmp_path / "conf" / "run.yaml", ["task.path=train.jsonl"])
+    assert typed.task.path == "train.jsonl"  # from the working directory, as a shell user means it

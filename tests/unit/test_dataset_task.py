@@ -433,3 +433,13 @@ def test_sums3_generator_reproduces_the_file(tmp_path):
     spec.loader.exec_module(module)
     module.main([str(tmp_path / "out.jsonl")])
     assert (tmp_path / "out.jsonl").read_bytes() == SUMS3.read_bytes()
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """JSON allows U+2028/U+2029/U+0085 unescaped inside strings; only "\\n" ends a JSONL record."""
+    path = tmp_path / "seps.jsonl"
+    records = [{"prompt": f"q{i}\u2028line two\u0085", "answer": str(i)} for i in range(60)]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\r\n", encoding="utf-8")
+    task = make_task("dataset", path=str(path), eval_fraction=0.2)
+    problems = [task.train_problem(i) for i in range(task.n_train)] + task.eval_problems()
+    assert sorted(p.prompt for p in problems) == sorted(r["prompt"] for r in records)

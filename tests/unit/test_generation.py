@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.generation import (HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed,
-                                 vllm_logprobs_mode)
+from pipeline.config import vllm_logprobs_mode
+from pipeline.generation import HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed
 from pipeline.model import ModelSize, SampledGroup, build_tiny_model, build_tokenizer, completion_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,10 +68,9 @@ def models(tmp_path_factory):
 
 
 def test_the_vllm_logprobs_mode_that_gives_the_learners_rule():
-    assert vllm_logprobs_mode(SamplingSettings(0.7, 1.0, 0, 8)) == "processed_logprobs"
-    assert vllm_logprobs_mode(SamplingSettings(1.0, 0.9, 5, 8)) == "raw_logprobs"
-    with pytest.raises(ValueError):
-        vllm_logprobs_mode(SamplingSettings(0.7, 0.9, 0, 8))
+    assert vllm_logprobs_mode(0.7, 1.0, 0) == "processed_logprobs"  # no truncation: any temperature
+    assert vllm_logprobs_mode(1.0, 0.9, 5) == "raw_logprobs"  # temperature 1: any truncation
+    assert vllm_logprobs_mode(0.7, 0.9, 0) is None
 
 
 def test_the_config_refuses_what_vllm_cannot_record():
@@ -81,9 +80,15 @@ def test_the_config_refuses_what_vllm_cannot_record():
     load_config(None, ["sampler.backend=hf", "sampler.temperature=0.7", "sampler.top_p=0.9"])
 
 
-def test_auto_is_hf_on_a_cpu():
-    assert pick_backend("auto", torch.device("cpu")) == "hf"
-    assert pick_backend("vllm", torch.device("cpu")) == "vllm"
+def test_auto_is_hf_on_a_cpu_and_where_vllm_cannot_record_the_rule(monkeypatch):
+    import pipeline.generation as generation
+
+    plain, truncated_hot = SamplingSettings(1.0, 1.0, 0, 8), SamplingSettings(0.7, 0.9, 0, 8)
+    assert pick_backend("auto", torch.device("cpu"), plain) == "hf"
+    assert pick_backend("vllm", torch.device("cpu"), plain) == "vllm"
+    monkeypatch.setattr(generation, "vllm_installed", lambda: True)
+    assert pick_backend("auto", torch.device("cuda"), plain) == "vllm"
+    assert pick_backend("auto", torch.device("cuda"), truncated_hot) == "hf"  # not a crash at sampler start
 
 
 def test_untied_copy_computes_the_same_logits(models, tmp_path):
@@ -153,3 +158,11 @@ def test_hf_engine_in_bf16_samples_with_bf16_weights(models):
     assert next(engine.model.parameters()).dtype == torch.bfloat16
     groups = engine.sample(prompt_ids(engine.tokenizer), group_size=4, seed=1)
     assert 0 < largest_logprob_gap(load(models[0]), groups, 1.0) < 0.1
+
+
+def test_the_vllm_backend_without_vllm_is_a_config_error(monkeypatch):
+    import pipeline.generation as generation
+
+    monkeypatch.setattr(generation, "vllm_installed", lambda: False)
+    with pytest.raises(ConfigError, match="vLLM is not installed"):
+        generation.VllmEngine(SamplingSettings(1.0, 1.0, 0, 8), torch.device("cpu"))
