@@ -101,23 +101,19 @@ class VerifierError(UserError, ValueError):
     """A verifier spec that cannot be resolved to a callable (one line: the spec and why)."""
 
 
+def _cut_at_first(text: str, markers: tuple[str, ...]) -> str:
+    """`text` before the first occurrence of any of `markers`."""
+    positions = [pos for pos in (text.find(m) for m in markers) if pos != -1]
+    return text[: min(positions, default=len(text))]
+
+
 def extract_answer(completion_text: str) -> str:
     """The answer part of a completion: text before the first end marker, whitespace-stripped."""
-    cut = len(completion_text)
-    for marker in END_MARKERS:
-        pos = completion_text.find(marker)
-        if pos != -1:
-            cut = min(cut, pos)
-    return completion_text[:cut].strip()
+    return _cut_at_first(completion_text, END_MARKERS).strip()
 
 
 def _cut_at_turn_end(text: str) -> str:
-    cut = len(text)
-    for marker in _TURN_END_MARKERS:
-        pos = text.find(marker)
-        if pos != -1:
-            cut = min(cut, pos)
-    return text[:cut]
+    return _cut_at_first(text, _TURN_END_MARKERS)
 
 
 # ----------------------------------------------------------------------------------

@@ -109,7 +109,6 @@ class PolicyHolder:
     def __init__(self, store, work_dir: Path, log, engine: PolicyEngine):
         self.store = store
         self.engine = engine
-        self.device = engine.device
         self.work_dir = work_dir
         self.log = log
         self.version: Optional[int] = None
@@ -390,7 +389,7 @@ class Sampler:
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
         self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
-                      self.sampler_id, backend, self.scfg.precision, self.policy.device, self.cfg.run.topic, self.seed,
+                      self.sampler_id, backend, self.scfg.precision, device, self.cfg.run.topic, self.seed,
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
