@@ -41,10 +41,11 @@ def test_train_with_the_vllm_backend_reloads_weights_into_the_running_engine(tmp
 def test_train_on_a_dataset_whose_fields_are_not_prompt_and_answer(tmp_path):
     proc = train(tmp_path, "task.name=dataset", f"task.path={SUMS3}", "task.prompt_field=question",
                  "task.answer_field=target", "task.verifier=numeric", "learner.max_steps=4", "eval.every=2",
-                 "model.warmup_steps=600")  # smoke's 20 warm-up steps get no sum right
+                 "model.warmup_steps=600",  # smoke's 20 warm-up steps get no sum right
+                 "learner.groups_per_step=4")  # 64 completions a step: at ~10 % right, never all wrong by chance
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 8
+    assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 16
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "learner")
     assert len(steps) == 4
     assert any(s["reward_mean"] > 0 for s in steps)  # the numeric verifier scored some sums right
