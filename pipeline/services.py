@@ -10,9 +10,10 @@ addresses differ.
 
 from __future__ import annotations
 
+import os
 import socket
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 from pipeline.config import ENV_OVERRIDES, ServicesConfig, strip_password
@@ -26,6 +27,62 @@ class ServiceUnavailable(UserError, RuntimeError):
 
 
 @dataclass(frozen=True)
+class ServiceSecurity:
+    """How the clients authenticate and encrypt: the `ServicesConfig` fields of the same names
+    (documented there), turned into each client library's keyword arguments."""
+
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: Optional[str] = None
+    kafka_sasl_username: Optional[str] = None
+    kafka_sasl_password: Optional[str] = field(default=None, repr=False)
+    kafka_ssl_cafile: Optional[str] = None
+    kafka_ssl_certfile: Optional[str] = None
+    kafka_ssl_keyfile: Optional[str] = None
+    kafka_ssl_check_hostname: bool = True
+    redis_ssl_ca_certs: Optional[str] = None
+    redis_ssl_certfile: Optional[str] = None
+    redis_ssl_keyfile: Optional[str] = None
+    s3_ca_file: Optional[str] = None
+    s3_cert_check: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: ServicesConfig) -> "ServiceSecurity":
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def kafka_kwargs(self) -> dict[str, Any]:
+        """For KafkaProducer / KafkaConsumer / KafkaAdminClient (kafka-python)."""
+        kwargs: dict[str, Any] = {"security_protocol": self.kafka_security_protocol}
+        if self.kafka_security_protocol.startswith("SASL_"):
+            kwargs.update(sasl_mechanism=self.kafka_sasl_mechanism, sasl_plain_username=self.kafka_sasl_username,
+                          sasl_plain_password=self.kafka_sasl_password)
+        if self.kafka_security_protocol in ("SSL", "SASL_SSL"):
+            kwargs.update(ssl_cafile=self.kafka_ssl_cafile, ssl_certfile=self.kafka_ssl_certfile,
+                          ssl_keyfile=self.kafka_ssl_keyfile, ssl_check_hostname=self.kafka_ssl_check_hostname)
+        return kwargs
+
+    def redis_kwargs(self, url: str) -> dict[str, Any]:
+        """For redis-py's `from_url`: TLS files with a `rediss://` URL (user and password are
+        in the URL); nothing for `redis://`."""
+        if urlparse(url).scheme != "rediss":
+            return {}
+        files = {"ssl_ca_certs": self.redis_ssl_ca_certs, "ssl_certfile": self.redis_ssl_certfile,
+                 "ssl_keyfile": self.redis_ssl_keyfile}
+        return {"ssl_cert_reqs": "required", **{k: v for k, v in files.items() if v}}
+
+    def s3_pool_kwargs(self, endpoint: str) -> dict[str, Any]:
+        """For the urllib3 PoolManager of the MinIO client: certificate checks of an `https://`
+        endpoint (the CA file, else $SSL_CERT_FILE, else certifi's, as MinIO does)."""
+        if urlparse(endpoint).scheme != "https":
+            return {}
+        if not self.s3_cert_check:
+            return {"cert_reqs": "CERT_NONE"}
+        import certifi  # a dependency of minio
+
+        return {"cert_reqs": "CERT_REQUIRED",
+                "ca_certs": self.s3_ca_file or os.environ.get("SSL_CERT_FILE") or certifi.where()}
+
+
+@dataclass(frozen=True)
 class Services:
     kafka_bootstrap: str
     redis_url: str
@@ -35,6 +92,7 @@ class Services:
     s3_region: str
     bucket: str
     from_local_stack: bool = False
+    security: ServiceSecurity = ServiceSecurity()
 
     def public(self) -> dict:
         """Everything but the secrets."""
@@ -58,7 +116,7 @@ def resolve_services(cfg: ServicesConfig, local_stack: Optional[Services] = None
     configured = {"kafka_bootstrap": cfg.kafka_bootstrap, "redis_url": cfg.redis_url, "s3_endpoint": cfg.s3_endpoint}
     if all(configured.values()):
         return Services(cfg.kafka_bootstrap, cfg.redis_url, cfg.s3_endpoint, cfg.s3_access_key or "",
-                        cfg.s3_secret_key or "", cfg.s3_region, cfg.bucket)
+                        cfg.s3_secret_key or "", cfg.s3_region, cfg.bucket, security=ServiceSecurity.from_config(cfg))
     if local_stack is None:
         return None
     s, s3_from_config = local_stack, bool(cfg.s3_endpoint)
@@ -67,7 +125,8 @@ def resolve_services(cfg: ServicesConfig, local_stack: Optional[Services] = None
         (cfg.s3_access_key or "") if s3_from_config else s.s3_access_key,
         (cfg.s3_secret_key or "") if s3_from_config else s.s3_secret_key,
         cfg.s3_region if s3_from_config else s.s3_region,
-        cfg.bucket if s3_from_config else s.bucket, from_local_stack=True)
+        cfg.bucket if s3_from_config else s.bucket, from_local_stack=True,
+        security=ServiceSecurity.from_config(cfg))
 
 
 def require_services(cfg: ServicesConfig) -> Services:

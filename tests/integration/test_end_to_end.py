@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from heterorl.config_files import builtin_config
-from pipeline.config import ENV_OVERRIDES, load_config
+from pipeline.config import ENV_OVERRIDES, load_config, strip_password
 from tests.integration.test_local_stack import _gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -89,10 +89,10 @@ def _train_inspect_and_stop(tmp_path):
     assert status["policy_version"] == 4
     assert status["checkpoints"] == versions
     assert status["kafka_bootstrap"] == stack.kafka_bootstrap and status["s3_endpoint"] == stack.s3_endpoint
-    assert status["redis_url"] == stack.redis_url and status["bucket"] == stack.bucket
+    assert status["redis_url"] == strip_password(stack.redis_url) and status["bucket"] == stack.bucket
     assert status["samplers"] == {}  # the run's sampler released its lease
     assert sum(status["topic_end_offsets"].values()) >= summary["groups_consumed"]  # samplers may run ahead
-    assert stack.s3_secret_key not in status_proc.stdout
+    assert not any(secret in status_proc.stdout for secret in (stack.s3_secret_key, *stack.redis_passwords.values()))
 
     # env prints export lines that standard tools can use.
     env_lines = heterorl("env", "--data-dir", str(data)).stdout.splitlines()

@@ -148,7 +148,7 @@ def test_load_stack_and_env(local_stack: StackState) -> None:
         "HETERORL_S3_BUCKET": "heterorl",
     }
     assert env["KAFKA_BOOTSTRAP_SERVERS"].startswith("127.0.0.1:")
-    assert env["REDIS_URL"].startswith("redis://127.0.0.1:")
+    assert env["REDIS_URL"].startswith("redis://admin:") and "@127.0.0.1:" in env["REDIS_URL"]
     assert env["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,13 +14,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "infra" / "Dockerfile"
+SCRIPTS = ROOT / "infra" / "compose"  # mounted at /heterorl-compose
 
 INFRA = ("kafka", "redis", "minio")
 WORKERS = ("learner", "sampler")
-ONE_SHOT = ("createbuckets",)
+ONE_SHOT = ("createbuckets", "kafka-init")
 PRODUCT_ENV = ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "AWS_ENDPOINT_URL",
                "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|AUTH|ACCESS_KEY", re.I)
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|AUTH(?!ORIZER)|ACCESS_KEY", re.I)
 INTERPOLATION = re.compile(r"\$\{(?P<var>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
 
 
@@ -67,11 +70,19 @@ def test_long_running_services_have_healthchecks(services: dict) -> None:
         assert check["test"][0] in ("CMD", "CMD-SHELL"), name
 
 
+def _script(service: dict) -> str:
+    """The text of the infra/compose script a service runs as its entrypoint."""
+    entrypoint = [str(a) for a in service.get("entrypoint", [])]
+    assert entrypoint[0] == "sh" and entrypoint[1].startswith("/heterorl-compose/"), entrypoint
+    assert "./infra/compose:/heterorl-compose:ro" in service["volumes"]
+    return (SCRIPTS / entrypoint[1].removeprefix("/heterorl-compose/")).read_text()
+
+
 def test_one_shot_bucket_creation(services: dict) -> None:
     mc = services["createbuckets"]
     assert "minio/mc" in mc["image"]
     assert mc["depends_on"]["minio"]["condition"] == "service_healthy"
-    script = " ".join(_command(mc))
+    script = _script(mc)
     assert "mc mb" in script and "HETERORL_S3_BUCKET" in script
     assert mc.get("restart", "no") == "no"
 
@@ -81,7 +92,8 @@ def test_workers_wait_for_healthy_infrastructure(services: dict) -> None:
         deps = services[name]["depends_on"]
         for infra in INFRA:
             assert deps[infra]["condition"] == "service_healthy", (name, infra)
-        assert deps["createbuckets"]["condition"] == "service_completed_successfully"
+        for one_shot in ONE_SHOT:
+            assert deps[one_shot]["condition"] == "service_completed_successfully", (name, one_shot)
 
 
 def test_workers_built_from_infra_dockerfile(services: dict) -> None:
@@ -104,8 +116,14 @@ def test_workers_get_service_urls_from_env(services: dict) -> None:
         for key in PRODUCT_ENV:
             assert env.get(key), (name, key)
         assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
-        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
-        assert "@redis:6379" in env["REDIS_URL"] or "//redis:6379" in env["REDIS_URL"]
+        assert env["AWS_ENDPOINT_URL"] == "https://minio:9000"
+        # Each role logs in as itself, over TLS, on every server.
+        assert env["REDIS_URL"].startswith(f"rediss://{name}:") and "@redis:6379" in env["REDIS_URL"]
+        assert (env["KAFKA_SECURITY_PROTOCOL"], env["KAFKA_SASL_MECHANISM"]) == ("SASL_SSL", "SCRAM-SHA-512")
+        assert env["KAFKA_SASL_USERNAME"] == name and name.upper() in env["KAFKA_SASL_PASSWORD"]
+        assert name.upper() in env["AWS_ACCESS_KEY_ID"] and name.upper() in env["AWS_SECRET_ACCESS_KEY"]
+        assert env["KAFKA_SSL_CAFILE"] == env["REDIS_SSL_CA_CERTS"] == env["AWS_CA_BUNDLE"] == "/certs/ca.crt"
+        assert "${HETERORL_CERTS_DIR:-./certs}/client:/certs:ro" in services[name]["volumes"]
 
 
 def test_sampler_scales(services: dict) -> None:
@@ -121,7 +139,7 @@ def _secret_values(compose: dict):
     """(where, value) for every secret-looking env var, URL with credentials and flag."""
     for name, svc in compose["services"].items():
         for key, value in _env(svc).items():
-            if SECRET_NAME.search(key) or re.match(r"^\w+://[^/]*@", value):
+            if SECRET_NAME.search(key) or re.match(r"^\w+://[^/]*@", value) or "JAAS" in key:
                 yield f"{name}.{key}", value
         args = _command(svc)
         for flag, value in zip(args, args[1:]):
@@ -135,8 +153,10 @@ def test_no_secrets_other_than_marked_dev_defaults(compose: dict) -> None:
         seen += 1
         literal = INTERPOLATION.sub("", value)
         url = re.match(r"^\w+://([^/]*)@", literal)
-        if url:  # only the userinfo of a URL is secret
-            literal = url.group(1).strip(":")
+        if url:  # only the password in a URL's userinfo is secret
+            literal = url.group(1).partition(":")[2]
+        elif "LoginModule" in literal:  # a JAAS line: only its passwords are secret
+            literal = "".join(re.findall(r'(?:password|user_\w+)="([^"]*)"', literal))
         assert literal == "", f"{where} holds a literal credential; use ${{VAR:-dev-...}}"
         for match in INTERPOLATION.finditer(value):
             default = match.group("default")
@@ -168,3 +188,76 @@ def test_dockerfile_shape() -> None:
         matched = [s for s in sources if glob.glob(str(ROOT / s))]
         missing = [s for s in sources if s not in matched and not any(c in s for c in "*?[")]
         assert matched and not missing, f"COPY {line}: missing {missing or sources}"
+
+
+def test_kafka_requires_scram_over_tls_and_denies_by_default(services: dict) -> None:
+    env = _env(services["kafka"])
+    protocols = dict(item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    assert protocols == {"INTERNAL": "SASL_SSL", "EXTERNAL": "SASL_SSL", "BROKER": "SASL_SSL",
+                         "CONTROLLER": "SASL_PLAINTEXT"}  # the controller listener is never published
+    for listener in ("INTERNAL", "EXTERNAL"):
+        assert env[f"KAFKA_LISTENER_NAME_{listener}_SASL_ENABLED_MECHANISMS"] == "SCRAM-SHA-512"
+    assert env["KAFKA_SSL_KEYSTORE_TYPE"] == "PEM" and env["KAFKA_SSL_KEYSTORE_LOCATION"].startswith("/certs/")
+    assert env["KAFKA_AUTHORIZER_CLASS_NAME"].endswith("StandardAuthorizer")
+    assert env["KAFKA_SUPER_USERS"] == "User:admin" and env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
+    assert not any(port.endswith((":9093", ":9094")) for port in services["kafka"]["ports"])
+
+
+def test_kafka_init_lets_samplers_only_write_the_rollout_topic(services: dict) -> None:
+    init = services["kafka-init"]
+    assert init["depends_on"]["kafka"]["condition"] == "service_healthy"
+    script = _script(init)
+    assert 'TOPIC="$RUN.rollouts"' in script
+    sampler_acls = [line for line in script.splitlines() if "User:sampler" in line]
+    assert sampler_acls == ['acl --allow-principal User:sampler --operation Write --operation Describe --topic "$TOPIC"']
+    assert "SCRAM-SHA-512=[" in script and "scram_user sampler" in script and "scram_user learner" in script
+
+
+def test_redis_speaks_tls_only_with_the_local_stack_s_acl_rules(services: dict) -> None:
+    from infra.local_stack import redis_acl_rules
+
+    redis = services["redis"]
+    script = _script(redis)
+    assert "--port 0 --tls-port 6379" in script and "user default off" in script
+    assert "--user admin" in " ".join(redis["healthcheck"]["test"]) and "--tls" in " ".join(redis["healthcheck"]["test"])
+    # The rules, with the shell variables expanded, are the local stack's for Redis >= 7.
+    variables = dict(re.findall(r'^([A-Z_]+)="(.*?)"$', script.replace("\\\n", ""), re.M | re.S))
+    for role in ("admin", "learner", "sampler"):
+        line = next(ln for ln in script.splitlines() if ln.startswith(f"user {role} on "))
+        rules = re.sub(r"\$([A-Z_]+)", lambda m: variables[m.group(1)], line.split(")", 1)[1].strip())
+        assert rules.split() == redis_acl_rules(role, (7, 4)).split(), role
+
+
+def test_minio_serves_tls_and_gives_samplers_read_only_access(services: dict) -> None:
+    assert services["minio"]["command"][-2:] == ["--certs-dir", "/certs"]
+    script = _script(services["createbuckets"])
+    sampler_policy = script.split("/tmp/sampler.json <<JSON", 1)[1].split("JSON", 1)[0]
+    assert '"s3:GetObject"' in sampler_policy and "PutObject" not in sampler_policy and "Delete" not in sampler_policy
+    learner_policy = script.split("/tmp/learner.json <<JSON", 1)[1].split("JSON", 1)[0]
+    assert all(f'"s3:{a}"' in learner_policy for a in ("GetObject", "PutObject", "DeleteObject"))
+    assert "role sampler" in script and "role learner" in script
+
+
+def test_compose_scripts_parse() -> None:
+    for script in [*SCRIPTS.glob("*.sh"), ROOT / "infra" / "make_certs.sh"]:
+        assert subprocess.run(["sh", "-n", str(script)]).returncode == 0, script
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_make_certs_issues_what_compose_mounts(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    subprocess.run(["sh", str(ROOT / "infra" / "make_certs.sh"), str(out), "sampler-host.example"], check=True,
+                   capture_output=True)
+    for path in ("ca.crt", "client/ca.crt", "kafka/server.pem", "kafka/ca.crt", "redis/redis.crt", "redis/redis.key",
+                 "redis/ca.crt", "minio/public.crt", "minio/private.key", "minio/CAs/ca.crt"):
+        assert (out / path).is_file(), path
+    assert (out / "ca.key").stat().st_mode & 0o777 == 0o600
+    pem = (out / "kafka" / "server.pem").read_text()
+    assert pem.startswith("-----BEGIN PRIVATE KEY-----") and "BEGIN CERTIFICATE" in pem  # PKCS#8 + cert
+    for cert in ("kafka/server.pem", "redis/redis.crt", "minio/public.crt"):
+        verify = subprocess.run(["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / cert)],
+                                capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stderr
+    names = subprocess.run(["openssl", "x509", "-in", str(out / "redis" / "redis.crt"), "-noout", "-ext",
+                            "subjectAltName"], capture_output=True, text=True).stdout
+    assert "DNS:redis" in names and "DNS:sampler-host.example" in names
