@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.checkpoints import CheckpointNotFound
+from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.metrics import MetricsWriter, read_metrics
@@ -48,6 +48,7 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     work_dir = run_dir / ".evaluator"
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    refused: set[str] = set()
     done = {int(r["policy_version"]) for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
     log.info("evaluator for run %s on %s: every %s versions, %s problems x %d samples", cfg.run.name,
              resolve_device(cfg.model.device), cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size,
@@ -55,12 +56,16 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     try:
         while not stopping:
             version, manifest_key = handles.state.policy()
-            if version is None or not _due(version, done, cfg):
+            if version is None or not _due(version, done, cfg) or manifest_key in refused:
                 time.sleep(poll_s)
                 continue
             try:
                 result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task)
             except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
+                continue
+            except CorruptCheckpointError as e:  # altered, or not the learner's: never scored
+                refused.add(manifest_key)
+                log.error("%s; not scoring v%d", e, version)
                 continue
             metrics.write("eval", version, {"policy_version": version, **result})
             done.add(version)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from collections import Counter
 import os
 import shutil
 import signal
@@ -43,35 +44,41 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+import redis
 import torch
 from kafka.errors import KafkaError
 
 from consumers.recorder import StepRecorder
-from pipeline.admission import Admission, PendingGroup, RolloutLimits, Verdicts
+from consumers.screening import GroupScreen, PastPolicies
+from pipeline.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
 from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
 from pipeline.learner_state import load_learner_state, save_learner_state, save_weights
 from pipeline.metrics import MetricsWriter
-from pipeline.model import load_policy, tokenizer_fingerprint
+from pipeline.model import generation_eos_ids, load_policy, tokenizer_fingerprint
 from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.retry import retry_call
-from pipeline.rollout import decode_rollout, encode_rollout
-from pipeline.runtime import connect_run, resolve_base_model, setup_logging, touch_heartbeat_file
+from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
+from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
+                              touch_heartbeat_file)
+from pipeline.signing import SignatureError
+from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy
 from pipeline.services import free_port
 from pipeline.update import optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
 
 
-def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int) -> set[str]:
+def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
     """Rollout ids the update log records as judged by steps <= `up_to_step`.
 
     A resumed learner starts with these, so a copy that reaches the log after the
     checkpoint is still recognised as a duplicate.
     """
-    entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0) or []
+    entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0, security=security) or []
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
@@ -139,6 +146,7 @@ class Learner:
             while self.version < self.lcfg.max_steps:
                 records = self.source.poll(self.lcfg.poll_timeout_s)
                 touch_heartbeat_file()
+                self.refresh_registry()
                 if records:
                     self.take(records)
                 elif self.drain_due():
@@ -163,17 +171,22 @@ class Learner:
         torch.manual_seed(self.cfg.run.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _write_once(self.run_dir / "config.yaml", dump_config(self.cfg))
+        self.keys = key_paths(self.cfg)
         self.handles = connect_run(self.cfg)
+        if self.cfg.security.require_signatures or self.keys.learner_key.exists():
+            self.handles.store.signer = load_learner_key(self.keys)  # signs manifests and the policy pointer
         self.state, self.bootstrap = self.handles.state, self.handles.services.kafka_bootstrap
         retention = self.cfg.run.topic_retention_ms
-        ensure_topic(self.bootstrap, self.topic, self.cfg.run.topic_partitions, retention_ms=retention)
-        ensure_topic(self.bootstrap, updates_topic(self.topic), 1, retention_ms=retention)
-        ensure_topic(self.bootstrap, dead_letter_topic(self.topic), 1, retention_ms=retention)
+        self.kafka_security = self.handles.services.security
+        for topic, partitions in ((self.topic, self.cfg.run.topic_partitions), (updates_topic(self.topic), 1),
+                                  (dead_letter_topic(self.topic), 1)):
+            ensure_topic(self.bootstrap, topic, partitions, retention_ms=retention, security=self.kafka_security)
         self.state.register_run(self.topic)
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
         self.link = open_rank_link(self.device, self.ranks, self.lcfg)
         self._load_policy()
         self._open_logs()
+        self._open_trust()
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
         self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
                       "on %s, %s, ZeRO stage %d", self.bootstrap, self.topic, self.lcfg.loss_type,
@@ -199,21 +212,25 @@ class Learner:
         self.limits = RolloutLimits(
             vocab_size=model.get_input_embeddings().num_embeddings, temperature=self.cfg.sampler.temperature,
             max_new_tokens=self.cfg.sampler.max_new_tokens,
-            max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+            max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
+            eos_ids=tuple(generation_eos_ids(model_dir, self.tokenizer)))
         if base_model is not None:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.
-            self.state.publish_policy(0, self.handles.store.publish(0, base_model, extra={"offsets": {}, "step": 0}))
+            self.state.publish_policy(0, self.handles.store.publish(0, base_model, extra={"offsets": {}, "step": 0}),
+                                      signer=self.handles.store.signer)
             self.log.info("published base model %s as policy v0", base_model)
         self.start_version = self.saved_version = self.version
-        self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets)
+        self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets, security=self.kafka_security)
         self.next_offsets = self.source.positions()
 
     def _open_logs(self) -> None:
         self.publisher = BackgroundPublisher(self.handles.store, self.state, self.lcfg.keep_checkpoints)
-        self.update_log = RolloutSink(self.bootstrap, updates_topic(self.topic))
-        self.dead_letters = RolloutSink(self.bootstrap, dead_letter_topic(self.topic))
-        judged = judged_rollout_ids(self.bootstrap, self.topic, self.version) if self.version > 0 else set()
+        self.publisher.last_version = self.version
+        self.update_log = RolloutSink(self.bootstrap, updates_topic(self.topic), security=self.kafka_security)
+        self.dead_letters = RolloutSink(self.bootstrap, dead_letter_topic(self.topic), security=self.kafka_security)
+        judged = (judged_rollout_ids(self.bootstrap, self.topic, self.version, self.kafka_security)
+                  if self.version > 0 else set())
         attempt = uuid.uuid4().hex[:12]
         # Steps logged after the checkpoint we start from were lost with the learner that made them.
         self.publish_entry(rewind_entry(self.version, self.lcfg.loss_type, attempt, self.topic))
@@ -223,6 +240,50 @@ class Learner:
                                      topic=self.topic, vocab_size=self.limits.vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer), attempt=attempt,
                                      publish=self.send_entry)
+
+    def _open_trust(self) -> None:
+        """The signature check (with the root-signed key registry), the strike policy (with the
+        quarantines already recorded) and the content checks."""
+        sec = self.cfg.security
+        self.root_public = load_root_public(self.keys) if sec.require_signatures else None
+        self.verifier = RolloutVerifier(self.cfg.run.name, None, sec.require_signatures)
+        self.strikes = StrikePolicy(sec.strikes_to_quarantine, [
+            Quarantine(k, q.get("sampler_id", ""), q.get("reason", ""), float(q.get("at", 0)), q.get("strikes", []))
+            for k, q in self.state.quarantines().items()])
+        self.groups_by_key: Counter = Counter()
+        self.fresh_by_key: Counter = Counter()
+        """Signed messages read per key, and those of staleness 0 (a quarantine records how many it took)."""
+        self.registry_read_at = -float("inf")
+        self.refresh_registry()
+        ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
+        self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
+                                  (lambda: None) if ranks_share_weights else (lambda: self.engine.module),
+                                  PastPolicies(self.handles.store, self.work_dir))
+
+    def refresh_registry(self) -> None:
+        """Re-read the signed key registry every `security.registry_refresh_s`: a revoked key's
+        groups waiting in the batch are dropped, its later messages rejected."""
+        if self.root_public is None or time.monotonic() - self.registry_read_at < self.cfg.security.registry_refresh_s:
+            return
+        self.registry_read_at = time.monotonic()
+        try:
+            registry = read_registry(self.state.client, self.cfg.run.name, self.root_public)
+        except SignatureError as e:
+            self.log.error("ignoring the key registry in Redis: %s; keeping the last valid one", e.reason)
+            return
+        except redis.RedisError as e:
+            self.log.warning("could not read the key registry (%s); keeping the last one", type(e).__name__)
+            return
+        old = self.verifier.registry
+        if old is not None and registry.serial < old.serial:
+            self.log.error("ignoring an older key registry (serial %d < %d): a rollback", registry.serial, old.serial)
+            return
+        self.verifier.registry = registry
+        revoked = {k for k, e in registry.keys.items() if e.status == "revoked"}
+        if old is not None and revoked - {k for k, e in old.keys.items() if e.status == "revoked"}:
+            n = self.admission.withdraw(lambda g: g.rollout.key_id not in revoked, lambda g: "revoked_key")
+            self.log.warning("key(s) %s revoked: %d of their groups dropped from the batch",
+                             ", ".join(sorted(revoked)), n)
 
     # ---- admit ----------------------------------------------------------------------
     def take(self, records: list[RawRecord]) -> None:
@@ -243,18 +304,71 @@ class Learner:
                 break
 
     def admit(self, record: RawRecord) -> None:
-        admitted = self.admission.admit_message(record.partition, record.offset, record.value, self.version,
-                                                time.time())
-        where = f"{self.topic}[{record.partition}]@{record.offset}"
+        """Check the seal, then admit; a kept group's content is checked before it may be used."""
+        self.refresh_registry()
+        now, where = time.time(), f"{self.topic}[{record.partition}]@{record.offset}"
+        try:
+            rollout = self.verifier.check(record.value, now)
+        except RolloutDecodeError:
+            admitted = self.admission.admit_message(record.partition, record.offset, record.value, self.version, now)
+        except Rejected as e:
+            admitted = self.admission.reject(record.partition, record.offset, e.code, e.reason)
+            if e.attributable:
+                self.strike(e.key_id, e.sampler_id, e.code, e.reason)
+            self.dead_letter(record, f"rejected: {e.reason}", where)
+            return
+        else:
+            admitted = self.admit_signed(rollout, record, now)
         if admitted.verdict == "malformed":
-            self.send_retrying(self.dead_letters, record.value, headers=[
-                ("reason", admitted.reason.encode()), ("source_topic", self.topic.encode()),
-                ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
-                *[(k, v) for k, v in record.headers if k != "reason"]])
-            self.log.warning("dead-lettered malformed message at %s to %s: %s", where,
-                             dead_letter_topic(self.topic), admitted.reason)
+            self.dead_letter(record, admitted.reason, where)
         elif admitted.verdict == "duplicate":
             self.log.warning("ignoring a second copy of rollout %s at %s", admitted.rollout.rollout_id, where)
+
+    def admit_signed(self, rollout: Rollout, record: RawRecord, now: float) -> Admitted:
+        """Admission of a group whose seal holds (or that needs none), then its content checks."""
+        key_id = rollout.key_id
+        self.groups_by_key[key_id] += 1
+        self.fresh_by_key[key_id] += rollout.policy_version == self.version
+        if self.strikes.is_quarantined(key_id):
+            return self.admission.refuse(rollout, record.partition, record.offset, self.version, "quarantined")
+        if rollout.policy_version > self.version:
+            self.strike(key_id, rollout.sampler_id, "future_version",
+                        f"claims policy v{rollout.policy_version}, the learner is at v{self.version}")
+        admitted = self.admission.admit_rollout(rollout, record.partition, record.offset, self.version, now)
+        if admitted.verdict == "malformed":
+            self.strike(key_id, rollout.sampler_id, "invalid", admitted.reason)
+        elif admitted.verdict == "kept":
+            failures = self.screen.check(rollout, self.version - rollout.policy_version)
+            if failures:
+                self.admission.withdraw(lambda g: g.rollout.rollout_id != rollout.rollout_id,
+                                        lambda g: f"failed_check:{failures[0][0]}")
+                for kind, detail in failures:
+                    self.strike(key_id, rollout.sampler_id, kind, detail)
+        return admitted
+
+    def strike(self, key_id: str, sampler_id: str, kind: str, detail: str) -> None:
+        """A failure of a key's data; at the strike policy's limit the key is quarantined, its
+        groups in the batch dropped (counted) and the verdict recorded in Redis for status."""
+        if not key_id or self.strikes.is_quarantined(key_id):
+            return
+        quarantine = self.strikes.strike(key_id, sampler_id, kind, detail, time.time())
+        self.log.warning("strike against sampler %s (key %s): %s: %s", sampler_id, key_id, kind, detail)
+        if quarantine is None:
+            return
+        dropped = self.admission.withdraw(lambda g: g.rollout.key_id != key_id, lambda g: "quarantined")
+        self.state.record_quarantine(key_id, {**asdict(quarantine), "dropped_in_flight": dropped,
+                                              "groups_seen": self.groups_by_key[key_id],
+                                              "fresh_groups_seen": self.fresh_by_key[key_id],
+                                              "learner_version": self.version})
+        self.log.error("quarantined sampler %s (key %s): %s; %d of its groups dropped from the batch", sampler_id,
+                       key_id, quarantine.reason, dropped)
+
+    def dead_letter(self, record: RawRecord, reason: str, where: str) -> None:
+        self.send_retrying(self.dead_letters, record.value, headers=[
+            ("reason", reason.encode()), ("source_topic", self.topic.encode()),
+            ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
+            *[(k, v) for k, v in record.headers if k != "reason"]])
+        self.log.warning("dead-lettered message at %s to %s: %s", where, dead_letter_topic(self.topic), reason)
 
     # ---- train a batch --------------------------------------------------------------
     def train(self, batch: list[PendingGroup]) -> None:
@@ -354,7 +468,9 @@ class Learner:
         summary = {"final_policy_version": self.version, "start_policy_version": self.start_version,
                    "final_checkpoint": self.handles.store.uri(self.version), "rollout_topic": self.topic,
                    "offsets": {str(p): o for p, o in self.next_offsets.items()},
-                   **self.admission.counters.as_dict()}
+                   **self.admission.counters.as_dict(),
+                   "checks": self.screen.summary(),
+                   "quarantined": {k: asdict(q) for k, q in self.strikes.quarantined.items()}}
         (self.run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=2))
         self.log.info("done: policy v%d at %s", self.version, summary["final_checkpoint"])
 

@@ -31,6 +31,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
@@ -38,10 +39,11 @@ from pipeline.audit import audit_topic
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
+from pipeline.keyring import init_keys, key_paths
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.runtime import (evaluate_checkpoint, evaluate_published, make_task_from_config, resolve_base_model,
                               setup_logging)
-from pipeline.services import Services, free_port
+from pipeline.services import LOOPBACK, Services, free_port
 
 SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
 """Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""
@@ -88,12 +90,18 @@ class ChaosRun:
         ], seed=cfg.run.seed).start()
         self.stack = start_stack(self.data_dir, kafka_port=ports["kafka"], redis_port=ports["redis"],
                                  s3_port=ports["s3"], kafka_advertised=self.proxy.address("kafka"))
+        init_keys(key_paths(cfg))
+        self.admin_redis = connect_redis(self.stack.redis_url)
+        self.sampler_ids: set[str] = set()
         self.sampler_spec = FaultSpec(**SAMPLER_LINK_FAULTS)
         self.proxy.set_spec(self.sampler_spec, routes=["redis", "s3"])
         self.faults: dict[str, int] = {}
-        self.procs = Processes(out, child_env(self._services(redis=self.stack.redis_url, s3=self.stack.s3_endpoint)))
-        self.sampler_env = child_env(self._services(redis=f"redis://{self.proxy.address('redis')}/0",
-                                                    s3=f"http://{self.proxy.address('s3')}"))
+        self.procs = Processes(out, child_env(self._services(redis=stack_services(self.stack, "learner").redis_url,
+                                                             s3=self.stack.s3_endpoint)))
+        sampler_redis = stack_services(self.stack, "sampler").redis_url  # the sampler's own Redis user
+        self.sampler_env = child_env(self._services(
+            redis=sampler_redis.replace(f"{LOOPBACK}:{self.stack.port('redis')}", self.proxy.address("redis")),
+            s3=f"http://{self.proxy.address('s3')}"))
         self.config_path = out / "config.yaml"
         self.config_path.write_text(dump_config(cfg))
         self.slots = list(range(samplers))  # sampler slots alive; each has a stable spool
@@ -118,8 +126,11 @@ class ChaosRun:
         self.incarnation[slot] = n
         name = f"sampler-{slot}"
         spool = self.data_dir / "spool" / f"slot{slot}"
+        sampler_id = f"{self.cfg.run.name}-s{slot}-r{n}"
+        provision_local(self.cfg, self.admin_redis, [sampler_id])
+        self.sampler_ids.add(sampler_id)
         self.procs.start(name, ["sampler", "--config", str(self.config_path), "--id",
-                                f"{self.cfg.run.name}-s{slot}-r{n}", "--set", f"sampler.spool_dir={spool}"],
+                                sampler_id, "--set", f"sampler.spool_dir={spool}"],
                          env=self.sampler_env)
 
     def sampler_alive(self, slot: int) -> bool:
@@ -240,7 +251,8 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         manifest = store.read_manifest(manifest_key)
         after = evaluate_published(cfg, store, manifest_key, out / "final_policy", task)
         reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
-        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, manifest.extra, reports)
+        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, manifest.extra, reports,
+                            honest_sampler_ids=run.sampler_ids)
         proxy_stats = run.proxy.stats()
         audit = {
             "run": run_name, "minutes": minutes, "samplers": samplers, "seed": cfg.run.seed,
@@ -255,12 +267,14 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
             "schedule": [asdict(e) for e in schedule],
         }
         (out / "audit.json").write_text(json.dumps(audit, indent=2))
-        ok = audit["lost"] == 0 and audit["used_twice"] == 0 and audit["unaccounted_count"] == 0
+        ok = (audit["lost"] == 0 and audit["used_twice"] == 0 and audit["unaccounted_count"] == 0
+              and audit["forged_used_in_updates"] == 0)
         print(f"\nchaos {run_name}: {sum(run.faults.values())} scheduled faults {run.faults}, "
               f"{audit['faults']['connection_resets']} connection resets; produced {audit['produced']}, "
               f"used {audit['used_in_updates']}, dropped {audit['dropped_stale']}, dead-lettered "
               f"{audit['dead_lettered']}, duplicates {audit['duplicates_ignored']}, pending {audit['pending_at_end']}"
-              f" -> lost {audit['lost']}, used twice {audit['used_twice']}; policy v{version}; held-out accuracy "
+              f" -> lost {audit['lost']}, used twice {audit['used_twice']}, forged used "
+              f"{audit['forged_used_in_updates']}; policy v{version}; held-out accuracy "
               f"{before['accuracy_sampled']:.3f} -> {after['accuracy_sampled']:.3f}\naudit: {out}/audit.json")
         return 0 if ok else 1
     finally:

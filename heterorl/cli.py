@@ -18,7 +18,7 @@ from pathlib import Path
 
 from heterorl.config_files import builtin_configs, config_path
 from heterorl.processes import RunFailed
-from pipeline.config import ConfigError, HeteroConfig, load_config
+from pipeline.config import ConfigError, HeteroConfig, load_config, strip_password
 from pipeline.errors import UserError
 
 DEFAULT_DATA_DIR = ".heterorl"
@@ -28,12 +28,14 @@ examples:
   heterorl train --config demo                       # the whole loop on a local stack
   heterorl up && eval "$(heterorl env)"              # start servers, point kcat/redis-cli/aws at them
   heterorl learner --config demo --out runs/x
-  heterorl sampler --config demo                     # start as many as you like, anywhere
+  heterorl keys init && heterorl keys add my-gpu-box # signing keys (docs/security.md)
+  heterorl sampler --config demo --id my-gpu-box     # start as many as you like, anywhere
   heterorl status --json
   heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
   heterorl export --topic demo.rollouts --out demo.parquet
   heterorl compare runs/demo runs/gspo
   heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
+  heterorl attack --config demo --minutes 3 --out runs/attack # adversaries + attack_audit.json
   heterorl down                                      # data is kept; --wipe deletes it
 """
 
@@ -51,9 +53,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help=f"local stack directory (default: services.data_dir, i.e. {DEFAULT_DATA_DIR}/)")
 
 
-def _load(args, local_stack: bool = True) -> HeteroConfig:
+def _load(args, local_stack: bool = True, role: str = "admin") -> HeteroConfig:
     """The command's config; with `local_stack`, servers not configured are taken from the
-    local stack running in the data dir (if any)."""
+    local stack running in the data dir (if any), Redis as the stack's user `role`."""
     overrides = list(args.overrides)
     if getattr(args, "data_dir", None):
         overrides.append(f"services.data_dir={args.data_dir}")
@@ -61,7 +63,7 @@ def _load(args, local_stack: bool = True) -> HeteroConfig:
     if local_stack:
         from heterorl.stack import with_local_stack
 
-        cfg = with_local_stack(cfg)
+        cfg = with_local_stack(cfg, role)
     return cfg
 
 
@@ -105,9 +107,51 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and boto3 talk to the local servers.")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
 
+    p = sub.add_parser("keys", help="signing keys: init the run's root/learner keys, add/revoke/list sampler keys",
+                       description="Samplers sign every rollout with their own Ed25519 key; the learner accepts "
+                                   "only keys in the run's registry, which the root key signs and Redis holds. "
+                                   "See docs/security.md.")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = actions.add_parser("init", help="make the root and learner keys (in security.keys_dir) if missing")
+    _add_config_args(q)
+    q = actions.add_parser("add", help="register a sampler key (a new key pair, or --public-key)")
+    _add_config_args(q)
+    q.add_argument("sampler_id", metavar="SAMPLER_ID", help="the id the sampler runs with (`heterorl sampler --id`)")
+    q.add_argument("--public-key", metavar="BASE64", help="register this public key instead of making a key pair")
+    q.add_argument("--out", metavar="FILE", help="where to write the new private key "
+                                                 "(default: <keys_dir>/samplers/<SAMPLER_ID>.key)")
+    q.add_argument("--days", type=float, metavar="N", help="lifetime (default: security.key_lifetime_days)")
+    q = actions.add_parser("revoke", help="revoke a key (by key id, or every key of a sampler id)")
+    _add_config_args(q)
+    q.add_argument("name", metavar="KEY_ID|SAMPLER_ID")
+    q = actions.add_parser("list", help="the run's registered sampler keys and their status")
+    _add_config_args(q)
+
+    p = sub.add_parser("attack", help="train with honest samplers plus one adversary of each kind, then audit",
+                       description="Runs a training run on a local stack of its own (OUT/data) with honest "
+                                   "samplers and adversaries: forged rewards, noisy log-probs, another model, a "
+                                   "false policy version, bad or missing signatures, replayed messages and a "
+                                   "tampered checkpoint in S3. Writes OUT/attack_audit.json; exit 1 if a target "
+                                   "is missed. See docs/security.md.")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="where the audit, logs and the run's data go")
+    p.add_argument("--minutes", type=float, default=3.0, help="how long to train before draining (default 3)")
+    p.add_argument("--samplers", type=int, default=2, help="honest samplers (default 2)")
+
+    p = sub.add_parser("adversary", help="run one adversarial sampler (what `heterorl attack` starts)",
+                       description="A sampler with a registered key that lies in one way: " +
+                                   ", ".join(("forged_rewards", "noisy_logprobs", "other_model", "false_version",
+                                              "bad_signature")) + ". For testing the learner's defences only.")
+    p.add_argument("kind", choices=("forged_rewards", "noisy_logprobs", "other_model", "false_version",
+                                    "bad_signature"), help="what it does wrong")
+    _add_config_args(p)
+    p.add_argument("--id", dest="sampler_id", required=True, metavar="ID", help="sampler id (its key must be registered)")
+
     p = sub.add_parser("sampler", help="run one sampler (generate rollouts, publish to Kafka)")
     _add_config_args(p)
     p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
+    p.add_argument("--key", metavar="FILE", help="its signing key file (default: security.sampler_key, else "
+                                                 "<keys_dir>/samplers/<ID>.key; $HETERORL_SAMPLER_KEY wins)")
 
     p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)",
                        description="One learner process, or learner.num_processes of them: started without a "
@@ -224,11 +268,11 @@ def _cmd_up(args) -> int:
     existing = load_stack(args.data_dir)
     if existing is not None:
         print(f"local stack already running in {args.data_dir}/ (kafka {existing.kafka_bootstrap}, "
-              f"redis {existing.redis_url}, s3 {existing.s3_endpoint})")
+              f"redis {strip_password(existing.redis_url)}, s3 {existing.s3_endpoint})")
         return 0
     state = start_stack(args.data_dir, kafka_port=args.kafka_port, redis_port=args.redis_port, s3_port=args.s3_port,
                         external_kafka=args.external_kafka)
-    print(f"local stack up in {args.data_dir}/: kafka {state.kafka_bootstrap}, redis {state.redis_url}, "
+    print(f"local stack up in {args.data_dir}/: kafka {state.kafka_bootstrap}, redis {strip_password(state.redis_url)}, "
           f"s3 {state.s3_endpoint} (bucket {state.bucket})")
     print(f'point tools at it with: eval "$(heterorl env --data-dir {args.data_dir})"')
     return 0
@@ -264,16 +308,46 @@ def _cmd_status(args) -> int:
     return 0
 
 
+def _cmd_keys(args) -> int:
+    from heterorl import keys
+
+    if args.action == "init":
+        lines = keys.keys_init(_load(args, local_stack=False))
+    elif args.action == "add":
+        lines = keys.keys_add(_load(args), args.sampler_id, public_key=args.public_key,
+                              out=Path(args.out) if args.out else None, lifetime_days=args.days)
+    elif args.action == "revoke":
+        lines = keys.keys_revoke(_load(args), args.name)
+    else:
+        lines = keys.keys_list(_load(args))
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_attack(args) -> int:
+    from heterorl.attack import run_attack
+
+    return run_attack(_load(args, local_stack=False), Path(args.out), args.minutes, args.samplers)
+
+
+def _cmd_adversary(args) -> int:
+    from heterorl.adversaries import run_adversary
+
+    return run_adversary(args.kind, _load(args, role="sampler"), args.sampler_id)
+
+
 def _cmd_sampler(args) -> int:
     from producers.sampler import run_sampler
 
-    return run_sampler(_load(args), sampler_id=args.sampler_id)
+    if args.key:
+        args.overrides.append(f"security.sampler_key={args.key}")
+    return run_sampler(_load(args, role="sampler"), sampler_id=args.sampler_id)
 
 
 def _cmd_learner(args) -> int:
     from consumers.learner import run_learner
 
-    return run_learner(_load(args), Path(args.out) if args.out else None)
+    return run_learner(_load(args, role="learner"), Path(args.out) if args.out else None)
 
 
 def _cmd_evaluator(args) -> int:
@@ -356,7 +430,7 @@ def _cmd_train(args) -> int:
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
             "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
-            "chaos": _cmd_chaos}
+            "chaos": _cmd_chaos, "keys": _cmd_keys, "attack": _cmd_attack, "adversary": _cmd_adversary}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from dataclasses import replace
 from typing import Iterator, Optional
 
 from infra.local_stack import load_stack, stack_services, start_stack, stop_stack
@@ -21,15 +22,16 @@ from pipeline.services import Services, resolve_services
 log = logging.getLogger(__name__)
 
 
-def local_stack_services(data_dir: str) -> Optional[Services]:
-    """The servers of the local stack running in `data_dir`, if any."""
+def local_stack_services(data_dir: str, role: str = "admin") -> Optional[Services]:
+    """The servers of the local stack running in `data_dir`, if any, as its Redis user `role`
+    (`admin`, `learner` or `sampler`; infra.local_stack.REDIS_ROLES)."""
     state = load_stack(data_dir)
-    return None if state is None else stack_services(state)
+    return None if state is None else stack_services(state, role)
 
 
-def resolved_services(cfg: HeteroConfig) -> Optional[Services]:
+def resolved_services(cfg: HeteroConfig, role: str = "admin") -> Optional[Services]:
     """The configured servers, completed by a running local stack; None if neither suffices."""
-    return resolve_services(cfg.services, local_stack_services(cfg.services.data_dir))
+    return resolve_services(cfg.services, local_stack_services(cfg.services.data_dir, role))
 
 
 def with_services(cfg: HeteroConfig, services: Services) -> HeteroConfig:
@@ -44,10 +46,10 @@ def with_services(cfg: HeteroConfig, services: Services) -> HeteroConfig:
     return cfg.model_copy(update={"services": filled})
 
 
-def with_local_stack(cfg: HeteroConfig) -> HeteroConfig:
-    """`cfg` completed by the local stack running in its data dir; unchanged if there is none
-    (the role then names the missing servers in its one-line error)."""
-    services = resolved_services(cfg)
+def with_local_stack(cfg: HeteroConfig, role: str = "admin") -> HeteroConfig:
+    """`cfg` completed by the local stack running in its data dir (Redis as user `role`);
+    unchanged if there is none (the role then names the missing servers in its one-line error)."""
+    services = resolved_services(cfg, role)
     return cfg if services is None else with_services(cfg, services)
 
 
@@ -72,3 +74,12 @@ def services_for_run(cfg: HeteroConfig, keep: bool = False) -> Iterator[tuple[He
         elif started:
             print(f"local stack left running in {cfg.services.data_dir}/ (`heterorl status --json`, "
                   f"`heterorl down`)", file=sys.stderr)
+
+
+def as_role(services: Services, data_dir: str, role: str) -> Services:
+    """`services` for a process of `role`: if its Redis is the admin user of the local stack in
+    `data_dir`, that stack's `role` user instead (least privilege); otherwise unchanged."""
+    state = load_stack(data_dir)
+    if state is None or services.redis_url != stack_services(state).redis_url:
+        return services
+    return replace(services, redis_url=stack_services(state, role).redis_url)

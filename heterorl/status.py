@@ -19,11 +19,12 @@ RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are li
 def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     cfg = load_config(None, [f"services.data_dir={data_dir}"])
     services = resolved_services(cfg) or require_services(cfg.services)  # the latter names what is missing
-    redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s)
+    redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s,
+                                 security=services.security)
     run = run or latest_run(redis_client)
     status = {**services.public(), "local_stack": services.from_local_stack, "run": run,
               "rollout_topic": None, "policy_version": None, "checkpoints": [], "samplers": {},
-              "expired_samplers": {}, "claims": {}, "learner": {}, "topic_end_offsets": {}}
+              "expired_samplers": {}, "claims": {}, "learner": {}, "topic_end_offsets": {}, "quarantined": {}}
     if run is None:
         return status
     state = RunState(redis_client, run)
@@ -35,7 +36,8 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     status["expired_samplers"] = state.expired_samplers(within_s=RECENTLY_GONE_S)
     status["claims"] = state.claim_stats()
     status["learner"] = state.learner_progress()
-    status["topic_end_offsets"] = end_offsets(services.kafka_bootstrap, status["rollout_topic"])
+    status["quarantined"] = state.quarantines()
+    status["topic_end_offsets"] = end_offsets(services.kafka_bootstrap, status["rollout_topic"], security=services.security)
     return status
 
 
@@ -55,6 +57,7 @@ def format_status(s: dict) -> str:
         lines.append(f"learner    step {learner.get('step')} used {learner.get('groups_used')} "
                      f"dropped {learner.get('groups_dropped')} malformed {learner.get('malformed')}")
     lines += _sampler_lines(s)
+    lines += _quarantine_lines(s.get("quarantined") or {})
     if s.get("claims"):
         lines.append(_claims_line(s["claims"]))
     return "\n".join(lines)
@@ -77,6 +80,17 @@ def _sampler_lines(s: dict, now: Optional[float] = None) -> list[str]:
         lines.append(f"  {sid}: gone {_ago(now, info.get('ended_at'))} ({_how_ended(info)}; last heartbeat "
                      f"{_ago(now, info.get('last_heartbeat_at'))}) v{info.get('policy_version')} "
                      f"groups {info.get('groups')} on {info.get('host')}")
+    return lines
+
+
+def _quarantine_lines(quarantined: dict) -> list[str]:
+    """Sampler keys the learner stopped trusting, and why (pipeline.trust.StrikePolicy)."""
+    if not quarantined:
+        return []
+    lines = [f"quarantined {len(quarantined)} sampler key(s): their rollouts are not used"]
+    for key_id, q in sorted(quarantined.items(), key=lambda item: item[1].get("at", 0)):
+        lines.append(f"  {q.get('sampler_id')} (key {key_id}): {q.get('reason')}; after {q.get('groups_seen')} "
+                     f"of its groups, {q.get('dropped_in_flight')} in-flight dropped")
     return lines
 
 

@@ -25,11 +25,13 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from heterorl.keys import provision_local
 from heterorl.processes import Processes, RunFailed, child_env
 from heterorl.report import plot_run
-from heterorl.stack import services_for_run
+from heterorl.stack import as_role, services_for_run
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.generation import check_backend_available
+from pipeline.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
@@ -79,7 +81,10 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     run_dir.mkdir(parents=True, exist_ok=True)
 
     with services_for_run(cfg, keep=keep_stack) as (cfg, services, started_stack):
+        init_keys(key_paths(cfg))  # the learner's key signs, samplers pin its public half
         handles = connect_run(cfg)
+        sampler_ids = [f"{run_name}-s{i}" for i in range(cfg.train.num_samplers)]
+        provision_local(cfg, handles.state.client, sampler_ids)
         t0 = time.time()
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
@@ -93,11 +98,14 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         child_config = run_dir / "config.yaml"
         child_config.write_text(dump_config(cfg))
         procs = Processes(run_dir, child_env(services))
+        data_dir = cfg.services.data_dir
         try:
-            common = ["--config", str(child_config), "--data-dir", cfg.services.data_dir]
-            procs.start("learner", ["learner", *common, "--out", str(run_dir)])
-            for i in range(cfg.train.num_samplers):
-                procs.start(f"sampler-{i}", ["sampler", *common, "--id", f"{run_name}-s{i}"])
+            common = ["--config", str(child_config), "--data-dir", data_dir]
+            procs.start("learner", ["learner", *common, "--out", str(run_dir)],
+                        env=child_env(as_role(services, data_dir, "learner")))
+            sampler_env = child_env(as_role(services, data_dir, "sampler"))
+            for i, sampler_id in enumerate(sampler_ids):
+                procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env)
             if cfg.eval.every:
                 procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)])
             log.info("run %s: learner + %d samplers started, logs in %s/logs/", run_name,

@@ -30,9 +30,10 @@ from typing import Iterable, Literal, Optional
 from pipeline.config import LearnerConfig
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
+from pipeline.trust import termination_error
 from pipeline.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UsedGroup
 
-Verdict = Literal["kept", "dropped", "malformed", "duplicate"]
+Verdict = Literal["kept", "dropped", "malformed", "duplicate", "rejected"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RolloutLimits:
     temperature: float
     max_new_tokens: int
     max_positions: int
+    eos_ids: tuple[int, ...] = ()
+    """With EOS ids, the termination rule is checked too (`pipeline.trust.termination_error`)."""
 
     def check(self, rollout: Rollout, version: int) -> None:
         """Raises RolloutDecodeError (with a one-line reason) if the learner at `version` cannot use it."""
@@ -62,6 +65,10 @@ class RolloutLimits:
         if len(rollout.prompt_ids) + longest > self.max_positions:
             raise RolloutDecodeError(f"prompt + completion of {len(rollout.prompt_ids) + longest} tokens exceeds "
                                      f"the model's {self.max_positions} positions")
+        if self.eos_ids:
+            broken = termination_error(rollout.completion_ids, self.eos_ids, self.max_new_tokens)
+            if broken:
+                raise RolloutDecodeError(f"termination rule: {broken}")
 
 
 @dataclass
@@ -112,6 +119,10 @@ class AdmissionCounters:
     groups_consumed: int = 0
     """Every message read, whatever happened to it."""
     malformed: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    """Messages refused by the signature check, by code (`pipeline.trust.Rejected`)."""
+    refused: Counter = field(default_factory=Counter)
+    """Signed groups not used because they failed a check or their key is quarantined, by reason."""
     duplicates: int = 0
     """Second copies of a rollout id already judged (producer retries), ignored."""
     staleness: StalenessCounter = field(default_factory=StalenessCounter)
@@ -125,6 +136,7 @@ class AdmissionCounters:
         return {"groups_consumed": self.groups_consumed, "groups_used": self.staleness.kept,
                 "groups_dropped": self.staleness.dropped, "groups_reweighted": self.staleness.reweighted,
                 "malformed": self.malformed, "duplicates_ignored": self.duplicates,
+                "rejected_by_reason": dict(self.rejected), "refused_by_reason": dict(self.refused),
                 "dropped_by_reason": {r: counts[r] for r in ("too_stale_steps", "too_old_seconds") if counts[r]},
                 "max_staleness_used": max(used) if used else None,
                 "mean_staleness_used": (sum(used) / len(used)) if used else None,
@@ -164,6 +176,53 @@ class Admission:
             self._verdicts.malformed.append(SkippedMessage(partition, offset, e.reason))
             return Admitted("malformed", e.reason)
         return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
+
+    def admit_rollout(self, rollout: Rollout, partition: int, offset: int, version: int, now: float) -> Admitted:
+        """`admit_message` for a message already decoded (and its signature checked)."""
+        self.counters.groups_consumed += 1
+        try:
+            if self.limits is not None:
+                self.limits.check(rollout, version)
+        except RolloutDecodeError as e:
+            self.counters.malformed += 1
+            self._verdicts.malformed.append(SkippedMessage(partition, offset, e.reason))
+            return Admitted("malformed", e.reason, rollout)
+        return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
+
+    def reject(self, partition: int, offset: int, code: str, reason: str) -> Admitted:
+        """A message the signature check refused (the caller dead-letters it)."""
+        self.counters.groups_consumed += 1
+        self.counters.rejected[code] += 1
+        self._verdicts.malformed.append(SkippedMessage(partition, offset, f"rejected: {reason}"))
+        return Admitted("rejected", reason)
+
+    def refuse(self, rollout: Rollout, partition: int, offset: int, version: int, reason: str) -> Admitted:
+        """A signed group not to be used (its key is quarantined): recorded as dropped, with `reason`."""
+        self.counters.groups_consumed += 1
+        if rollout.rollout_id in self.seen_ids:
+            self.counters.duplicates += 1
+            self._verdicts.duplicates.append(DuplicateGroup(partition, offset, rollout.rollout_id))
+            return Admitted("duplicate", rollout=rollout)
+        self.seen_ids.add(rollout.rollout_id)
+        self._refuse(PendingGroup(rollout, partition, offset, version - rollout.policy_version, None,
+                                  StalenessDecision(False, 0.0, reason)), reason)
+        return Admitted("dropped", reason, rollout)
+
+    def withdraw(self, keep, reason_of) -> int:
+        """Take the pending groups `keep` says no to out of the batch, dropped with `reason_of(group)`."""
+        still = []
+        for group in self.pending:
+            if keep(group):
+                still.append(group)
+            else:
+                self._refuse(group, reason_of(group))
+        withdrawn, self.pending = len(self.pending) - len(still), still
+        return withdrawn
+
+    def _refuse(self, group: PendingGroup, reason: str) -> None:
+        self.counters.refused[reason.split(":")[0]] += 1
+        self._verdicts.dropped.append(DroppedGroup(group.partition, group.offset, group.rollout.rollout_id,
+                                                   group.rollout.policy_version, group.staleness, reason, group.age_s))
 
     def admit_group(self, rollout: Rollout, partition: int, offset: int, staleness: int,
                     age_s: Optional[float]) -> Admitted:

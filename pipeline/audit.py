@@ -34,9 +34,15 @@ from pipeline.update_log import UpdateEntry, dead_letter_topic, read_entries_kaf
 
 
 def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
-                sampler_reports: Optional[dict[str, dict]] = None, timeout_s: float = 30.0) -> dict:
+                sampler_reports: Optional[dict[str, dict]] = None, timeout_s: float = 30.0,
+                honest_sampler_ids: Optional[set[str]] = None, forged_messages: frozenset = frozenset()) -> dict:
     """Account for every message of `topic`, given the `extra` of the learner's final checkpoint
-    manifest (its offsets, and the verdicts it reached after its last step)."""
+    manifest (its offsets, and the verdicts it reached after its last step).
+
+    With `honest_sampler_ids` (the samplers the run started itself) it also counts, per sampler
+    id, the messages produced and used, and `forged_used_in_updates`: used messages that name
+    another sampler, or whose (partition, offset) is in `forged_messages` (copies an attacker
+    re-sent under an honest sampler's name)."""
     log = read_topic(bootstrap, topic, timeout_s=timeout_s)
     ends: dict[int, int] = {p: 0 for p in topic_partitions(bootstrap, topic)}
     for r in log:
@@ -75,7 +81,22 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
     messages_twice = sum(n - 1 for n in Counter(used).values() if n > 1)
     ids_twice = sum(n - 1 for n in Counter(used_ids).values() if n > 1)
     reports = sampler_reports or {}
+    forged = {}
+    if honest_sampler_ids is not None:
+        sender = {(r.partition, r.offset, header_value(r.headers, "rollout_id")): header_value(r.headers, "sampler_id")
+                  for r in log}
+        used_messages = set(used) & messages
+        by_sampler: dict[str, dict] = {}
+        for m, sampler_id in sender.items():
+            row = by_sampler.setdefault(str(sampler_id), {"produced": 0, "used": 0})
+            row["produced"] += 1
+            row["used"] += m in used_messages
+        forged = {"forged_used_in_updates": sum(1 for m in used_messages if sender.get(m) not in honest_sampler_ids
+                                                or (m[0], m[1]) in forged_messages),
+                  "copies_used_in_updates": sum(1 for m in used_messages if (m[0], m[1]) in forged_messages),
+                  "by_sampler": by_sampler}
     return {
+        **forged,
         **counts,
         "used_twice": max(messages_twice, ids_twice),
         "unaccounted_offsets": [f"{p}:{o}:{i}" for p, o, i in unaccounted[:100]],

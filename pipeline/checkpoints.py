@@ -4,9 +4,15 @@ Layout in the bucket: `<run>/v<version>/<file>` for each file of a Hugging Face 
 directory (safetensors weights, config, tokenizer files), then
 `<run>/v<version>/manifest.json` written last:
 
-    {"format": "heterorl-checkpoint/1", "run": ..., "version": 3, "created_at": ...,
-     "files": [{"path": "model.safetensors", "size": 123, "sha256": "..."}, ...],
-     "extra": {...}}          # e.g. the Kafka offsets the learner had consumed
+    {"format": "heterorl-checkpoint/1", "run": ..., "version": 3, "parent_version": 2,
+     "created_at": ..., "files": [{"path": "model.safetensors", "size": 123, "sha256": "..."}, ...],
+     "extra": {...},          # e.g. the Kafka offsets the learner had consumed
+     "signature": {"key_id": ..., "value": ...}}   # the learner's Ed25519 signature
+
+The signature covers the canonical JSON of everything else (`pipeline.signing`), so the
+file list, every sha256, the version and its parent are the learner's word; a reader that
+pins the learner's public key (`trusted`) refuses an unsigned or altered manifest, and any
+manifest whose run and version do not match the key it was read from.
 
 A version without a manifest does not exist: `list_versions` and `fetch` only see
 versions whose manifest is present, so a learner that dies mid-upload leaves nothing
@@ -49,6 +55,7 @@ from minio.error import S3Error
 from pipeline.errors import UserError
 from pipeline.retry import retry_call
 from pipeline.services import ServiceUnavailable, Services
+from pipeline.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +84,21 @@ def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
     url = urlparse(services.s3_endpoint)
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=timeout_s, read=max(60.0, timeout_s)),
-        retries=urllib3.Retry(total=3, backoff_factor=0.5, backoff_jitter=0.5, status_forcelist=(500, 502, 503, 504)))
+        retries=urllib3.Retry(total=3, backoff_factor=0.5, backoff_jitter=0.5, status_forcelist=(500, 502, 503, 504)),
+        **services.security.s3_pool_kwargs(services.s3_endpoint))
     client = Minio(url.netloc, access_key=services.s3_access_key or None,
                    secret_key=services.s3_secret_key or None, secure=url.scheme == "https",
                    region=services.s3_region, http_client=http)
     try:
         if not client.bucket_exists(services.bucket):
             client.make_bucket(services.bucket)
-    except (S3Error, urllib3.exceptions.HTTPError, OSError) as e:
+    except S3Error as e:
+        if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+            raise ServiceUnavailable(f"S3 at {services.s3_endpoint} refused the credentials ({e.code}): check "
+                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY") from None
+        raise ServiceUnavailable(f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({e.code}: "
+                                 f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None
+    except (urllib3.exceptions.HTTPError, OSError) as e:
         raise ServiceUnavailable(
             f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None
@@ -130,10 +144,15 @@ class Manifest:
 class CheckpointStore:
     """publish / list_versions / fetch / prune for one run's checkpoints."""
 
-    def __init__(self, client: Minio, bucket: str, run: str):
+    def __init__(self, client: Minio, bucket: str, run: str, *, signer: Optional[SigningKey] = None,
+                 trusted: Optional[PublicKey] = None):
+        """`signer`: the learner's key, which signs each manifest it publishes. `trusted`: the
+        learner public key a reader pins; then only manifests it signed are read."""
         self.client = client
         self.bucket = bucket
         self.run = run
+        self.signer = signer
+        self.trusted = trusted
 
     def version_prefix(self, version: int) -> str:
         return f"{self.run}/v{version}/"
@@ -144,8 +163,10 @@ class CheckpointStore:
     def uri(self, version: int) -> str:
         return f"s3://{self.bucket}/{self.version_prefix(version)}"
 
-    def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None) -> str:
-        """Upload every file of `model_dir`, then the manifest; returns the manifest key."""
+    def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
+                parent_version: Optional[int] = None) -> str:
+        """Upload every file of `model_dir`, then the manifest (signed, with a signer); returns
+        the manifest key. `parent_version`: the version this one was trained from."""
         model_dir = Path(model_dir)
         # A manifest left by a learner that died before setting Redis would make this
         # version visible while its files are being replaced: hide it first.
@@ -156,8 +177,10 @@ class CheckpointStore:
             digest = sha256_file(path)
             self.client.fput_object(self.bucket, self.version_prefix(version) + rel, str(path))
             files.append({"path": rel, "size": path.stat().st_size, "sha256": digest})
-        manifest = {"format": MANIFEST_FORMAT, "run": self.run, "version": version,
+        manifest = {"format": MANIFEST_FORMAT, "run": self.run, "version": version, "parent_version": parent_version,
                     "created_at": time.time(), "files": files, "extra": extra or {}}
+        if self.signer is not None:
+            manifest = sign_document(manifest, self.signer)
         body = json.dumps(manifest, indent=1).encode()
         self.client.put_object(self.bucket, self.manifest_key(version), io.BytesIO(body), len(body),
                                content_type="application/json")
@@ -186,6 +209,17 @@ class CheckpointStore:
             raise
         try:
             data = json.loads(raw)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
+        if self.trusted is not None:
+            try:
+                data = verify_document(data, self.trusted, f"manifest s3://{self.bucket}/{key}")
+            except SignatureError as e:
+                raise CorruptCheckpointError(f"refused: {e.reason}") from None
+            if data.get("run") != self.run or key != self.manifest_key(data.get("version", -1)):
+                raise CorruptCheckpointError(f"refused: manifest s3://{self.bucket}/{key} is signed for run "
+                                             f"{data.get('run')!r} v{data.get('version')}, not the one at this key")
+        try:
             if data.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}")
             files = [{"path": _safe_relpath(f["path"]), "size": int(f["size"]), "sha256": str(f["sha256"])}
@@ -306,6 +340,8 @@ class BackgroundPublisher:
         self._error: Optional[BaseException] = None
         self.closed = False
         self.published: list[int] = []
+        self.last_version: Optional[int] = None
+        """The version published last (the next manifest's parent_version)."""
         self._thread = threading.Thread(target=self._work, name="checkpoint-publisher", daemon=True)
         self._thread.start()
 
@@ -316,9 +352,10 @@ class BackgroundPublisher:
                 return
             version, model_dir, extra, cleanup = item
             try:
-                key = self.store.publish(version, model_dir, extra)
+                key = self.store.publish(version, model_dir, extra, parent_version=self.last_version)
                 if self.run_state is not None:
-                    self.run_state.publish_policy(version, key)
+                    self.run_state.publish_policy(version, key, signer=self.store.signer)
+                self.last_version = version
                 self.published.append(version)
                 self.store.prune(self.keep_last, current=version)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread

@@ -73,7 +73,7 @@ class ServicesConfig(_Strict):
     kafka_bootstrap: Optional[str] = None
     """host:port[,host:port]; env KAFKA_BOOTSTRAP_SERVERS."""
     redis_url: Optional[str] = None
-    """redis://host:port/db; env REDIS_URL."""
+    """redis://[user:password@]host:port/db (`rediss://` for TLS); env REDIS_URL."""
     s3_endpoint: Optional[str] = None
     """http(s)://host:port of an S3-compatible server (MinIO, AWS); env AWS_ENDPOINT_URL."""
     s3_access_key: Optional[str] = None
@@ -90,6 +90,54 @@ class ServicesConfig(_Strict):
     """Ports for a local stack started by `heterorl train`."""
     connect_timeout_s: float = Field(10.0, gt=0)
     """How long to wait for a server to answer before naming it as unreachable."""
+    # Authentication and TLS of each server (docs/deployment.md, "Service authentication").
+    # The local stack needs none of these: its Redis users and S3 key travel in the URLs.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How Kafka clients connect: `SASL_SSL` (user and password over TLS) for a shared cluster;
+    env KAFKA_SECURITY_PROTOCOL."""
+    kafka_sasl_mechanism: Optional[Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]] = None
+    """SASL mechanism with a SASL_* protocol (docker-compose.yml uses SCRAM-SHA-512);
+    env KAFKA_SASL_MECHANISM."""
+    kafka_sasl_username: Optional[str] = None
+    """Kafka user of this role (e.g. `sampler`); env KAFKA_SASL_USERNAME."""
+    kafka_sasl_password: Optional[str] = None
+    """Its password; env KAFKA_SASL_PASSWORD. Never written by `dump_config`."""
+    kafka_ssl_cafile: Optional[str] = None
+    """PEM file of the CA that signed the brokers' certificates (None: the system's CAs);
+    env KAFKA_SSL_CAFILE."""
+    kafka_ssl_certfile: Optional[str] = None
+    """Client certificate (PEM) for brokers that require mutual TLS; with kafka_ssl_keyfile."""
+    kafka_ssl_keyfile: Optional[str] = None
+    """Private key (PEM) of kafka_ssl_certfile."""
+    kafka_ssl_check_hostname: bool = True
+    """Check that a broker's certificate names the host connected to."""
+    redis_ssl_ca_certs: Optional[str] = None
+    """PEM file of the CA of Redis's certificate, for a `rediss://` URL (the user and password
+    are in the URL: `rediss://sampler:PASSWORD@host:6380/0`); env REDIS_SSL_CA_CERTS."""
+    redis_ssl_certfile: Optional[str] = None
+    """Client certificate (PEM) for a Redis that requires mutual TLS; with redis_ssl_keyfile."""
+    redis_ssl_keyfile: Optional[str] = None
+    """Private key (PEM) of redis_ssl_certfile."""
+    s3_ca_file: Optional[str] = None
+    """PEM file of the CA of an `https://` S3 endpoint's certificate (None: the system's CAs);
+    env AWS_CA_BUNDLE. TLS itself follows the endpoint's scheme."""
+    s3_cert_check: bool = True
+    """Verify the S3 endpoint's certificate; turn off only for a throwaway test server."""
+
+    @model_validator(mode="after")
+    def _security_settings_fit_together(self) -> "ServicesConfig":
+        sasl = self.kafka_security_protocol.startswith("SASL_")
+        if sasl and not (self.kafka_sasl_mechanism and self.kafka_sasl_username and self.kafka_sasl_password):
+            raise ValueError(f"services.kafka_security_protocol={self.kafka_security_protocol} needs "
+                             "services.kafka_sasl_mechanism, kafka_sasl_username and kafka_sasl_password "
+                             "(env KAFKA_SASL_MECHANISM, KAFKA_SASL_USERNAME, KAFKA_SASL_PASSWORD)")
+        if not sasl and (self.kafka_sasl_mechanism or self.kafka_sasl_username or self.kafka_sasl_password):
+            raise ValueError("services.kafka_sasl_* are set but services.kafka_security_protocol is "
+                             f"{self.kafka_security_protocol}: use SASL_SSL (or SASL_PLAINTEXT)")
+        for cert, key in (("kafka_ssl_certfile", "kafka_ssl_keyfile"), ("redis_ssl_certfile", "redis_ssl_keyfile")):
+            if bool(getattr(self, cert)) != bool(getattr(self, key)):
+                raise ValueError(f"services.{cert} and services.{key} go together: set both or neither")
+        return self
 
     _configured: dict[str, Any] = PrivateAttr(default_factory=dict)
     # The values, as configured, of the fields a command filled from the running local stack
@@ -372,6 +420,50 @@ class TrainConfig(_Strict):
     """Abort the run (stopping every process it started) after this long."""
 
 
+class SecurityConfig(_Strict):
+    """Who may feed the learner and who may publish weights (docs/security.md).
+
+    Key files default to `<services.data_dir>/keys/` (made by `heterorl keys init`):
+    `root.key` / `root.pub` (signs the key registry), `learner.key` / `learner.pub`
+    (signs manifests and the policy pointer), `samplers/<sampler id>.key`."""
+
+    require_signatures: bool = True
+    """The learner refuses (dead-letters) unsigned rollouts, and samplers refuse unsigned
+    checkpoints. Off only for replaying topics recorded before signing existed."""
+    keys_dir: Optional[str] = None
+    """Where the key files are; default `<services.data_dir>/keys`."""
+    root_public_key: Optional[str] = None
+    """File of the root public key the learner checks the key registry with; default
+    `<keys_dir>/root.pub`."""
+    learner_key: Optional[str] = None
+    """The learner's private key file; default `<keys_dir>/learner.key`."""
+    learner_public_key: Optional[str] = None
+    """File of the learner public key samplers pin; default `<keys_dir>/learner.pub`."""
+    sampler_key: Optional[str] = None
+    """A sampler's private key file; default `<keys_dir>/samplers/<sampler id>.key`. The
+    environment variable HETERORL_SAMPLER_KEY (the base64 key itself) takes precedence."""
+    registry_refresh_s: float = Field(2.0, gt=0, le=5)
+    """How often the learner re-reads the signed key registry: a revocation takes effect
+    within this long (the bound is 5 s)."""
+    key_lifetime_days: float = Field(30.0, gt=0)
+    """Default lifetime of a key added with `heterorl keys add`."""
+    rescore_rewards: bool = True
+    """The learner scores every completion with the task's verifier and trains on its own
+    rewards; a group whose claimed rewards differ is a strike against its sampler."""
+    logprob_threshold: float = Field(0.10, gt=0)
+    """A group fails the log-prob check when the median over its tokens of exp(|Δ|) − 1
+    (Δ: the sampler's minus the learner's log-prob under the version the group claims)
+    exceeds this. Calibration in docs/security.md."""
+    stale_logprob_check_fraction: float = Field(0.25, ge=0, le=1)
+    """Share of stale groups (staleness > 0) re-scored with the checkpoint of the version
+    they claim (groups of staleness 0 are always checked, with the learner's own weights).
+    Which ones is drawn from a secret random stream, so a sampler cannot predict it."""
+    strikes_to_quarantine: int = Field(2, ge=1)
+    """Failed reward / log-prob / termination checks that quarantine a sampler's key;
+    a valid signature on a future policy version, a reused sequence number or a sampler id
+    the key is not registered to quarantines at once."""
+
+
 class HeteroConfig(_Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
@@ -402,6 +494,8 @@ class HeteroConfig(_Strict):
     """Held-out evaluation by `heterorl train`."""
     train: TrainConfig = TrainConfig()
     """What `heterorl train` starts and where it writes."""
+    security: SecurityConfig = SecurityConfig()
+    """Signatures, key files and the checks of samplers' data."""
 
 
 # The environment variables that point every process at the servers (`heterorl env`
@@ -415,6 +509,19 @@ ENV_OVERRIDES = {
     "AWS_DEFAULT_REGION": "s3_region",
     "HETERORL_S3_BUCKET": "bucket",
 }
+# Security settings from the environment (secrets belong there, not in config files); not
+# printed by `heterorl env`, which prints ENV_OVERRIDES.
+SECURITY_ENV_OVERRIDES = {
+    "KAFKA_SECURITY_PROTOCOL": "kafka_security_protocol",
+    "KAFKA_SASL_MECHANISM": "kafka_sasl_mechanism",
+    "KAFKA_SASL_USERNAME": "kafka_sasl_username",
+    "KAFKA_SASL_PASSWORD": "kafka_sasl_password",
+    "KAFKA_SSL_CAFILE": "kafka_ssl_cafile",
+    "REDIS_SSL_CA_CERTS": "redis_ssl_ca_certs",
+    "AWS_CA_BUNDLE": "s3_ca_file",
+}
+SECRET_FIELDS = ("s3_access_key", "s3_secret_key", "kafka_sasl_password")
+"""ServicesConfig fields `dump_config` never writes (they travel only in the environment)."""
 
 
 def strip_password(url: Optional[str]) -> Optional[str]:
@@ -501,7 +608,7 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
     env = os.environ if env is None else env
     services = data.setdefault("services", {}) if isinstance(data.get("services", {}), dict) else None
     if services is not None:
-        for var, field in ENV_OVERRIDES.items():
+        for var, field in {**ENV_OVERRIDES, **SECURITY_ENV_OVERRIDES}.items():
             if env.get(var) and services.get(field) in (None, ""):
                 services[field] = env[var]
     try:
@@ -515,7 +622,7 @@ def dump_config(cfg: HeteroConfig) -> str:
     without the addresses of a local stack (found again when the config is used)."""
     data = cfg.model_dump()
     data["services"].update(cfg.services._configured)
-    data["services"]["s3_access_key"] = None
-    data["services"]["s3_secret_key"] = None
+    for field in SECRET_FIELDS:
+        data["services"][field] = None
     data["services"]["redis_url"] = strip_password(data["services"]["redis_url"])
     return yaml.safe_dump(data, sort_keys=False)

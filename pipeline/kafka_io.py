@@ -16,27 +16,36 @@ from typing import Optional
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError, TopicAlreadyExistsError
 
-from pipeline.rollout import Rollout, encode_rollout
-from pipeline.services import ServiceUnavailable
+from pipeline.rollout import Rollout, encode_rollout, seal_rollout
+from pipeline.signing import SigningKey
+from pipeline.services import ServiceSecurity, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 
+def _security_kwargs(security: Optional[ServiceSecurity]) -> dict:
+    """TLS / SASL settings for every Kafka client made here (None: plaintext, no auth)."""
+    return (security or ServiceSecurity()).kafka_kwargs()
+
+
 def _unreachable(bootstrap: str, err: Exception) -> ServiceUnavailable:
+    if isinstance(err, (SaslAuthenticationFailedError, AuthorizationError)):
+        return ServiceUnavailable(f"Kafka at {bootstrap} refused the credentials ({type(err).__name__}): check "
+                                  "services.kafka_sasl_username / kafka_sasl_password and the user's ACLs")
     return ServiceUnavailable(f"cannot reach Kafka at {bootstrap} ({type(err).__name__}): "
                               "start it (`heterorl up` for the local stack) or fix the URL")
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: float = 15.0,
-                 retention_ms: int = -1) -> None:
+                 retention_ms: int = -1, security: Optional[ServiceSecurity] = None) -> None:
     """Create the topic if it does not exist (idempotent); retention -1 keeps every message."""
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
-                                 client_id="heterorl-admin")
+                                 client_id="heterorl-admin", **_security_kwargs(security))
     except KafkaError as e:
         raise _unreachable(bootstrap, e) from None
     try:
@@ -51,21 +60,21 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: flo
     finally:
         admin.close()
     deadline = time.monotonic() + timeout_s
-    while not topic_partitions(bootstrap, topic):
+    while not topic_partitions(bootstrap, topic, security):
         if time.monotonic() > deadline:
             raise ServiceUnavailable(f"topic {topic} did not appear on Kafka at {bootstrap} within {timeout_s:.0f}s")
         time.sleep(0.2)
 
 
-def topic_partitions(bootstrap: str, topic: str) -> list[int]:
-    consumer = _consumer(bootstrap)
+def topic_partitions(bootstrap: str, topic: str, security: Optional[ServiceSecurity] = None) -> list[int]:
+    consumer = _consumer(bootstrap, security)
     try:
         return sorted(consumer.partitions_for_topic(topic) or [])
     finally:
         consumer.close()
 
 
-def _consumer(bootstrap: str, **kwargs) -> KafkaConsumer:
+def _consumer(bootstrap: str, security: Optional[ServiceSecurity] = None, **kwargs) -> KafkaConsumer:
     try:
         # earliest: a stored offset past the end of the log (a broker that lost data) must
         # re-read what exists, never silently skip to new messages.
@@ -73,18 +82,19 @@ def _consumer(bootstrap: str, **kwargs) -> KafkaConsumer:
                              auto_offset_reset="earliest",
                              client_id="heterorl", request_timeout_ms=30000,
                              fetch_max_bytes=4 * MAX_MESSAGE_BYTES, max_partition_fetch_bytes=MAX_MESSAGE_BYTES,
-                             **kwargs)
+                             **_security_kwargs(security), **kwargs)
     except KafkaError as e:
         raise _unreachable(bootstrap, e) from None
 
 
-def end_offsets(bootstrap: str, topic: str, timeout_s: float = 5.0) -> dict[int, int]:
+def end_offsets(bootstrap: str, topic: str, timeout_s: float = 5.0,
+                security: Optional[ServiceSecurity] = None) -> dict[int, int]:
     """Next offset to be written, per partition (the size of the log).
 
     Tansu answers ListOffsets with the last batch's base offset + 1 after a multi-record
     batch, so the answer is checked against the high watermark of a fetch from there.
     """
-    consumer = _consumer(bootstrap)
+    consumer = _consumer(bootstrap, security)
     try:
         parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
         if not parts:
@@ -111,8 +121,11 @@ class RolloutSink:
     """Sends encoded rollouts; `send` returns once the broker has acknowledged (acks=all)."""
 
     def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 30.0, signer: Optional[SigningKey] = None,
+                 security: Optional[ServiceSecurity] = None):
+        """`signer`: the sampler's key; each rollout then goes out sealed (`seal_rollout`)."""
         self.topic = topic
+        self.signer = signer
         self.send_timeout_s = send_timeout_s
         try:
             self.producer = KafkaProducer(
@@ -123,7 +136,7 @@ class RolloutSink:
                 # idempotent producer's sequence numbers collide (OutOfOrderSequenceNumber).
                 # Delivery is at-least-once instead; consumers drop repeated rollout ids.
                 enable_idempotence=False,
-                bootstrap_timeout_ms=int(connect_timeout_s * 1000))
+                bootstrap_timeout_ms=int(connect_timeout_s * 1000), **_security_kwargs(security))
         except KafkaError as e:
             raise _unreachable(bootstrap, e) from None
 
@@ -133,10 +146,13 @@ class RolloutSink:
 
     def send_many(self, rollouts: list[Rollout]) -> list[tuple[int, int]]:
         """Publish groups in order, pipelined; returns once every one is acknowledged."""
-        futures = [self.producer.send(self.topic, value=encode_rollout(r), key=r.rollout_id.encode(),
+        futures = [self.producer.send(self.topic, value=self.encode(r), key=r.rollout_id.encode(),
                                       headers=r.headers()) for r in rollouts]
         metas = [f.get(timeout=self.send_timeout_s) for f in futures]
         return [(m.partition, m.offset) for m in metas]
+
+    def encode(self, rollout: Rollout) -> bytes:
+        return seal_rollout(rollout, self.signer) if self.signer is not None else encode_rollout(rollout)
 
     def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None,
                  key: Optional[bytes] = None) -> tuple[int, int]:
@@ -163,10 +179,10 @@ class RolloutSource:
     """Reads every partition of a topic from given offsets, without a consumer group."""
 
     def __init__(self, bootstrap: str, topic: str, start_offsets: Optional[dict[int, int]] = None,
-                 max_records: int = 64):
+                 max_records: int = 64, security: Optional[ServiceSecurity] = None):
         self.topic = topic
         self.max_records = max_records
-        self.consumer = _consumer(bootstrap, max_poll_records=max_records)
+        self.consumer = _consumer(bootstrap, security, max_poll_records=max_records)
         partitions = sorted(self.consumer.partitions_for_topic(topic) or [])
         if not partitions:
             self.consumer.close()
@@ -201,15 +217,16 @@ class RolloutSource:
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0,
-               start_offsets: Optional[dict[int, int]] = None) -> list[RawRecord]:
+               start_offsets: Optional[dict[int, int]] = None,
+               security: Optional[ServiceSecurity] = None) -> list[RawRecord]:
     """Every record of a topic up to its end offsets at call time, partition by partition.
 
     Raises ServiceUnavailable if the log's end cannot be reached within `timeout_s` of
     no progress (a broker that reports more than it serves).
     """
-    source = RolloutSource(bootstrap, topic, start_offsets=start_offsets, max_records=500)
+    source = RolloutSource(bootstrap, topic, start_offsets=start_offsets, max_records=500, security=security)
     try:
-        wanted = end_offsets(bootstrap, topic)
+        wanted = end_offsets(bootstrap, topic, security=security)
         records: list[RawRecord] = []
         last_progress = time.monotonic()
         while any(source.consumer.position(tp) < wanted.get(tp.partition, 0) for tp in source.partitions):

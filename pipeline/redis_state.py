@@ -13,6 +13,11 @@ Keys (all under `heterorl:<run>:`):
                       `lease_ttl_s`; a clean stop adds `released_at` and `release_reason`
                       (absent: the lease ran out - the sampler crashed or was cut off).
 - `sampler_stats`     hash sampler id -> JSON totals written when a sampler stops.
+- `key_registry`      the sampler keys the learner accepts, signed by the root key
+                      (JSON, `pipeline.keyring`); `policy` also carries the learner's
+                      `signature` over (run, version, manifest_key, updated_at).
+- `quarantine`        hash key id -> JSON {sampler_id, reason, at, strikes} of sampler keys
+                      the learner stopped trusting (`pipeline.trust.StrikePolicy`).
 - `learner`           hash of the learner's latest progress (step, groups used/dropped).
 - `meta`              hash {rollout_topic, started_at, epoch_size?} written by the learner
                       (epoch_size by samplers that know it); the run is also listed in the
@@ -43,20 +48,30 @@ from typing import Optional
 
 import redis
 
-from pipeline.services import ServiceUnavailable
+from pipeline.config import strip_password
+from pipeline.services import ServiceSecurity, ServiceUnavailable
+from pipeline.signing import SigningKey
+from pipeline.trust import sign_pointer
 
 
 def _prefix(run: str) -> str:
     return f"heterorl:{run}:"
 
 
-def connect_redis(url: str, timeout_s: float = 10.0) -> redis.Redis:
+def connect_redis(url: str, timeout_s: float = 10.0, security: Optional[ServiceSecurity] = None) -> redis.Redis:
+    """A client for `url` (`redis://user:password@host:port/db`, `rediss://` for TLS with the
+    CA and client files of `security`), checked with a PING. Raises ServiceUnavailable naming
+    the URL (without its password): unreachable, or credentials refused."""
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                  decode_responses=True, retry_on_timeout=True)
+                                  decode_responses=True, retry_on_timeout=True,
+                                  **(security or ServiceSecurity()).redis_kwargs(url))
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as e:
+        raise ServiceUnavailable(f"Redis at {strip_password(url)} refused the credentials ({e}): check the user and "
+                                 "password in the URL (REDIS_URL)") from None
     except redis.RedisError as e:
-        raise ServiceUnavailable(f"cannot reach Redis at {url} ({e}): start it or fix the URL") from None
+        raise ServiceUnavailable(f"cannot reach Redis at {strip_password(url)} ({e}): start it or fix the URL") from None
     return client
 
 
@@ -187,10 +202,24 @@ class RunState:
         raw = self.client.hget(self.prefix + "policy", "version")
         return None if raw is None else int(raw)
 
-    def publish_policy(self, version: int, manifest_key: str) -> None:
-        """Make `version` current; call only once its manifest is in S3."""
-        self.client.hset(self.prefix + "policy", mapping={
-            "version": version, "manifest_key": manifest_key, "updated_at": time.time()})
+    def publish_policy(self, version: int, manifest_key: str, signer: Optional[SigningKey] = None) -> None:
+        """Make `version` current; call only once its manifest is in S3. With `signer` (the
+        learner's key) the pointer carries a signature samplers check against the key they pin."""
+        updated_at = repr(time.time())
+        fields = {"version": version, "manifest_key": manifest_key, "updated_at": updated_at}
+        if signer is not None:
+            fields["signature"] = sign_pointer(self.run, version, manifest_key, updated_at, signer)
+        pipe = self.client.pipeline()
+        pipe.delete(self.prefix + "policy")  # no signature of an earlier pointer may survive
+        pipe.hset(self.prefix + "policy", mapping=fields)
+        pipe.execute()
+
+    # ---- quarantined sampler keys (the learner's verdicts, for status) -------------------
+    def record_quarantine(self, key_id: str, info: dict) -> None:
+        self.client.hset(self.prefix + "quarantine", key_id, json.dumps(info, default=str))
+
+    def quarantines(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "quarantine").items()}
 
     # ---- sampler leases --------------------------------------------------------------
     def _lease_key(self, sampler_id: str) -> str:
@@ -365,7 +394,8 @@ class RunState:
         offsets, *policy = pipe.execute()
         if not policy or not policy[0]:
             return RunView(None, None, _offsets(offsets))
-        return RunView(int(policy[0]["version"]), policy[0]["manifest_key"], _offsets(offsets))
+        p = policy[0]
+        return RunView(int(p["version"]), p["manifest_key"], _offsets(offsets), p.get("updated_at"), p.get("signature"))
 
 
 @dataclass(frozen=True)
@@ -378,6 +408,9 @@ class RunView:
     """Its checkpoint manifest in S3."""
     learner_offsets: dict[int, int]
     """Next offset the learner will read, per partition."""
+    updated_at: Optional[str] = None
+    signature: Optional[str] = None
+    """The learner's signature over (run, version, manifest_key, updated_at), if any."""
 
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:

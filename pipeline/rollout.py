@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 import numpy as np
+
+from pipeline.signing import SigningKey
 
 SCHEMA_VERSION = 1
 
@@ -52,6 +54,12 @@ class Rollout:
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: float = field(default_factory=time.time)
     schema_version: int = SCHEMA_VERSION
+    run: str = ""
+    """The run it was made for (signed, so a group cannot be replayed into another run)."""
+    key_id: str = ""
+    """Id of the sampler key that signs it ("" when unsigned)."""
+    seq: int = 0
+    """Per-key sequence number, increasing across the key's messages (replay protection)."""
 
     @property
     def group_size(self) -> int:
@@ -67,6 +75,7 @@ class Rollout:
             ("policy_version", str(self.policy_version).encode()),
             ("sampler_id", self.sampler_id.encode()),
             ("rollout_id", self.rollout_id.encode()),
+            ("key_id", self.key_id.encode()),
         ]
 
 
@@ -115,7 +124,32 @@ def encode_rollout(r: Rollout) -> bytes:
         "sampling": {k: (float(v) if isinstance(v, float) else v) for k, v in r.sampling.items()},
         "logprob_rule": LOGPROB_RULE,
     }
+    if r.key_id:
+        message.update(run=r.run, key_id=r.key_id, seq=int(r.seq))
     return msgpack.packb(message, use_bin_type=True)
+
+
+def seal_rollout(r: Rollout, key: SigningKey) -> bytes:
+    """The signed wire form: `{signed_rollout: <body bytes>, signature: <Ed25519 over those bytes>}`.
+    `r` must carry `run`, `key_id` (that of `key`) and `seq`, which the body includes."""
+    if r.key_id != key.key_id:
+        raise ValueError(f"rollout names key {r.key_id!r}, signing key is {key.key_id}")
+    body = encode_rollout(r)
+    return msgpack.packb({"signed_rollout": body, "signature": key.sign(body)}, use_bin_type=True)
+
+
+def open_message(payload: bytes) -> tuple[bytes, Optional[bytes]]:
+    """(body bytes, signature) of a sealed message; (payload, None) for an unsigned one."""
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise RolloutDecodeError(f"not msgpack: {type(e).__name__}") from None
+    if isinstance(msg, dict) and "signed_rollout" in msg:
+        body, signature = msg.get("signed_rollout"), msg.get("signature")
+        if not isinstance(body, bytes) or not isinstance(signature, bytes):
+            raise RolloutDecodeError("sealed message without bytes fields signed_rollout and signature")
+        return body, signature
+    return payload, None
 
 
 _REQUIRED = {
@@ -126,7 +160,9 @@ _REQUIRED = {
 
 
 def decode_rollout(payload: bytes) -> Rollout:
-    """Decode and validate one message; raises RolloutDecodeError with the reason."""
+    """Decode and validate one message, sealed or not (the signature is the learner's
+    `pipeline.trust` check, not this one's); raises RolloutDecodeError with the reason."""
+    payload, _ = open_message(payload)
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types for garbage
@@ -166,6 +202,9 @@ def decode_rollout(payload: bytes) -> Rollout:
     sampling = msg.get("sampling", {})
     if not isinstance(sampling, dict):
         raise RolloutDecodeError("field sampling is not a map")
+    run, key_id, seq = msg.get("run", ""), msg.get("key_id", ""), msg.get("seq", 0)
+    if not isinstance(run, str) or not isinstance(key_id, str) or not isinstance(seq, int) or isinstance(seq, bool):
+        raise RolloutDecodeError("fields run/key_id/seq must be text/text/int")
     return Rollout(
         prompt_id=msg["prompt_id"], task=msg["task"], sampler_id=msg["sampler_id"],
         policy_version=msg["policy_version"], prompt_ids=prompt_ids.astype(np.int64).tolist(),
@@ -173,6 +212,7 @@ def decode_rollout(payload: bytes) -> Rollout:
         sampler_logps=[a.astype(np.float64).tolist() for a in np.split(flat_logps, bounds)],
         rewards=rewards.astype(np.float64).tolist(), sampling=sampling,
         rollout_id=msg["rollout_id"], created_at=float(msg["created_at"]), schema_version=version,
+        run=run, key_id=key_id, seq=seq,
     )
 
 

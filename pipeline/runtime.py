@@ -12,15 +12,18 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from transformers.utils import logging as hf_logging
 
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, HeteroConfig
 from pipeline.engine import resolve_device
+from pipeline.keyring import key_paths, load_learner_public
 from pipeline.model import ensure_base_model, evaluate_policy, load_policy
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
+from pipeline.signing import SigningKey
 from pipeline.tasks import make_task
 
 
@@ -31,14 +34,20 @@ class RunHandles:
     store: CheckpointStore
 
 
-def connect_run(cfg: HeteroConfig) -> RunHandles:
-    """Resolve the services, check each answers, open Redis and S3 clients for this run."""
+def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHandles:
+    """Resolve the services, check each answers, open Redis and S3 clients for this run.
+
+    With `security.require_signatures` the store reads only manifests signed by the learner
+    key it pins (`security.learner_public_key`); `signer` (the learner's key) signs what it
+    publishes."""
     services = require_services(cfg.services)
     check_reachable(services, timeout_s=cfg.services.connect_timeout_s)
-    redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s)
+    trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
+    redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s,
+                                 security=services.security)
     s3 = connect_s3(services, timeout_s=cfg.services.connect_timeout_s)
     return RunHandles(services, RunState(redis_client, cfg.run.name),
-                      CheckpointStore(s3, services.bucket, cfg.run.name))
+                      CheckpointStore(s3, services.bucket, cfg.run.name, signer=signer, trusted=trusted))
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:

@@ -82,6 +82,9 @@ class Task(Protocol):
     def train_problem(self, index: int) -> Problem:
         """Problem ``index`` of the endless train stream; a pure function of (settings, index)."""
 
+    def train_problem_by_id(self, problem_id: str) -> Problem:
+        """The train problem a rollout names (the learner re-scores with it); KeyError if none."""
+
     def eval_problems(self) -> list[Problem]:
         """The fixed held-out split; disjoint from every train problem."""
 
@@ -192,6 +195,13 @@ class ArithmeticTask:
             a, op, b = self._draw(rng)
             if not self.is_heldout(a, op, b):
                 return self._make(f"arith-train-{index}", a, op, b)
+
+    def train_problem_by_id(self, problem_id: str) -> Problem:
+        prefix = "arith-train-"
+        index = problem_id[len(prefix):]
+        if not problem_id.startswith(prefix) or not index.isdigit() or index != str(int(index)):
+            raise KeyError(f"no train problem {problem_id!r}")
+        return self.train_problem(int(index))
 
     def eval_problems(self) -> list[Problem]:
         rng = random.Random(f"arith-eval|{self.digits}|{self.ops}|{self.eval_fraction}")
@@ -431,6 +441,7 @@ class DatasetTask:
     eval_data_sha256: str | None = dataclasses.field(default=None, init=False)
     _verify: Verifier = dataclasses.field(default=exact, init=False, repr=False)
     _train: tuple[Problem, ...] = dataclasses.field(default=(), init=False, repr=False)
+    _by_id: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     _eval: tuple[Problem, ...] = dataclasses.field(default=(), init=False, repr=False)
     _order: tuple[int, list[int]] | None = dataclasses.field(default=None, init=False, repr=False)
     _lock: Any = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
@@ -556,6 +567,14 @@ class DatasetTask:
             raise ValueError(f"index must be a non-negative int, got {index!r}")
         epoch, pos = divmod(index, len(self._train))
         return self._train[self._epoch_order(epoch)[pos]]
+
+    def train_problem_by_id(self, problem_id: str) -> Problem:
+        if not self._by_id:
+            self._by_id.update((p.problem_id, p) for p in self._train)
+        try:
+            return self._by_id[problem_id]
+        except KeyError:
+            raise KeyError(f"no train problem {problem_id!r}") from None
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)

@@ -187,12 +187,15 @@ def rewind_entry(version: int, loss_type: str, attempt: str = "", topic: str = "
                        attempt=attempt, topic=topic)
 
 
-def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0) -> Optional[list[UpdateEntry]]:
-    """The update log of a rollout topic from Kafka, or None if the run wrote none."""
+def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0,
+                       security=None) -> Optional[list[UpdateEntry]]:
+    """The update log of a rollout topic from Kafka, or None if the run wrote none
+    (`security`: the servers' `ServiceSecurity`, for an authenticated Kafka)."""
     topic = updates_topic(rollout_topic)
-    if not topic_partitions(bootstrap, topic):
+    if not topic_partitions(bootstrap, topic, security):
         return None
-    return dedup_by_step(UpdateEntry.from_json(r.value) for r in read_topic(bootstrap, topic, timeout_s=timeout_s))
+    return dedup_by_step(UpdateEntry.from_json(r.value)
+                         for r in read_topic(bootstrap, topic, timeout_s=timeout_s, security=security))
 
 
 def iter_used(entries: Iterable[UpdateEntry]) -> Iterator[tuple[UpdateEntry, UsedGroup]]:

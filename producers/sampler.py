@@ -54,6 +54,7 @@ from pipeline.config import HeteroConfig
 from pipeline.delays import RefreshGate, transit_stream
 from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
+from pipeline.keyring import key_paths, load_sampler_key
 from pipeline.generation import PolicyEngine, SamplingSettings, make_engine, pick_backend
 from pipeline.model import decode_completion
 from pipeline.pacing import Pacing
@@ -62,6 +63,8 @@ from pipeline.retry import Backoff, retry_call
 from pipeline.rollout import Rollout
 from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
 from pipeline.services import ServiceUnavailable
+from pipeline.signing import KeyFileError, SignatureError, SigningKey
+from pipeline.trust import verify_pointer
 from pipeline.spool import RolloutSpool
 
 
@@ -310,6 +313,8 @@ class Sampler:
         self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
         self.stalled = False
         self.verifier_errors_logged = 0
+        self.refused_pointer: Optional[tuple] = None
+        self.refused_pointers = 0
         self.claim_of: dict[str, int] = {}
         """Rollout id -> prompt index, until the prompt's claim is marked done."""
 
@@ -370,6 +375,8 @@ class Sampler:
                              kv_cache_gib=self.scfg.vllm_kv_cache_gib,  # here, before any server is waited for
                              max_model_len=self.scfg.vllm_max_model_len,
                              gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
+        self.signer = self._signing_key()
+        self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
         self.handles = self._connect()
         self.state, self.redis_url = self.handles.state, self.handles.services.redis_url
         self.task = make_task_from_config(self.cfg)
@@ -381,7 +388,9 @@ class Sampler:
             self.log.info("recovered %d spooled groups from %s", spool.pending(), self.spool_dir)
         self.outbox = Outbox(spool, lambda: RolloutSink(bootstrap, self.cfg.run.topic,
                                                         send_timeout_s=self.scfg.send_timeout_s,
-                                                        connect_timeout_s=self.scfg.send_timeout_s),
+                                                        connect_timeout_s=self.scfg.send_timeout_s,
+                                                        signer=self.signer,
+                                                        security=self.handles.services.security),
                              transit_stream(self.scfg.delays, self.sampler_id), self.scfg.retry_max_backoff_s,
                              self.log, bootstrap)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
@@ -393,12 +402,27 @@ class Sampler:
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
+    def _signing_key(self) -> Optional[SigningKey]:
+        """This sampler's key (HETERORL_SAMPLER_KEY, security.sampler_key or the keys folder);
+        None only when signatures are not required and no key is there."""
+        paths = key_paths(self.cfg)
+        try:
+            key = load_sampler_key(paths, self.sampler_id, self.cfg.security.sampler_key)
+        except KeyFileError:
+            if self.cfg.security.require_signatures:
+                raise
+            self.log.warning("no sampler key: rollouts go out unsigned (security.require_signatures is off)")
+            return None
+        self.log.info("signing rollouts with key %s", key.key_id)
+        return key
+
     def _connect(self, give_up_s: float = 300.0):
         """The servers and the topic, retried: a sampler started during an outage waits for the
         link (saying so) instead of exiting; after `give_up_s` the error stands."""
         def connect():
             handles = connect_run(self.cfg)
             ensure_topic(handles.services.kafka_bootstrap, self.cfg.run.topic, self.cfg.run.topic_partitions,
+                         security=handles.services.security,
                          retention_ms=self.cfg.run.topic_retention_ms)
             return handles
 
@@ -441,10 +465,20 @@ class Sampler:
         return view, poll_policy
 
     def refresh_weights(self, view: RunView) -> None:
-        """Start downloading a newer policy once the (simulated) refresh delay allows it."""
+        """Start downloading a newer policy once the (simulated) refresh delay allows it; a
+        pointer the learner did not sign, or one that moved back, is refused (weights kept)."""
         newest, current = view.newest_version, self.policy.version
         if newest is None or (current is not None and newest <= current):
+            if newest is not None and current is not None and newest < current:
+                self.refuse_pointer(view, f"it moved back from v{current} to v{newest} (a rollback)")
             return
+        if self.handles.store.trusted is not None:
+            try:
+                verify_pointer(self.cfg.run.name, newest, view.manifest_key, view.updated_at, view.signature,
+                               self.handles.store.trusted)
+            except SignatureError as e:
+                self.refuse_pointer(view, e.reason)
+                return
         # A delay counted in learner steps can only run out if the learner keeps getting
         # data; a sampler already too far behind to give it any refreshes now.
         allowed = self.gate.should_load(current, newest)
@@ -452,6 +486,15 @@ class Sampler:
                   and self.pacing.behind(newest, current, self.backlog(view)))
         if allowed or forced:
             self.policy.request(newest, view.manifest_key, forced=forced)
+
+    def refuse_pointer(self, view: RunView, why: str) -> None:
+        """Say once per pointer why it is not followed; the current weights stay."""
+        seen = (view.newest_version, view.manifest_key, view.signature)
+        if seen != self.refused_pointer:
+            self.refused_pointer = seen
+            self.refused_pointers += 1
+            self.log.error("refused the policy pointer to v%s: %s; keeping policy v%s", view.newest_version, why,
+                           self.policy.version)
 
     def swap_weights(self) -> None:
         """Load a finished download between batches."""
@@ -491,14 +534,24 @@ class Sampler:
         engine = self.policy.engine
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
                                group_size=self.scfg.group_size, seed=self.seed + indices[0])
-        rollouts = score_groups(self.task, engine.tokenizer, problems, groups, sampler_id=self.sampler_id,
-                                policy_version=self.policy.version, sampling=self.sampling)
+        rollouts = self.make_rollouts(problems, groups)
         self.note_verifier_errors()
         self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
         self.outbox.add(rollouts)
         self.generated += len(groups)
 
     # ---- helpers --------------------------------------------------------------------
+    def make_rollouts(self, problems, groups) -> list[Rollout]:
+        """The groups as rollouts: scored, stamped with the policy version, and with the run, key
+        id and next sequence number that the signature covers."""
+        rollouts = score_groups(self.task, self.policy.engine.tokenizer, problems, groups, sampler_id=self.sampler_id,
+                                policy_version=self.policy.version, sampling=self.sampling)
+        if self.signer is not None:
+            for r in rollouts:
+                r.run, r.key_id, r.seq = self.cfg.run.name, self.signer.key_id, self.next_seq
+                self.next_seq += 1
+        return rollouts
+
     def note_verifier_errors(self) -> None:
         """A verifier that raised scored that completion 0 (the task counts it); say so in the log."""
         errors = getattr(self.task, "verifier_errors", 0)
@@ -522,6 +575,7 @@ class Sampler:
     def totals(self) -> dict:
         return {"generated": self.generated, "published": self.outbox.published,
                 "verifier_errors": getattr(self.task, "verifier_errors", 0),
+                "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
                 "paused_s": round(sum(v for k, v in self.paused.items() if k.endswith("_s")), 1),
                 **{k: round(v, 1) for k, v in self.paused.items()}, **self.gate.stats}

@@ -72,3 +72,10 @@ def local_stack_env(local_stack: StackState, monkeypatch: pytest.MonkeyPatch) ->
     for key, value in stack_env(local_stack).items():
         monkeypatch.setenv(key, value)
     return local_stack
+
+
+@pytest.fixture(scope="session")
+def demo_data_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A data directory shared by the tests that run the demo config, so its base model is
+    warmed up once per session (it is cached in `<data_dir>/models`)."""
+    return tmp_path_factory.mktemp("demo-data")

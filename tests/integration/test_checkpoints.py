@@ -211,3 +211,52 @@ def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(l
     with pytest.raises(CorruptCheckpointError, match="pickle-based file"):
         store.fetch(key, tmp_path / "learner", learner_state=True)
     assert not marker.exists()
+
+
+# ---- signed manifests (issue 13) -------------------------------------------------------------
+def _signed_stores(stack, run):
+    from pipeline.signing import SigningKey
+
+    learner = SigningKey.generate()
+    writer, reader = _store(stack, run), _store(stack, run)
+    writer.signer, reader.trusted = learner, learner.public
+    return learner, writer, reader
+
+
+def test_a_signed_manifest_is_read_and_names_its_parent(local_stack, tiny_model_dir, tmp_path):
+    _, writer, reader = _signed_stores(local_stack, "ckpt-signed")
+    key = writer.publish(4, tiny_model_dir, parent_version=2)
+    path, manifest = reader.fetch(key, tmp_path / "v4")
+    raw = json.loads(writer.client.get_object(writer.bucket, key).read())
+    assert raw["parent_version"] == 2 and set(raw["signature"]) == {"key_id", "value"}
+    assert manifest.version == 4 and (path / "config.json").is_file()
+
+
+@pytest.mark.parametrize("attack", ["unsigned", "altered", "other_key", "moved"])
+def test_a_sampler_pinning_the_learner_key_refuses_what_the_learner_did_not_sign(
+        local_stack, tiny_model_dir, tmp_path, attack):
+    from pipeline.signing import SigningKey, sign_document
+
+    run = f"ckpt-forged-{attack}"
+    learner, writer, reader = _signed_stores(local_stack, run)
+    key = writer.publish(3, tiny_model_dir)
+    manifest = json.loads(writer.client.get_object(writer.bucket, key).read())
+    if attack == "unsigned":
+        writer.signer = None
+        key = writer.publish(5, tiny_model_dir)
+        expected = "not signed"
+    else:
+        if attack == "altered":  # a file's sha256 changed to match replaced bytes
+            manifest["files"][0]["sha256"] = "0" * 64
+            expected = "bad signature"
+        elif attack == "other_key":  # a whole manifest of the attacker's, self-signed
+            manifest = sign_document(manifest, SigningKey.generate())
+            expected = "not the trusted"
+        else:  # the learner's genuine v3 manifest copied to v9 (a version it never made)
+            key = writer.manifest_key(9)
+            expected = "not the one at this key"
+        body = json.dumps(manifest).encode()
+        writer.client.put_object(writer.bucket, key, io.BytesIO(body), len(body))
+    with pytest.raises(CorruptCheckpointError, match=expected):
+        reader.fetch(key, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

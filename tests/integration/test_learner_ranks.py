@@ -12,13 +12,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_train_with_two_learner_processes_completes_and_raises_accuracy(local_stack, tmp_path):
+def test_train_with_two_learner_processes_completes_and_raises_accuracy(local_stack, tmp_path, demo_data_dir):
     from infra.local_stack import stack_env
 
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "heterorl", "train", "--config", "demo", "--out", str(out), "--data-dir",
-         str(tmp_path / "data"), "--set", "learner.num_processes=2", "--set", "learner.max_steps=30",
+         str(demo_data_dir), "--set", "learner.num_processes=2", "--set", "learner.max_steps=30",
          "--set", "eval.every=null", "--set", "eval.problems=100"],
         cwd=ROOT, env={**os.environ, **stack_env(local_stack)}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,144 @@
+"""The learner's checks of a group's content before it may enter a batch.
+
+`GroupScreen.check` runs on every group the admission kept (docs/security.md):
+
+- **rewards**: the learner finds the problem the group names, checks the prompt tokens are
+  that problem's, scores every completion with the task's verifier and puts its own rewards
+  in the group; claimed rewards that differ are a failure (`reward_mismatch`).
+- **log-probs**: for a group of staleness 0 the learner's own weights are the version the
+  group claims, so it recomputes the per-token log-probs and compares
+  (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). A stale group is
+  re-scored with the checkpoint of the version it claims, for a share
+  `security.stale_logprob_check_fraction` drawn from a secret random stream; a version
+  already pruned from S3 cannot be checked (counted).
+
+Failures are handed back; the learner strikes the key and withdraws the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import statistics
+from collections import OrderedDict, Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
+from pipeline.config import SecurityConfig
+from pipeline.model import completion_logprobs, decode_completion, load_policy
+from pipeline.rollout import Rollout
+from pipeline.trust import logprob_gap
+
+log = logging.getLogger(__name__)
+
+
+class PastPolicies:
+    """The published checkpoints stale groups are re-scored with (the newest `capacity` kept in memory)."""
+
+    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 2):
+        self.store, self.work_dir, self.capacity = store, work_dir, capacity
+        self.models: "OrderedDict[int, torch.nn.Module]" = OrderedDict()
+
+    def get(self, version: int) -> Optional[torch.nn.Module]:
+        """The policy of `version`, or None if it is no longer in S3."""
+        if version in self.models:
+            self.models.move_to_end(version)
+            return self.models[version]
+        target = self.work_dir / f"check-v{version}"
+        try:
+            model_dir, _ = self.store.fetch(self.store.manifest_key(version), target)
+        except CheckpointNotFound:
+            return None
+        except CorruptCheckpointError as e:  # altered in S3 since the learner published it
+            log.error("cannot re-score groups of v%d: %s", version, e)
+            return None
+        try:
+            model, _ = load_policy(model_dir)
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
+        model.eval()
+        self.models[version] = model
+        while len(self.models) > self.capacity:
+            self.models.popitem(last=False)
+        return model
+
+
+class GroupScreen:
+    """Re-scores rewards and checks log-probs of one group at a time."""
+
+    def __init__(self, security: SecurityConfig, task, tokenizer, temperature: float,
+                 current_policy: Callable[[], Optional[torch.nn.Module]], past: Optional[PastPolicies]):
+        """`current_policy`: the learner's weights now (None where they cannot be run on this
+        rank alone: ZeRO-3 over several ranks)."""
+        self.security, self.task, self.tokenizer, self.temperature = security, task, tokenizer, temperature
+        self.current_policy, self.past = current_policy, past
+        self.draw = random.Random()  # seeded from the OS: samplers cannot predict which groups are checked
+        self.gaps: dict[str, list[float]] = {}
+        """Sampler id -> the log-prob statistic of each of its checked groups (calibration data)."""
+        self.counts: Counter = Counter()
+
+    def check(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
+        """(kind, detail) of each failed check; the group's rewards are the learner's afterwards."""
+        failures = []
+        if self.security.rescore_rewards:
+            failures += self._rescore(rollout)
+        if not failures:
+            failures += self._logprobs(rollout, staleness)
+        return failures
+
+    def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
+        try:
+            problem = self.task.train_problem_by_id(rollout.prompt_id)
+        except (KeyError, ValueError):
+            return [("unknown_prompt", f"no train problem {rollout.prompt_id!r}")]
+        if list(self.task.encode_prompt(problem, self.tokenizer)) != list(rollout.prompt_ids):
+            return [("prompt_mismatch", f"prompt tokens are not those of {rollout.prompt_id}")]
+        ours = [float(self.task.reward(problem, decode_completion(self.tokenizer, c))) for c in rollout.completion_ids]
+        self.counts["rewards_rescored"] += 1
+        claimed, rollout.rewards = rollout.rewards, ours
+        wrong = sum(abs(a - b) > 1e-6 for a, b in zip(claimed, ours))
+        if wrong:
+            return [("reward_mismatch", f"{wrong} of {len(ours)} claimed rewards differ from the verifier's")]
+        return []
+
+    def _logprobs(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
+        model = self._model_for(rollout, staleness)
+        if model is None:
+            return []
+        with torch.no_grad():
+            logps, mask = completion_logprobs(model, [rollout.prompt_ids] * rollout.group_size,
+                                              rollout.completion_ids, self.temperature)
+        ours = [row[: int(m.sum())].double().tolist() for row, m in zip(logps, mask)]
+        gap = logprob_gap(rollout.sampler_logps, ours)
+        self.gaps.setdefault(rollout.sampler_id, []).append(gap)
+        self.counts["logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale"] += 1
+        if gap > self.security.logprob_threshold:
+            return [("logprob_mismatch", f"median exp(|Δ|)-1 = {gap:.3g} > {self.security.logprob_threshold:g} "
+                                         f"at v{rollout.policy_version}")]
+        return []
+
+    def _model_for(self, rollout: Rollout, staleness: int) -> Optional[torch.nn.Module]:
+        if staleness == 0:
+            model = self.current_policy()
+            if model is None:
+                self.counts["logprobs_unchecked_zero3"] += 1
+            return model
+        if self.past is None or self.draw.random() >= self.security.stale_logprob_check_fraction:
+            return None
+        model = self.past.get(rollout.policy_version)
+        if model is None:
+            self.counts["logprobs_unchecked_pruned"] += 1
+        return model
+
+    def summary(self) -> dict:
+        """The counts, and per sampler the checked groups' statistic: n, median, p99, max."""
+        per_sampler = {}
+        for sampler_id, values in sorted(self.gaps.items()):
+            gaps = sorted(values)
+            per_sampler[sampler_id] = {"groups": len(gaps), "median": statistics.median(gaps),
+                                       "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], "max": gaps[-1]}
+        return {**self.counts, "logprob_gap_by_sampler": per_sampler}

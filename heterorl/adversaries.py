@@ -1,0 +1,224 @@
+"""The adversaries of `heterorl attack`: samplers that hold a registered key and lie, and
+two attackers with write access to the broker and the bucket (docs/security.md).
+
+Samplers (`heterorl adversary KIND`), each a `producers.sampler.Sampler` that changes one thing:
+
+- `forged_rewards`:  claims every completion is correct;
+- `noisy_logprobs`:  adds N(0, 0.5) noise to its log-probs;
+- `other_model`:     generates with another model (a fresh random initialisation of the same
+                     architecture) while claiming the published version;
+- `false_version`:   stamps its groups with a policy version the learner has not made;
+- `bad_signature`:   sends every other group unsigned, the rest with a corrupted signature.
+
+Attackers run as threads of `heterorl attack`:
+
+- `Replayer`:        re-sends copies of earlier messages of the topic;
+- `ManifestTamperer`: with write access to S3 and Redis, rewrites a checkpoint in place,
+                     publishes a checkpoint of its own, and rolls the policy pointer back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import threading
+from typing import Optional
+
+import msgpack
+import numpy as np
+import torch
+
+from pipeline.checkpoints import CheckpointStore
+from pipeline.config import HeteroConfig
+from pipeline.kafka_io import RolloutSink, read_topic
+from pipeline.rollout import Rollout, encode_rollout, seal_rollout
+from pipeline.signing import SigningKey, sign_document
+from producers.sampler import Sampler
+
+SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
+ATTACKER_KINDS = ("replay", "tampered_manifest")
+
+
+class ForgedRewards(Sampler):
+    def make_rollouts(self, problems, groups) -> list[Rollout]:
+        rollouts = super().make_rollouts(problems, groups)
+        for r in rollouts:
+            r.rewards = [1.0] * r.group_size
+        return rollouts
+
+
+class NoisyLogprobs(Sampler):
+    def make_rollouts(self, problems, groups) -> list[Rollout]:
+        rollouts = super().make_rollouts(problems, groups)
+        rng = np.random.default_rng(self.seed)
+        for r in rollouts:
+            r.sampler_logps = [np.minimum(np.asarray(c) + rng.normal(0.0, 0.5, len(c)), 0.0).tolist()
+                               for c in r.sampler_logps]
+        return rollouts
+
+
+class OtherModel(Sampler):
+    """Every version it loads is replaced by another model before it generates."""
+
+    def swap_weights(self) -> None:
+        before = self.policy.version
+        super().swap_weights()
+        engine = self.policy.engine
+        if self.policy.version != before and hasattr(engine, "model"):
+            torch.manual_seed(self.seed)
+            other = type(engine.model)(engine.model.config).to(next(engine.model.parameters()).device)
+            engine.model = other.eval()
+
+
+class FalseVersion(Sampler):
+    def make_rollouts(self, problems, groups) -> list[Rollout]:
+        rollouts = super().make_rollouts(problems, groups)
+        for r in rollouts:
+            r.policy_version = (self.view.newest_version or 0) + 1000
+        return rollouts
+
+
+class ForgingSink(RolloutSink):
+    """Alternates an unsigned body and a sealed one whose signature has a flipped byte."""
+
+    sent = 0
+
+    def encode(self, rollout: Rollout) -> bytes:
+        self.sent += 1
+        if self.sent % 2:
+            return encode_rollout(rollout)
+        sealed = msgpack.unpackb(seal_rollout(rollout, self.signer), raw=False)
+        signature = bytearray(sealed["signature"])
+        signature[0] ^= 0xFF
+        return msgpack.packb({"signed_rollout": sealed["signed_rollout"], "signature": bytes(signature)},
+                             use_bin_type=True)
+
+
+class BadSignature(Sampler):
+    def start(self) -> None:
+        super().start()
+        bootstrap, topic, timeout = self.handles.services.kafka_bootstrap, self.cfg.run.topic, self.scfg.send_timeout_s
+        self.outbox.make_sink = lambda: ForgingSink(bootstrap, topic, send_timeout_s=timeout,
+                                                    connect_timeout_s=timeout, signer=self.signer)
+
+
+ADVERSARY_SAMPLERS = {"forged_rewards": ForgedRewards, "noisy_logprobs": NoisyLogprobs, "other_model": OtherModel,
+                      "false_version": FalseVersion, "bad_signature": BadSignature}
+
+
+def run_adversary(kind: str, cfg: HeteroConfig, sampler_id: str) -> int:
+    return ADVERSARY_SAMPLERS[kind](cfg, sampler_id).run()
+
+
+class Replayer(threading.Thread):
+    """Every `every_s`, re-sends verbatim copies of `batch` earlier messages of the topic
+    (with their headers), remembering where each copy landed."""
+
+    def __init__(self, bootstrap: str, topic: str, every_s: float = 3.0, batch: int = 4, seed: int = 0):
+        super().__init__(name="replayer", daemon=True)
+        self.bootstrap, self.topic, self.every_s, self.batch = bootstrap, topic, every_s, batch
+        self.rng = random.Random(seed)
+        self.copies: set[tuple[int, int]] = set()
+        self.stopped = threading.Event()
+        self.errors = 0
+
+    def run(self) -> None:
+        sink: Optional[RolloutSink] = None
+        while not self.stopped.wait(self.every_s):
+            try:
+                sink = sink or RolloutSink(self.bootstrap, self.topic)
+                records = [r for r in read_topic(self.bootstrap, self.topic, timeout_s=10.0)
+                           if (r.partition, r.offset) not in self.copies]
+                for r in self.rng.sample(records, min(self.batch, len(records))):
+                    self.copies.add(sink.send_raw(r.value, headers=r.headers, key=None))
+            except Exception:  # noqa: BLE001 - an attacker keeps trying
+                self.errors += 1
+        if sink is not None:
+            sink.close()
+
+
+class ManifestTamperer(threading.Thread):
+    """An attacker with write access to the bucket and to Redis. Every `every_s` it does the
+    next of three things:
+
+    1. rewrites the newest checkpoint in place: a weights file altered, the manifest's sha256
+       changed to match (the learner's signature no longer holds);
+    2. publishes a checkpoint of its own as the next version, signed with its own key, and
+       points the policy pointer at it;
+    3. puts back an old policy pointer the learner really signed (a rollback).
+
+    Samplers must refuse all three and keep their weights."""
+
+    def __init__(self, store: CheckpointStore, state, every_s: float = 10.0):
+        super().__init__(name="tamperer", daemon=True)
+        self.store, self.state, self.every_s = store, state, every_s
+        self.key = SigningKey.generate()
+        self.actions: list[str] = []
+        self.stopped = threading.Event()
+        self.errors = 0
+        self.old_pointer: Optional[dict] = None
+
+    def run(self) -> None:
+        attacks = (self.tamper_in_place, self.forge_next_version, self.roll_back)
+        while not self.stopped.wait(self.every_s):
+            try:
+                done = attacks[len(self.actions) % len(attacks)]()
+                if done:
+                    self.actions.append(done)
+            except Exception:  # noqa: BLE001 - an attacker keeps trying
+                self.errors += 1
+
+    def _altered_weights(self, version: int, manifest: dict) -> tuple[dict, bytes]:
+        target = next(f for f in manifest["files"] if f["path"].endswith(".safetensors"))
+        data = bytearray(self._get(self.store.version_prefix(version) + target["path"]))
+        data[-64:] = bytes(64)  # the last weights of the file, zeroed
+        return target, bytes(data)
+
+    def _get(self, key: str) -> bytes:
+        response = self.store.client.get_object(self.store.bucket, key)
+        try:
+            return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+
+    def _put(self, key: str, data: bytes) -> None:
+        self.store.client.put_object(self.store.bucket, key, io.BytesIO(data), len(data))
+
+    def tamper_in_place(self) -> Optional[str]:
+        version, key = self.state.policy()
+        if not version:
+            return None
+        if self.old_pointer is None:
+            self.old_pointer = self.state.client.hgetall(self.state.prefix + "policy")
+        manifest = json.loads(self._get(key))
+        target, data = self._altered_weights(version, manifest)
+        self._put(self.store.version_prefix(version) + target["path"], data)
+        target["sha256"] = hashlib.sha256(data).hexdigest()
+        self._put(key, json.dumps(manifest).encode())
+        return f"v{version} rewritten in place"
+
+    def forge_next_version(self) -> Optional[str]:
+        version, key = self.state.policy()
+        if version is None:
+            return None
+        manifest = json.loads(self._get(key))
+        forged = version + 1
+        target, data = self._altered_weights(version, manifest)
+        for f in manifest["files"]:
+            body = data if f is target else self._get(self.store.version_prefix(version) + f["path"])
+            self._put(self.store.version_prefix(forged) + f["path"], body)
+            f["sha256"], f["size"] = hashlib.sha256(body).hexdigest(), len(body)
+        manifest = sign_document({**{k: v for k, v in manifest.items() if k != "signature"}, "version": forged},
+                                 self.key)
+        self._put(self.store.manifest_key(forged), json.dumps(manifest).encode())
+        self.state.publish_policy(forged, self.store.manifest_key(forged), signer=self.key)
+        return f"v{forged} forged and pointed to"
+
+    def roll_back(self) -> Optional[str]:
+        if not self.old_pointer:
+            return None
+        self.state.client.hset(self.state.prefix + "policy", mapping=self.old_pointer)
+        return f"pointer rolled back to v{self.old_pointer['version']}"

@@ -1,0 +1,195 @@
+"""`heterorl attack`: a training run with honest samplers and one adversary of each kind,
+then an audit of what the defences did (docs/security.md).
+
+The run gets a local stack of its own (in OUT/data), keys for every sampler, honest and
+not (the adversaries hold registered keys: they are insiders), and `minutes` of training.
+Then the samplers stop, the learner drains, and OUT/attack_audit.json says:
+
+- `forged_used_in_updates`: used groups from an adversary, or copies the replayer sent
+  (target 0);
+- per adversary: groups it produced, groups used, and for those the learner can attribute
+  (a valid signature on bad data), whether and after how many of its groups it was
+  quarantined (target: within 20; the log-prob forger within 2 of its groups of
+  staleness 0, the fresh data checked against the learner's own weights);
+- honest samplers quarantined (target: none);
+- the checkpoints the tamperer rewrote and how often samplers refused them;
+- held-out accuracy before and after (it should still rise).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from heterorl.adversaries import SAMPLER_KINDS, ManifestTamperer, Replayer
+from heterorl.keys import provision_local
+from heterorl.processes import Processes, child_env
+from heterorl.stack import as_role, services_for_run
+from pipeline.audit import audit_topic
+from pipeline.config import HeteroConfig, dump_config
+from pipeline.keyring import init_keys, key_paths
+from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
+                              resolve_base_model, setup_logging)
+
+QUARANTINE_WITHIN = 20
+"""Groups within which each attributable adversary must be quarantined."""
+FRESH_WITHIN = {"noisy_logprobs": 2}
+"""Groups of staleness 0 (checked against the learner's own weights every time) within which
+these must be quarantined; their stale groups are only checked at
+`security.stale_logprob_check_fraction`."""
+UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
+"""Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
+
+
+def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int:
+    log = setup_logging("attack")
+    started = time.time()
+    run_name = f"{cfg.run.name}-attack-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    base = resolve_base_model(cfg).resolve()  # from the usual model cache, before the data dir moves to OUT
+    task = make_task_from_config(cfg)
+    cfg = cfg.model_copy(update={
+        "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
+        "services": cfg.services.model_copy(update={"data_dir": str(out / "data"), "kafka_bootstrap": None,
+                                                    "redis_url": None, "s3_endpoint": None}),
+        "learner": cfg.learner.model_copy(update={"max_steps": 10**9}),
+        "model": cfg.model.model_copy(update={"base": str(base)}),
+    })
+    with services_for_run(cfg, keep=False) as (cfg, services, _):
+        init_keys(key_paths(cfg))
+        handles = connect_run(cfg)
+        honest_ids = [f"{run_name}-s{i}" for i in range(honest)]
+        adversary_ids = {kind: f"{run_name}-adv-{kind}" for kind in SAMPLER_KINDS}
+        provision_local(cfg, handles.state.client, honest_ids + list(adversary_ids.values()))
+        before = evaluate_checkpoint(cfg, base, task)
+        log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
+        config_file = out / "config.yaml"
+        config_file.write_text(dump_config(cfg))
+        procs = Processes(out, child_env(as_role(services, cfg.services.data_dir, "sampler")))
+        common = ["--config", str(config_file), "--data-dir", cfg.services.data_dir]
+        replayer = Replayer(services.kafka_bootstrap, cfg.run.topic, seed=cfg.run.seed)
+        tamperer = ManifestTamperer(handles.store, handles.state)
+        try:
+            procs.start("learner", ["learner", *common, "--out", str(out)],
+                        env=child_env(as_role(services, cfg.services.data_dir, "learner")))
+            for i, sampler_id in enumerate(honest_ids):
+                procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id])
+            for kind, sampler_id in adversary_ids.items():
+                procs.start(f"adversary-{kind}", ["adversary", kind, *common, "--id", sampler_id])
+            replayer.start()
+            tamperer.start()
+            _wait(procs, handles.state, minutes * 60)
+            log.info("stopping samplers and attackers, then draining the learner")
+            replayer.stopped.set()
+            tamperer.stopped.set()
+            procs.stop([n for n in procs.procs if n != "learner"], grace_s=120.0)
+            _drain(procs)
+        finally:
+            replayer.stopped.set()
+            tamperer.stopped.set()
+            procs.stop()
+        version, manifest_key = handles.state.policy()
+        manifest = handles.store.read_manifest(manifest_key)
+        after = evaluate_published(cfg, handles.store, manifest_key, out / "final_policy", task)
+        reports = handles.state.sampler_stats()
+        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, manifest.extra, reports,
+                           honest_sampler_ids=set(honest_ids), forged_messages=frozenset(replayer.copies))
+        audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports)
+        audit.update(run=run_name, minutes=minutes, honest_samplers=honest, final_policy_version=version,
+                     eval_accuracy_before=before["accuracy_sampled"], eval_accuracy_after=after["accuracy_sampled"],
+                     eval_greedy_before=before["accuracy_greedy"], eval_greedy_after=after["accuracy_greedy"],
+                     learner_checks=json.loads((out / "learner_summary.json").read_text()).get("checks"),
+                     wall_seconds=round(time.time() - started, 1))
+    (out / "attack_audit.json").write_text(json.dumps(audit, indent=2))
+    print(_report(audit, out))
+    return 0 if audit["targets_met"] else 1
+
+
+def _wait(procs: Processes, state, seconds: float) -> None:
+    t0 = time.monotonic()
+    bar = tqdm(total=int(seconds), desc="attack", unit="s", file=sys.stderr, disable=None, mininterval=2)
+    try:
+        while time.monotonic() - t0 < seconds:
+            learner = procs.procs["learner"]
+            if learner.poll() is not None:
+                raise procs.failure("learner", f"learner exited with {learner.returncode}")
+            bar.update(int(time.monotonic() - t0) - bar.n)
+            bar.set_postfix_str(f"v{state.policy_version()} quarantined {len(state.quarantines())}")
+            time.sleep(1.0)
+    finally:
+        bar.close()
+
+
+def _drain(procs: Processes, timeout_s: float = 600.0) -> None:
+    learner = procs.procs["learner"]
+    learner.send_signal(signal.SIGUSR1)
+    try:
+        learner.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise procs.failure("learner", f"the learner did not finish draining within {timeout_s:.0f}s") from None
+    if learner.returncode != 0:
+        raise procs.failure("learner", f"learner exited with {learner.returncode} while draining")
+
+
+def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: dict[str, str], replayer: Replayer,
+           tamperer: ManifestTamperer, reports: dict) -> dict:
+    by_sampler = data.get("by_sampler", {})
+    quarantined_by_sampler = {q["sampler_id"]: q for q in quarantines.values()}
+    adversaries = {}
+    for kind, sampler_id in adversary_ids.items():
+        row = by_sampler.get(sampler_id, {"produced": 0, "used": 0})
+        q = quarantined_by_sampler.get(sampler_id)
+        in_time = q is not None and q["groups_seen"] <= QUARANTINE_WITHIN and (
+            kind not in FRESH_WITHIN or q["fresh_groups_seen"] <= FRESH_WITHIN[kind])
+        adversaries[kind] = {
+            "sampler_id": sampler_id, "groups_produced": row["produced"], "groups_used": row["used"],
+            "quarantined": q is not None, "quarantined_after_groups": q.get("groups_seen") if q else None,
+            "quarantined_after_fresh_groups": q.get("fresh_groups_seen") if q else None,
+            "reason": q.get("reason") if q else None,
+            "quarantine_within": None if kind in UNATTRIBUTABLE else QUARANTINE_WITHIN,
+            "quarantine_within_fresh": FRESH_WITHIN.get(kind),
+            "target_met": row["used"] == 0 and (kind in UNATTRIBUTABLE or in_time),
+        }
+    adversaries["replay"] = {"copies_sent": len(replayer.copies), "copies_used": data["copies_used_in_updates"],
+                             "target_met": bool(replayer.copies) and data["copies_used_in_updates"] == 0}
+    refusals = sum(int(r.get("refused_checkpoints", 0)) + int(r.get("refused_pointers", 0))
+                   for sid, r in reports.items() if sid in honest_ids)
+    adversaries["tampered_manifest"] = {"attacks": tamperer.actions, "honest_sampler_refusals": refusals,
+                                        "target_met": bool(tamperer.actions) and refusals > 0}
+    honest_quarantined = sorted(s for s in quarantined_by_sampler if s in honest_ids)
+    counts = {k: v for k, v in data.items() if k != "by_sampler"}
+    # `lost` is not a target here: with this many producers on one partition Tansu 0.6 stores some
+    # messages under an offset another already holds (`broker_offset_collisions`), and a
+    # consumer never sees them (docs/faults.md); such a message cannot be used either.
+    met = (data["forged_used_in_updates"] == 0 and data["used_twice"] == 0
+           and not honest_quarantined and all(a["target_met"] for a in adversaries.values()))
+    return {"targets_met": met, "forged_used_in_updates": data["forged_used_in_updates"],
+            "honest_quarantined": honest_quarantined, "adversaries": adversaries,
+            "honest": {s: by_sampler.get(s, {}) for s in honest_ids}, "accounting": counts,
+            "quarantines": quarantines}
+
+
+def _report(audit: dict, out: Path) -> str:
+    lines = [f"\nattack {audit['run']}: forged groups used {audit['forged_used_in_updates']}, honest samplers "
+             f"quarantined {len(audit['honest_quarantined'])}, held-out accuracy {audit['eval_accuracy_before']:.3f}"
+             f" -> {audit['eval_accuracy_after']:.3f}; targets {'met' if audit['targets_met'] else 'MISSED'}"]
+    for kind, a in audit["adversaries"].items():
+        if "groups_produced" in a:
+            q = (f"quarantined after {a['quarantined_after_groups']} groups, {a['quarantined_after_fresh_groups']} "
+                 f"of staleness 0 ({a['reason']})" if a["quarantined"]
+                 else "every message refused, not attributable" if a["quarantine_within"] is None else "NOT quarantined")
+            lines.append(f"  {kind:16} produced {a['groups_produced']:4}, used {a['groups_used']}, {q}")
+    r = audit["adversaries"]["replay"]
+    lines.append(f"  {'replay':16} {r['copies_sent']} copies re-sent, {r['copies_used']} used")
+    t = audit["adversaries"]["tampered_manifest"]
+    lines.append(f"  {'tampered_manifest':16} {len(t['attacks'])} attacks on S3/Redis, refused "
+                 f"{t['honest_sampler_refusals']} times by honest samplers")
+    lines.append(f"audit: {out}/attack_audit.json")
+    return "\n".join(lines)
+

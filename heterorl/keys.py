@@ -1,0 +1,132 @@
+"""`heterorl keys init | add | revoke | list`: the run's root and learner keys and the
+root-signed registry of sampler keys in Redis (docs/security.md).
+
+`provision_local` is what `heterorl train` and `heterorl chaos` do for the samplers they
+start themselves: keys made if missing, each sampler's key registered.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import ConfigError, HeteroConfig
+from pipeline.keyring import (add_key, init_keys, key_paths, load_root_key, load_root_public, read_registry,
+                              write_registry)
+from pipeline.redis_state import connect_redis
+from pipeline.services import require_services
+from pipeline.signing import PublicKey, SignatureError, SigningKey, read_key_file, write_key_file
+from pipeline.trust import KeyEntry, KeyRegistry
+
+
+def _redis(cfg: HeteroConfig):
+    return connect_redis(require_services(cfg.services).redis_url, timeout_s=cfg.services.connect_timeout_s)
+
+
+def _registry(cfg: HeteroConfig, client) -> KeyRegistry:
+    try:
+        return read_registry(client, cfg.run.name, load_root_public(key_paths(cfg)))
+    except SignatureError as e:
+        raise ConfigError(f"the key registry of run {cfg.run.name} in Redis is not valid: {e.reason}") from None
+
+
+def keys_init(cfg: HeteroConfig) -> list[str]:
+    paths = key_paths(cfg)
+    written = init_keys(paths)
+    lines = [f"wrote {p}" for p in written] or [f"keys already in {paths.keys_dir}/ (nothing written)"]
+    root, learner = load_root_public(paths), read_key_file(paths.learner_key).public
+    lines += [f"root key {root.key_id} (keep {paths.root_key} offline: it signs the sampler key registry)",
+              f"learner key {learner.key_id}: give samplers {paths.learner_public} "
+              "(security.learner_public_key) so they accept only its checkpoints"]
+    return lines
+
+
+def keys_add(cfg: HeteroConfig, sampler_id: str, *, public_key: Optional[str] = None, out: Optional[Path] = None,
+             lifetime_days: Optional[float] = None) -> list[str]:
+    """Register a key for `sampler_id`: the given public key, or a new key pair written to
+    `out` (default <keys_dir>/samplers/<id>.key)."""
+    paths = key_paths(cfg)
+    root = load_root_key(paths)
+    client = _redis(cfg)
+    lines = []
+    if public_key:
+        try:
+            public = PublicKey.from_b64(public_key)
+        except SignatureError as e:
+            raise ConfigError(f"--public-key: {e.reason}") from None
+    else:
+        target = Path(out) if out else paths.sampler_key(sampler_id)
+        if target.exists():
+            raise ConfigError(f"{target} already exists: revoke its key first, or pass --out / --public-key")
+        key = SigningKey.generate()
+        write_key_file(key, target)
+        public = key.public
+        lines.append(f"wrote {target} (mode 0600): give it to the sampler as security.sampler_key, or its base64 "
+                     "key as HETERORL_SAMPLER_KEY")
+    days = lifetime_days if lifetime_days is not None else cfg.security.key_lifetime_days
+    registry = add_key(_registry(cfg, client), sampler_id, public, days)
+    write_registry(client, registry, root)
+    entry = registry.keys[public.key_id]
+    lines.append(f"added key {entry.key_id} for sampler {sampler_id!r} to run {cfg.run.name}, expires "
+                 f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(entry.expires_at))} (registry serial {registry.serial})")
+    return lines
+
+
+def keys_revoke(cfg: HeteroConfig, name: str) -> list[str]:
+    """Revoke every active key whose id or sampler id is `name`."""
+    paths = key_paths(cfg)
+    root = load_root_key(paths)
+    client = _redis(cfg)
+    registry = _registry(cfg, client)
+    targets = [k for k in registry.find(name) if k.status == "active"]
+    if not targets:
+        raise ConfigError(f"no active key {name!r} (a key id or sampler id) in run {cfg.run.name}: "
+                          "see `heterorl keys list`")
+    now = time.time()
+    for k in targets:
+        registry = registry.with_revoked(k.key_id, now)
+    write_registry(client, registry, root)
+    return [f"revoked key {k.key_id} of sampler {k.sampler_id!r} (registry serial {registry.serial}); the learner "
+            f"refuses its rollouts within security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"
+            for k in targets]
+
+
+def keys_list(cfg: HeteroConfig) -> list[str]:
+    registry = _registry(cfg, _redis(cfg))
+    if not registry.keys:
+        return [f"no sampler keys registered for run {cfg.run.name} (heterorl keys add <sampler id>)"]
+    now = time.time()
+    lines = [f"{'key id':16}  {'sampler':24}  {'status':8}  expires"]
+    for k in sorted(registry.keys.values(), key=lambda k: k.added_at):
+        status = k.status if k.status != "active" or now <= k.expires_at else "expired"
+        lines.append(f"{k.key_id:16}  {k.sampler_id:24}  {status:8}  "
+                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(k.expires_at))}")
+    return lines
+
+
+def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str]) -> None:
+    """For samplers started by this machine's `train` / `chaos` (`client`: Redis as admin):
+    keys made if missing, and each sampler's key file written and registered unless an
+    active registration of it exists."""
+    if not cfg.security.require_signatures:
+        return
+    paths = key_paths(cfg)
+    init_keys(paths)
+    root = load_root_key(paths)
+    registry = _registry(cfg, client)
+    changed = False
+    for sampler_id in sampler_ids:
+        path = paths.sampler_key(sampler_id)
+        key = read_key_file(path) if path.exists() else None
+        entry: Optional[KeyEntry] = registry.keys.get(key.key_id) if key else None
+        if entry is not None and entry.status == "active" and entry.expires_at > time.time() + 3600:
+            continue
+        if key is not None:
+            path.unlink()  # revoked or expired: a fresh key
+        key = SigningKey.generate()
+        write_key_file(key, path)
+        registry = add_key(registry, sampler_id, key.public, cfg.security.key_lifetime_days)
+        changed = True
+    if changed:
+        write_registry(client, registry, root)

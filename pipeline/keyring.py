@@ -1,0 +1,140 @@
+"""Where a run's keys live, and the signed key registry in Redis (`heterorl keys`).
+
+    <keys_dir>/root.key, root.pub         signs the key registry (keep root.key offline)
+    <keys_dir>/learner.key, learner.pub   signs manifests and the policy pointer
+    <keys_dir>/samplers/<id>.key          a sampler's key (`heterorl keys add <id>`)
+
+A remote sampler needs only `learner.pub` and its own key file (or HETERORL_SAMPLER_KEY).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config import ConfigError, HeteroConfig
+from pipeline.signing import (KeyFileError, PublicKey, SignatureError, SigningKey, read_key_file, read_public_file,
+                              write_key_file, write_public_file)
+from pipeline.trust import KeyEntry, KeyRegistry
+
+SAMPLER_KEY_ENV = "HETERORL_SAMPLER_KEY"
+"""A sampler's private key, base64 (what `heterorl keys add --print` shows)."""
+
+
+@dataclass(frozen=True)
+class KeyPaths:
+    keys_dir: Path
+    root_key: Path
+    root_public: Path
+    learner_key: Path
+    learner_public: Path
+
+    def sampler_key(self, sampler_id: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", sampler_id):
+            raise ConfigError(f"sampler id {sampler_id!r} cannot name a key file: use letters, digits, '_', '.', '-'")
+        return self.keys_dir / "samplers" / f"{sampler_id}.key"
+
+
+def key_paths(cfg: HeteroConfig) -> KeyPaths:
+    s = cfg.security
+    keys_dir = Path(s.keys_dir or Path(cfg.services.data_dir) / "keys")
+    return KeyPaths(keys_dir, keys_dir / "root.key", Path(s.root_public_key or keys_dir / "root.pub"),
+                    Path(s.learner_key or keys_dir / "learner.key"),
+                    Path(s.learner_public_key or keys_dir / "learner.pub"))
+
+
+def init_keys(paths: KeyPaths) -> list[Path]:
+    """Make the root and learner keys that do not exist yet; returns the files written."""
+    written = []
+    for private, public in ((paths.root_key, paths.root_public), (paths.learner_key, paths.learner_public)):
+        if private.exists():
+            key = read_key_file(private)
+            if not public.exists():
+                written.append(write_public_file(key.public, public))
+            continue
+        key = SigningKey.generate()
+        written += [write_key_file(key, private), write_public_file(key.public, public)]
+    return written
+
+
+def _missing(path: Path, what: str) -> KeyFileError:
+    return KeyFileError(f"no {what} at {path}: run `heterorl keys init` (or set security.* to the file)")
+
+
+def load_root_public(paths: KeyPaths) -> PublicKey:
+    if not paths.root_public.exists():
+        raise _missing(paths.root_public, "root public key")
+    return read_public_file(paths.root_public)
+
+
+def load_root_key(paths: KeyPaths) -> SigningKey:
+    if not paths.root_key.exists():
+        raise _missing(paths.root_key, "root key")
+    return read_key_file(paths.root_key)
+
+
+def load_learner_key(paths: KeyPaths) -> SigningKey:
+    if not paths.learner_key.exists():
+        raise _missing(paths.learner_key, "learner key")
+    return read_key_file(paths.learner_key)
+
+
+def load_learner_public(paths: KeyPaths) -> PublicKey:
+    if not paths.learner_public.exists():
+        raise _missing(paths.learner_public, "learner public key (samplers pin it)")
+    return read_public_file(paths.learner_public)
+
+
+def load_sampler_key(paths: KeyPaths, sampler_id: str, configured: Optional[str]) -> SigningKey:
+    """HETERORL_SAMPLER_KEY, else security.sampler_key, else <keys_dir>/samplers/<id>.key."""
+    if os.environ.get(SAMPLER_KEY_ENV):
+        return SigningKey.from_seed_b64(os.environ[SAMPLER_KEY_ENV], where=f"${SAMPLER_KEY_ENV}")
+    path = Path(configured) if configured else paths.sampler_key(sampler_id)
+    if not path.exists():
+        raise KeyFileError(f"no key for sampler {sampler_id!r} at {path}: `heterorl keys add {sampler_id}` makes one "
+                           f"(or set {SAMPLER_KEY_ENV} / security.sampler_key)")
+    return read_key_file(path)
+
+
+# ---- the registry in Redis ---------------------------------------------------------------------
+def registry_key(run: str) -> str:
+    return f"heterorl:{run}:key_registry"
+
+
+def read_registry(client, run: str, root: PublicKey) -> KeyRegistry:
+    """The run's registry as the root key signed it (an empty one if none was written yet);
+    SignatureError if what Redis holds is not signed by the root key."""
+    raw = client.get(registry_key(run))
+    if raw is None:
+        return KeyRegistry.empty(run)
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        raise SignatureError("the key registry in Redis is not JSON") from None
+    return KeyRegistry.from_signed(document, root, run)
+
+
+def write_registry(client, registry: KeyRegistry, root: SigningKey) -> None:
+    """Store `registry`, signed; refuses to replace a newer one (a higher serial)."""
+    key = registry_key(registry.run)
+    with client.pipeline() as pipe:
+        pipe.watch(key)
+        raw = pipe.get(key)
+        if raw is not None and int(json.loads(raw).get("serial", 0)) >= registry.serial:
+            raise ConfigError("the key registry changed meanwhile (another `heterorl keys` command?): run it again")
+        pipe.multi()
+        pipe.set(key, json.dumps(registry.signed(root)))
+        pipe.execute()
+
+
+def add_key(registry: KeyRegistry, sampler_id: str, public: PublicKey, lifetime_days: float,
+            now: Optional[float] = None) -> KeyRegistry:
+    now = time.time() if now is None else now
+    if public.key_id in registry.keys:
+        raise ConfigError(f"key {public.key_id} is already registered (to {registry.keys[public.key_id].sampler_id!r})")
+    return registry.with_key(KeyEntry(public.key_id, sampler_id, public, "active", now + lifetime_days * 86400, now))

@@ -1,0 +1,68 @@
+"""The learner's content checks on real groups from the tiny model: its own rewards, and the
+log-prob check against the version a group claims."""
+
+import numpy as np
+import pytest
+
+from consumers.screening import GroupScreen
+from pipeline.config import SecurityConfig
+from pipeline.model import build_tiny_model, build_tokenizer, sample_groups
+from pipeline.tasks import make_task
+from producers.sampler import score_groups
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=0).eval()
+    task = make_task("arithmetic")
+    problems = [task.train_problem(i) for i in range(3)]
+    groups = sample_groups(model, tokenizer, [task.encode_prompt(p, tokenizer) for p in problems], group_size=4,
+                           temperature=1.0, max_new_tokens=5, seed=1)
+    rollouts = lambda: score_groups(task, tokenizer, problems, groups, sampler_id="s", policy_version=0,  # noqa: E731
+                                    sampling={"temperature": 1.0})
+    return tokenizer, model, task, rollouts
+
+
+def screen(setup, **security):
+    tokenizer, model, task, _ = setup
+    return GroupScreen(SecurityConfig(**security), task, tokenizer, 1.0, lambda: model, None)
+
+
+def test_honest_groups_pass_with_a_gap_of_float_noise(setup):
+    s = screen(setup)
+    for r in setup[3]():
+        assert s.check(r, staleness=0) == []
+    gaps = s.summary()["logprob_gap_by_sampler"]["s"]
+    assert gaps["groups"] == 3 and gaps["max"] < 1e-4
+
+
+def test_forged_rewards_are_replaced_by_the_verifiers_and_reported(setup):
+    r = setup[3]()[0]
+    honest = list(r.rewards)
+    r.rewards = [1.0] * r.group_size
+    assert honest != [1.0] * 4  # an untrained model does not solve them all
+    failures = screen(setup).check(r, staleness=0)
+    assert [k for k, _ in failures] == ["reward_mismatch"]
+    assert r.rewards == honest  # the learner trains on its own
+
+
+def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
+    r = setup[3]()[1]
+    rng = np.random.default_rng(0)
+    r.sampler_logps = [np.minimum(np.asarray(c) + rng.normal(0, 0.5, len(c)), 0).tolist() for c in r.sampler_logps]
+    failures = screen(setup).check(r, staleness=0)
+    assert [k for k, _ in failures] == ["logprob_mismatch"]
+    other = setup[3]()[2]
+    other.prompt_id = "arith-train-0"
+    assert [k for k, _ in screen(setup).check(other, staleness=0)] == ["prompt_mismatch"]
+    other.prompt_id = "arith-train-x"
+    assert [k for k, _ in screen(setup).check(other, staleness=0)] == ["unknown_prompt"]
+
+
+def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
+    s = screen(setup, stale_logprob_check_fraction=0.0)
+    r = setup[3]()[1]
+    r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
+    assert s.check(r, staleness=2) == []  # not drawn (and no past checkpoints given)
+    assert s.check(r, staleness=0)[0][0] == "logprob_mismatch"
