@@ -60,7 +60,8 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
                 time.sleep(poll_s)
                 continue
             try:
-                result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task)
+                result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task,
+                                            version=version)
             except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
                 continue
             except CorruptCheckpointError as e:  # altered, or not the learner's: never scored

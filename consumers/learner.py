@@ -49,7 +49,7 @@ import torch
 from kafka.errors import KafkaError
 
 from consumers.recorder import StepRecorder
-from consumers.screening import GroupScreen, PastPolicies
+from consumers.screening import UNVERIFIABLE, GroupScreen, PastPolicies
 from pipeline.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
 from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
 from pipeline.config import HeteroConfig, dump_config
@@ -200,7 +200,7 @@ class Learner:
             model_dir, self.version, offsets = base_model, 0, {}
         else:
             model_dir, manifest = self.handles.store.fetch(manifest_key, self.work_dir / f"resume-v{version}",
-                                                           learner_state=True)
+                                                           learner_state=True, expect_version=version)
             self.version, offsets = version, {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
             self.log.info("resuming from policy v%d at offsets %s", version, offsets)
         if self.link is not None:  # the other ranks start from the same weights and state
@@ -245,10 +245,13 @@ class Learner:
         """The signature check (with the root-signed key registry), the strike policy (with the
         quarantines already recorded) and the content checks."""
         sec = self.cfg.security
-        self.root_public = load_root_public(self.keys) if sec.require_signatures else None
+        # Without required signatures, signed rollouts are still checked if the root key is there.
+        self.root_public = (load_root_public(self.keys)
+                            if sec.require_signatures or self.keys.root_public.exists() else None)
         self.verifier = RolloutVerifier(self.cfg.run.name, None, sec.require_signatures)
         self.strikes = StrikePolicy(sec.strikes_to_quarantine, [
-            Quarantine(k, q.get("sampler_id", ""), q.get("reason", ""), float(q.get("at", 0)), q.get("strikes", []))
+            Quarantine(k, str(q.get("sampler_id", "")), str(q.get("reason", "")),
+                       float(q["at"]) if isinstance(q.get("at"), (int, float)) else 0.0, list(q.get("strikes") or []))
             for k, q in self.state.quarantines().items()])
         self.groups_by_key: Counter = Counter()
         self.fresh_by_key: Counter = Counter()
@@ -343,7 +346,8 @@ class Learner:
                 self.admission.withdraw(lambda g: g.rollout.rollout_id != rollout.rollout_id,
                                         lambda g: f"failed_check:{failures[0][0]}")
                 for kind, detail in failures:
-                    self.strike(key_id, rollout.sampler_id, kind, detail)
+                    if kind != UNVERIFIABLE:
+                        self.strike(key_id, rollout.sampler_id, kind, detail)
         return admitted
 
     def strike(self, key_id: str, sampler_id: str, kind: str, detail: str) -> None:

@@ -8,9 +8,11 @@
 - **log-probs**: for a group of staleness 0 the learner's own weights are the version the
   group claims, so it recomputes the per-token log-probs and compares
   (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). A stale group is
-  re-scored with the checkpoint of the version it claims, for a share
-  `security.stale_logprob_check_fraction` drawn from a secret random stream; a version
-  already pruned from S3 cannot be checked (counted).
+  re-scored with the checkpoint of the version it claims: every one while its key is on
+  probation (its first `security.probation_groups` checked groups), then a share
+  `security.stale_logprob_check_fraction` drawn from a secret random stream. A version
+  already pruned from S3 cannot be checked: on probation the group is then not used
+  (`unverifiable`, no strike), afterwards it is used unchecked (counted).
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
@@ -34,6 +36,9 @@ from pipeline.rollout import Rollout
 from pipeline.trust import logprob_gap
 
 log = logging.getLogger(__name__)
+
+UNVERIFIABLE = "unverifiable"
+"""A failure that proves nothing against the sampler: the group is not used, but no strike."""
 
 
 class PastPolicies:
@@ -77,6 +82,8 @@ class GroupScreen:
         self.security, self.task, self.tokenizer, self.temperature = security, task, tokenizer, temperature
         self.current_policy, self.past = current_policy, past
         self.draw = random.Random()  # seeded from the OS: samplers cannot predict which groups are checked
+        self.checked: Counter = Counter()
+        """Key id (sampler id if unsigned) -> its groups whose log-probs were checked (probation)."""
         self.gaps: dict[str, list[float]] = {}
         """Sampler id -> the log-prob statistic of each of its checked groups (calibration data)."""
         self.counts: Counter = Counter()
@@ -106,9 +113,17 @@ class GroupScreen:
         return []
 
     def _logprobs(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
-        model = self._model_for(rollout, staleness)
-        if model is None:
+        if not self.security.check_logprobs:
             return []
+        who = rollout.key_id or rollout.sampler_id
+        on_probation = self.checked[who] < self.security.probation_groups
+        model = self._model_for(rollout, staleness, on_probation)
+        if model is None:
+            if on_probation:
+                self.counts["refused_unverifiable_on_probation"] += 1
+                return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
+            return []
+        self.checked[who] += 1
         with torch.no_grad():
             logps, mask = completion_logprobs(model, [rollout.prompt_ids] * rollout.group_size,
                                               rollout.completion_ids, self.temperature)
@@ -121,13 +136,14 @@ class GroupScreen:
                                          f"at v{rollout.policy_version}")]
         return []
 
-    def _model_for(self, rollout: Rollout, staleness: int) -> Optional[torch.nn.Module]:
+    def _model_for(self, rollout: Rollout, staleness: int, on_probation: bool) -> Optional[torch.nn.Module]:
         if staleness == 0:
             model = self.current_policy()
             if model is None:
                 self.counts["logprobs_unchecked_zero3"] += 1
             return model
-        if self.past is None or self.draw.random() >= self.security.stale_logprob_check_fraction:
+        drawn = on_probation or self.draw.random() < self.security.stale_logprob_check_fraction
+        if self.past is None or not drawn:
             return None
         model = self.past.get(rollout.policy_version)
         if model is None:

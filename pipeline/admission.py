@@ -49,6 +49,14 @@ class RolloutLimits:
 
     def check(self, rollout: Rollout, version: int) -> None:
         """Raises RolloutDecodeError (with a one-line reason) if the learner at `version` cannot use it."""
+        try:
+            self._check(rollout, version)
+        except (TypeError, ValueError) as e:  # whatever decoding let through that these rules cannot read
+            if isinstance(e, RolloutDecodeError):
+                raise
+            raise RolloutDecodeError(f"unusable group ({type(e).__name__}: {e})") from None
+
+    def _check(self, rollout: Rollout, version: int) -> None:
         if rollout.policy_version > version:
             raise RolloutDecodeError(f"policy_version {rollout.policy_version} is newer than the learner's "
                                      f"{version} (another run on this topic, or a reset Redis)")
@@ -166,16 +174,12 @@ class Admission:
 
     def admit_message(self, partition: int, offset: int, value: bytes, version: int, now: float) -> Admitted:
         """One Kafka message read by a learner at `version` at wall-clock time `now`."""
-        self.counters.groups_consumed += 1
         try:
             rollout = decode_rollout(value)
-            if self.limits is not None:
-                self.limits.check(rollout, version)
         except RolloutDecodeError as e:
-            self.counters.malformed += 1
-            self._verdicts.malformed.append(SkippedMessage(partition, offset, e.reason))
-            return Admitted("malformed", e.reason)
-        return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
+            self.counters.groups_consumed += 1
+            return self._malformed(partition, offset, e.reason)
+        return self.admit_rollout(rollout, partition, offset, version, now)
 
     def admit_rollout(self, rollout: Rollout, partition: int, offset: int, version: int, now: float) -> Admitted:
         """`admit_message` for a message already decoded (and its signature checked)."""
@@ -184,13 +188,17 @@ class Admission:
             if self.limits is not None:
                 self.limits.check(rollout, version)
         except RolloutDecodeError as e:
-            self.counters.malformed += 1
-            self._verdicts.malformed.append(SkippedMessage(partition, offset, e.reason))
-            return Admitted("malformed", e.reason, rollout)
+            return self._malformed(partition, offset, e.reason, rollout)
         return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
 
+    def _malformed(self, partition: int, offset: int, reason: str, rollout: Optional[Rollout] = None) -> Admitted:
+        self.counters.malformed += 1
+        self._verdicts.malformed.append(SkippedMessage(partition, offset, reason))
+        return Admitted("malformed", reason, rollout)
+
     def reject(self, partition: int, offset: int, code: str, reason: str) -> Admitted:
-        """A message the signature check refused (the caller dead-letters it)."""
+        """A message the signature check refused (the caller dead-letters it). It is logged with
+        the malformed ones (skipped messages, reason `rejected: …`) and counted by code."""
         self.counters.groups_consumed += 1
         self.counters.rejected[code] += 1
         self._verdicts.malformed.append(SkippedMessage(partition, offset, f"rejected: {reason}"))

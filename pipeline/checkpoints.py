@@ -231,15 +231,20 @@ class CheckpointStore:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
     def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
-              network_retries: int = 8) -> tuple[Path, Manifest]:
+              network_retries: int = 8, expect_version: Optional[int] = None) -> tuple[Path, Manifest]:
         """Download a checkpoint into `dest_dir`, verifying every file; only the learner
         asks for `learner_state`.
 
         Network errors resume the interrupted file (`network_retries` times, with backoff);
         a file that arrives complete but mismatching is downloaded again, `attempts` times in
         all, then CorruptCheckpointError. The directory only appears once verified.
+        `expect_version`: the version the caller was told this is (the policy pointer's); a
+        manifest of another version is refused.
         """
         manifest = self.read_manifest(manifest_key)
+        if expect_version is not None and manifest.version != expect_version:
+            raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
+                                         f"s3://{self.bucket}/{manifest_key} is v{manifest.version}")
         dest_dir = Path(dest_dir)
         dest_dir.parent.mkdir(parents=True, exist_ok=True)
         # Stable per manifest, so a later fetch of the same version resumes what is there.

@@ -454,6 +454,12 @@ class SecurityConfig(_Strict):
     """A group fails the log-prob check when the median over its tokens of exp(|Δ|) − 1
     (Δ: the sampler's minus the learner's log-prob under the version the group claims)
     exceeds this. Calibration in docs/security.md."""
+    check_logprobs: bool = True
+    """The learner checks samplers' log-probs (below); off only for samplers you trust."""
+    probation_groups: int = Field(50, ge=0)
+    """The first this many groups of each sampler key all get the log-prob check, stale ones
+    too; a group whose claimed version can no longer be checked is then not used (no strike).
+    After that, stale groups are checked at `stale_logprob_check_fraction`."""
     stale_logprob_check_fraction: float = Field(0.25, ge=0, le=1)
     """Share of stale groups (staleness > 0) re-scored with the checkpoint of the version
     they claim (groups of staleness 0 are always checked, with the learner's own weights).
@@ -624,5 +630,8 @@ def dump_config(cfg: HeteroConfig) -> str:
     data["services"].update(cfg.services._configured)
     for field in SECRET_FIELDS:
         data["services"][field] = None
-    data["services"]["redis_url"] = strip_password(data["services"]["redis_url"])
+    if urlparse(data["services"]["redis_url"] or "").password:
+        # The password is part of the URL, so the URL itself travels in the environment
+        # (REDIS_URL): a saved `redis://user:***@…` would be used with "***" as the password.
+        data["services"]["redis_url"] = None
     return yaml.safe_dump(data, sort_keys=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -122,10 +122,12 @@ class RolloutSink:
 
     def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0,
                  connect_timeout_s: float = 30.0, signer: Optional[SigningKey] = None,
-                 security: Optional[ServiceSecurity] = None):
-        """`signer`: the sampler's key; each rollout then goes out sealed (`seal_rollout`)."""
+                 security: Optional[ServiceSecurity] = None, stamp: Optional[Callable[[Rollout], None]] = None):
+        """`signer`: the sampler's key; each rollout then goes out sealed (`seal_rollout`). `stamp`:
+        gives a rollout made under another key (spooled before a key change) this key's fields."""
         self.topic = topic
         self.signer = signer
+        self.stamp = stamp
         self.send_timeout_s = send_timeout_s
         try:
             self.producer = KafkaProducer(
@@ -152,7 +154,11 @@ class RolloutSink:
         return [(m.partition, m.offset) for m in metas]
 
     def encode(self, rollout: Rollout) -> bytes:
-        return seal_rollout(rollout, self.signer) if self.signer is not None else encode_rollout(rollout)
+        if self.signer is None:
+            return encode_rollout(rollout)
+        if rollout.key_id != self.signer.key_id and self.stamp is not None:
+            self.stamp(rollout)  # same rollout id: the learner still drops a copy sent before the change
+        return seal_rollout(rollout, self.signer)
 
     def send_raw(self, value: bytes, headers: Optional[list[tuple[str, bytes]]] = None,
                  key: Optional[bytes] = None) -> tuple[int, int]:

@@ -219,7 +219,16 @@ class RunState:
         self.client.hset(self.prefix + "quarantine", key_id, json.dumps(info, default=str))
 
     def quarantines(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "quarantine").items()}
+        """The recorded quarantines; an entry that is not a JSON object (not the learner's) is skipped."""
+        found = {}
+        for key_id, raw in self.client.hgetall(self.prefix + "quarantine").items():
+            try:
+                info = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(info, dict):
+                found[key_id] = info
+        return found
 
     # ---- sampler leases --------------------------------------------------------------
     def _lease_key(self, sampler_id: str) -> str:

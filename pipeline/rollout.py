@@ -162,7 +162,11 @@ _REQUIRED = {
 def decode_rollout(payload: bytes) -> Rollout:
     """Decode and validate one message, sealed or not (the signature is the learner's
     `pipeline.trust` check, not this one's); raises RolloutDecodeError with the reason."""
-    payload, _ = open_message(payload)
+    return decode_body(open_message(payload)[0])
+
+
+def decode_body(payload: bytes) -> Rollout:
+    """Decode and validate the rollout map itself (what a seal's `signed_rollout` holds)."""
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types for garbage
@@ -186,6 +190,10 @@ def decode_rollout(payload: bytes) -> Rollout:
     rewards = _unpack_array(msg["rewards"], "rewards")
     if lengths.ndim != 1 or len(lengths) < 1:
         raise RolloutDecodeError("completion_lengths must be a non-empty 1-d array")
+    if prompt_ids.ndim != 1 or len(prompt_ids) < 1:
+        raise RolloutDecodeError("prompt_ids must be a non-empty 1-d array")
+    if not np.isfinite(msg["created_at"]):
+        raise RolloutDecodeError("created_at must be finite")
     if (lengths < 0).any():
         raise RolloutDecodeError("completion_lengths has a negative length")
     total = int(lengths.sum())
@@ -202,6 +210,8 @@ def decode_rollout(payload: bytes) -> Rollout:
     sampling = msg.get("sampling", {})
     if not isinstance(sampling, dict):
         raise RolloutDecodeError("field sampling is not a map")
+    if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in sampling.values()):
+        raise RolloutDecodeError("field sampling holds a value that is not a number")
     run, key_id, seq = msg.get("run", ""), msg.get("key_id", ""), msg.get("seq", 0)
     if not isinstance(run, str) or not isinstance(key_id, str) or not isinstance(seq, int) or isinstance(seq, bool):
         raise RolloutDecodeError("fields run/key_id/seq must be text/text/int")

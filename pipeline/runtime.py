@@ -87,10 +87,11 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     return evaluate_model(cfg, model, tokenizer, task)
 
 
-def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: str, work_dir: Path, task) -> dict:
+def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: str, work_dir: Path, task,
+                       version: Optional[int] = None) -> dict:
     """Held-out accuracy of a published version: downloaded (every sha256 verified like a
-    sampler's), scored, and deleted again."""
-    model_dir, _ = store.fetch(manifest_key, work_dir)
+    sampler's, and refused if its manifest is not of `version`), scored, and deleted again."""
+    model_dir, _ = store.fetch(manifest_key, work_dir, expect_version=version)
     try:
         return evaluate_checkpoint(cfg, model_dir, task)
     finally:

@@ -175,8 +175,10 @@ def canonical_json(document: Any) -> bytes:
 
 
 def sign_document(document: dict, key: SigningKey) -> dict:
-    """`document` with a `signature` field {key_id, value} over its canonical JSON."""
-    body = {k: v for k, v in document.items() if k != "signature"}
+    """`document` as JSON will carry it (integer map keys become text, tuples lists), with a
+    `signature` field {key_id, value} over its canonical JSON: what a reader parses back is
+    exactly what was signed."""
+    body = json.loads(json.dumps({k: v for k, v in document.items() if k != "signature"}))
     return {**body, "signature": {"key_id": key.key_id, "value": b64(key.sign(canonical_json(body)))}}
 
 
@@ -188,6 +190,10 @@ def verify_document(document: Any, trusted: PublicKey, what: str) -> dict:
     if signature.get("key_id") != trusted.key_id:
         raise SignatureError(f"{what} is signed by key {signature.get('key_id')!r}, not the trusted {trusted.key_id}")
     body = {k: v for k, v in document.items() if k != "signature"}
-    if not trusted.verify(unb64(str(signature.get("value", "")), f"{what} signature"), canonical_json(body)):
+    try:
+        signed_bytes = canonical_json(body)
+    except (UnicodeError, TypeError, ValueError):  # e.g. a lone surrogate: nothing honest signs that
+        raise SignatureError(f"{what} cannot be encoded canonically (forged)") from None
+    if not trusted.verify(unb64(str(signature.get("value", "")), f"{what} signature"), signed_bytes):
         raise SignatureError(f"{what} has a bad signature (altered after signing, or forged)")
     return body

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, open_message
+from pipeline.rollout import Rollout, decode_body, open_message
 from pipeline.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 REGISTRY_FORMAT = "heterorl-key-registry/1"
@@ -82,16 +82,22 @@ class KeyRegistry:
     def from_signed(cls, document: object, root: PublicKey, run: str) -> "KeyRegistry":
         """The registry in `document` if the root key signed it for `run`; else SignatureError."""
         body = verify_document(document, root, "the key registry")
-        if body.get("format") != REGISTRY_FORMAT or body.get("run") != run:
+        if body.get("format") != REGISTRY_FORMAT:
+            raise SignatureError(f"the key registry has format {body.get('format')!r}, not {REGISTRY_FORMAT!r}")
+        if body.get("run") != run:
             raise SignatureError(f"the key registry is for run {body.get('run')!r}, not {run!r}")
         try:
             keys = {kid: KeyEntry(kid, str(e["sampler_id"]), PublicKey.from_b64(e["public_key"]), str(e["status"]),
                                   float(e["expires_at"]), float(e["added_at"]),
                                   None if e.get("revoked_at") is None else float(e["revoked_at"]))
                     for kid, e in body["keys"].items()}
-        except (KeyError, TypeError, ValueError) as e:
+            serial = int(body["serial"])
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SignatureError(f"the key registry is malformed ({type(e).__name__}: {e})") from None
-        return cls(run, int(body["serial"]), keys)
+        for kid, entry in keys.items():
+            if entry.status not in ("active", "revoked") or entry.public_key.key_id != kid:
+                raise SignatureError(f"the key registry's entry {kid} is malformed (status {entry.status!r})")
+        return cls(run, serial, keys)
 
     def with_key(self, entry: KeyEntry) -> "KeyRegistry":
         return KeyRegistry(self.run, self.serial + 1, {**self.keys, entry.key_id: entry})
@@ -130,11 +136,12 @@ class RolloutVerifier:
 
     def _check(self, value: bytes, now: float) -> Rollout:
         body, signature = open_message(value)
-        rollout = decode_rollout(body)
+        rollout = decode_body(body)
         if signature is None:
             if self.require_signatures:
                 raise Rejected("unsigned", "unsigned rollout (security.require_signatures is on)",
                                sampler_id=rollout.sampler_id)
+            rollout.key_id = ""  # a claim nobody proved: it must not strike (or spare) a real key
             return rollout
         where = f"key {rollout.key_id or '(none)'} of sampler {rollout.sampler_id!r}"
         if self.registry is None:

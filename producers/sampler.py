@@ -137,7 +137,8 @@ class PolicyHolder:
 
     def _download(self, version: int, manifest_key: str, forced: bool) -> None:
         try:
-            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}")  # every sha256 checked
+            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}",  # every sha256 checked
+                                       expect_version=version)
             started = time.perf_counter()
             prepared = self.engine.prepare(path)
             with self._lock:
@@ -389,7 +390,7 @@ class Sampler:
         self.outbox = Outbox(spool, lambda: RolloutSink(bootstrap, self.cfg.run.topic,
                                                         send_timeout_s=self.scfg.send_timeout_s,
                                                         connect_timeout_s=self.scfg.send_timeout_s,
-                                                        signer=self.signer,
+                                                        signer=self.signer, stamp=self.stamp,
                                                         security=self.handles.services.security),
                              transit_stream(self.scfg.delays, self.sampler_id), self.scfg.retry_max_backoff_s,
                              self.log, bootstrap)
@@ -548,9 +549,13 @@ class Sampler:
                                 policy_version=self.policy.version, sampling=self.sampling)
         if self.signer is not None:
             for r in rollouts:
-                r.run, r.key_id, r.seq = self.cfg.run.name, self.signer.key_id, self.next_seq
-                self.next_seq += 1
+                self.stamp(r)
         return rollouts
+
+    def stamp(self, rollout: Rollout) -> None:
+        """The run, this sampler's key id and its next sequence number (all signed)."""
+        rollout.run, rollout.key_id, rollout.seq = self.cfg.run.name, self.signer.key_id, self.next_seq
+        self.next_seq += 1
 
     def note_verifier_errors(self) -> None:
         """A verifier that raised scored that completion 0 (the task counts it); say so in the log."""

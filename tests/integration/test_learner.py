@@ -26,6 +26,11 @@ def crafted_group(tokenizer, version: int, tag: str) -> Rollout:
                                                            "max_new_tokens": 4})
 
 
+UNSIGNED = ["security.require_signatures=false", "security.rescore_rewards=false", "security.check_logprobs=false"]
+"""These tests craft their own unsigned groups (made-up prompts, log-probs) and checkpoints: the
+checks of signatures and content are tests/*/test_trust.py's and test_screening.py's."""
+
+
 def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_path):
     from consumers.learner import run_learner
     from pipeline.model import build_tokenizer
@@ -34,7 +39,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     run = f"boundary-{uuid.uuid4().hex[:6]}"
     cfg = load_config(builtin_config("smoke"), [
         f"run.name={run}", "learner.max_delay_steps=1", "learner.groups_per_step=1", "learner.max_steps=3",
-        f"services.data_dir={tmp_path / 'data'}"])
+        f"services.data_dir={tmp_path / 'data'}", *UNSIGNED])
     tok = build_tokenizer()
     ensure_topic(local_stack_env.kafka_bootstrap, cfg.run.topic)
     sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
@@ -106,7 +111,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     sink.close()
     cfg = load_config(builtin_config("smoke"), [
         f"run.name={run}", "learner.max_delay_steps=1", "learner.groups_per_step=1", "learner.max_steps=5",
-        f"services.data_dir={tmp_path / 'data'}"])
+        f"services.data_dir={tmp_path / 'data'}", *UNSIGNED])
     assert run_learner(cfg, tmp_path / "run2") == 0
     resumed = json.loads((tmp_path / "run2" / "learner_summary.json").read_text())
     assert resumed["start_policy_version"] == 3 and resumed["final_policy_version"] == 5
@@ -141,7 +146,7 @@ def test_sampler_refuses_a_tampered_checkpoint_and_keeps_its_weights(local_stack
     from producers.sampler import PolicyHolder
 
     cfg = load_config(builtin_config("smoke"), [f"run.name=tamper-{uuid.uuid4().hex[:6]}",
-                                                    f"services.data_dir={tmp_path / 'data'}"])
+                                                    f"services.data_dir={tmp_path / 'data'}", *UNSIGNED])
     handles = connect_run(cfg)
     base = resolve_base_model(cfg)
     engine = HfEngine(SamplingSettings(1.0, 1.0, 0, 4), torch.device("cpu"))

@@ -61,8 +61,32 @@ def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
 
 
 def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
-    s = screen(setup, stale_logprob_check_fraction=0.0)
+    s = screen(setup, stale_logprob_check_fraction=0.0, probation_groups=0)
     r = setup[3]()[1]
     r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
-    assert s.check(r, staleness=2) == []  # not drawn (and no past checkpoints given)
+    assert s.check(r, staleness=2) == []  # not drawn
     assert s.check(r, staleness=0)[0][0] == "logprob_mismatch"
+
+
+class OnePast:
+    """The checkpoint store of past versions, holding one model for every version."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get(self, version):
+        return self.model
+
+
+def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not_used(setup):
+    tokenizer, model, task, rollouts = setup
+    security = SecurityConfig(stale_logprob_check_fraction=0.0, probation_groups=2)
+    s = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(model))
+    honest, lying = rollouts()[0], rollouts()[1]
+    lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
+    assert s.check(honest, staleness=3) == []  # checked against "v-3": passes
+    assert s.check(lying, staleness=3)[0][0] == "logprob_mismatch"  # caught although the fraction is 0
+    assert s.check(rollouts()[2], staleness=3) == []  # 2 checked: probation over
+    assert s.check(lying, staleness=3) == []  # now only drawn ones are checked (fraction 0)
+    blind = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
+    assert blind.check(rollouts()[0], staleness=3)[0][0] == "unverifiable"

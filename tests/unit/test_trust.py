@@ -242,3 +242,44 @@ def test_a_sampler_key_comes_from_the_environment_then_the_file(tmp_path, monkey
     monkeypatch.setenv(SAMPLER_KEY_ENV, "not-a-key")
     with pytest.raises(KeyFileError, match="HETERORL_SAMPLER_KEY"):
         load_sampler_key(paths, "box-1", None)
+
+
+def test_what_a_reader_parses_back_verifies_int_keys_and_all():
+    key = SigningKey.generate()
+    offsets = {i: 5 * i for i in range(12)}  # ints sort 2 < 10, their JSON text "10" < "2"
+    doc = sign_document({"extra": {"offsets": offsets}}, key)
+    assert verify_document(json.loads(json.dumps(doc)), key.public, "m")["extra"]["offsets"]["10"] == 50
+
+
+def test_a_document_that_cannot_be_encoded_is_refused_not_a_crash():
+    root = SigningKey.generate()
+    forged = json.loads('{"x": "\\ud800", "signature": {"key_id": "%s", "value": "AAAA"}}' % root.key_id)
+    with pytest.raises(SignatureError):
+        KeyRegistry.from_signed(forged, root.public, RUN)
+
+
+def test_a_registry_entry_must_be_active_or_revoked_and_match_its_key():
+    root, sampler = SigningKey.generate(), SigningKey.generate()
+    odd = KeyEntry(sampler.key_id, "s1", sampler.public, "trusted", NOW + 10, NOW)
+    with pytest.raises(SignatureError, match="malformed"):
+        KeyRegistry.from_signed(registry_with(odd).signed(root), root.public, RUN)
+    swapped = KeyEntry("0" * 16, "s1", sampler.public, "active", NOW + 10, NOW)
+    with pytest.raises(SignatureError, match="malformed"):
+        KeyRegistry.from_signed(registry_with(swapped).signed(root), root.public, RUN)
+
+
+@pytest.mark.parametrize("over, reason", [
+    (dict(prompt_ids=[]), "prompt_ids"),
+    (dict(sampling={"temperature": "hot"}), "not a number"),
+    (dict(created_at=float("nan")), "created_at"),
+])
+def test_groups_the_rules_cannot_read_are_malformed_not_a_crash(over, reason):
+    from pipeline.rollout import RolloutDecodeError
+
+    with pytest.raises(RolloutDecodeError, match=reason):
+        decode_rollout(encode_rollout(make_rollout(**over)))
+
+
+def test_an_unsigned_group_claims_no_key():
+    verifier = RolloutVerifier(RUN, None, require_signatures=False)
+    assert verifier.check(encode_rollout(make_rollout(key_id="a4aef1d86ef55e62", run=RUN, seq=1)), NOW).key_id == ""
