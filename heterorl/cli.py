@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Runs every (loss, max delay, seed) cell as a real pipeline run "
                                        "(local stack, learner, delayed samplers, evaluator) and writes "
                                        "delay_study.json, delay_study.md and plots into --out.")
-    p.add_argument("--losses", help="comma-separated loss types (default gepo,gspo,grpo; --quick: gepo,grpo)")
-    p.add_argument("--max-delays", help="comma-separated max delays in steps (default 0,4,16,64; --quick: 0,16)")
-    p.add_argument("--seeds", default="1", help="comma-separated seeds (default 1)")
+    p.add_argument("--losses", help="comma-separated loss types (default: the config's study.losses; "
+                                    "--quick: gepo,grpo)")
+    p.add_argument("--max-delays", help="comma-separated max delays in steps (default: the config's "
+                                        "study.max_delays; --quick: 0,16)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the config's study.seeds)")
     p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
     p.add_argument("--quick", action="store_true",
                    help="a small grid (gepo,grpo x 0,16; 50 steps) unless --losses/--max-delays are given")
@@ -364,13 +366,16 @@ def _comma_list(text: str, kind=str) -> list:
 
 
 def _cmd_study(args) -> int:
-    from heterorl.study import FULL, QUICK, run_delay_study
+    from heterorl.study import QUICK, run_delay_study
 
-    grid = QUICK if args.quick else FULL
-    overrides = [*grid["overrides"], *args.overrides]
-    return run_delay_study(config_path(args.config), _comma_list(args.losses or grid["losses"]),
-                           sorted(set(_comma_list(args.max_delays or grid["max_delays"], int))),
-                           _comma_list(args.seeds, int), Path(args.out), overrides, args.data_dir,
+    config = config_path(args.config)
+    overrides = [*(QUICK["overrides"] if args.quick else []), *args.overrides]
+    grid = load_config(config, overrides).study  # the design fixed in the config file
+    losses = args.losses or (QUICK["losses"] if args.quick else ",".join(grid.losses))
+    delays = args.max_delays or (QUICK["max_delays"] if args.quick else ",".join(map(str, grid.max_delays)))
+    seeds = args.seeds or ",".join(map(str, grid.seeds))
+    return run_delay_study(config, _comma_list(losses), sorted(set(_comma_list(delays, int))),
+                           _comma_list(seeds, int), Path(args.out), overrides, args.data_dir,
                            "heterorl " + " ".join(sys.argv[1:]))
 
 

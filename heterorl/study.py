@@ -30,8 +30,6 @@ from heterorl.stack import services_for_run
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 
-FULL = {"losses": "gepo,gspo,grpo", "max_delays": "0,4,16,64", "overrides": []}
-"""The default grid of `heterorl study delay`."""
 QUICK = {"losses": "gepo,grpo", "max_delays": "0,16", "overrides": ["learner.max_steps=50", "eval.every=10"]}
 """`--quick`: a small grid of shorter runs."""
 
@@ -55,17 +53,22 @@ def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
     learner = json.loads((cell_dir / "learner_summary.json").read_text())
     steps = read_metrics(cell_dir / "metrics.jsonl", "learner")
     evals = sorted(read_metrics(cell_dir / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
+    tokens, sequences = sum(s.get("completion_tokens", 0) for s in steps), sum(s.get("sequences", 0) for s in steps)
     return {
-        "loss": loss, "max_delay": max_delay, "seed": seed, "run": summary["run"],
+        "loss": loss, "max_delay": max_delay, "seed": seed, "run": summary["run"], "steps": len(steps),
         "accuracy_at_start": evals[0]["accuracy_sampled"], "best_accuracy": max(e["accuracy_sampled"] for e in evals),
         "last_accuracy": evals[-1]["accuracy_sampled"],
         "eval_curve": [[e["policy_version"], e["accuracy_sampled"]] for e in evals],
         "max_staleness_used": learner["max_staleness_used"], "mean_staleness_used": learner["mean_staleness_used"],
         "staleness_histogram": learner["staleness_histogram"],
+        "mean_completion_tokens": tokens / sequences if sequences else None,
         "groups_used": learner["groups_used"], "groups_dropped": learner["groups_dropped"],
         "mean_learner_sampler_kl": _mean([s.get("kl") for s in steps]),
         "mean_iw_variance": _mean([s.get("iw_var") for s in steps]),
         "kl_iw_var_per_step": [[s.get("kl"), s.get("iw_var")] for s in steps],
+        # every step's batch under all three weight families (Theorem 1 like for like)
+        "weight_variances_per_step": [[s.get("kl"), s.get("var_token_ratio"), s.get("var_sequence_ratio"),
+                                       s.get("var_group_weight")] for s in steps],
         "wall_seconds": summary["wall_seconds"],
         "eval_samples": evals[0].get("n_samples", None) or _eval_setting(cell_dir, "n_samples"),
         "eval_problems": evals[0].get("n_problems", None) or _eval_setting(cell_dir, "problems"),
@@ -83,16 +86,53 @@ def _eval_setting(cell_dir: Path, key: str):
     return cfg["eval"][key]
 
 
+def _cells(records: list[dict], loss: str, d: int) -> list[dict]:
+    return [r for r in records if r["loss"] == loss and r["max_delay"] == d]
+
+
+def _gap(r: dict) -> float:
+    """A cell's best-to-last gap in points."""
+    return 100 * (r["best_accuracy"] - r["last_accuracy"])
+
+
+def _pct(values: list[float]) -> str:
+    """Mean in %, with the range over seeds when there are several."""
+    if not values:
+        return "–"
+    text = f"{100 * statistics.fmean(values):.1f}"
+    return text + (f" ({100 * min(values):.1f}–{100 * max(values):.1f})" if len(values) > 1 else "")
+
+
 def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[str]:
     def cell(loss, d, key):
-        vals = [r[key] for r in records if r["loss"] == loss and r["max_delay"] == d]
-        return f"{100 * statistics.fmean(vals):.1f}" if vals else "–"
+        return _pct([r[key] for r in _cells(records, loss, d)])
 
     head = "| loss | " + " | ".join(f"delay {d} Best | delay {d} Last" for d in delays) + " |"
     rule = "|---|" + "---|---|" * len(delays)
     rows = [f"| {loss} | " + " | ".join(f"{cell(loss, d, 'best_accuracy')} | {cell(loss, d, 'last_accuracy')}"
                                         for d in delays) + " |" for loss in losses]
     return [head, rule, *rows]
+
+
+def claims(records: list[dict], delays: list[int]) -> dict:
+    """The paper's two claims on these records (None where a cell is missing):
+
+    - `gepo_drop_pct`: GEPO's Last at the largest max delay below its Best at max delay 0,
+      in % of that Best (the paper: under 3 %);
+    - `gap_reduction_pct`: how much smaller GEPO's best-to-last gap is than GSPO's at the
+      largest max delay, in % (the paper: 85 %, 1.8 vs 12.0 points)."""
+    first, last = delays[0], delays[-1]
+    best0 = [r["best_accuracy"] for r in _cells(records, "gepo", first)]
+    last_far = [r["last_accuracy"] for r in _cells(records, "gepo", last)]
+    gepo_gap = [_gap(r) for r in _cells(records, "gepo", last)]
+    gspo_gap = [_gap(r) for r in _cells(records, "gspo", last)]
+    out: dict = {"first_delay": first, "last_delay": last, "gepo_drop_pct": None, "gap_reduction_pct": None,
+                 "gepo_gap": _mean(gepo_gap), "gspo_gap": _mean(gspo_gap)}
+    if best0 and last_far and statistics.fmean(best0) > 0:
+        out["gepo_drop_pct"] = 100 * (statistics.fmean(best0) - statistics.fmean(last_far)) / statistics.fmean(best0)
+    if gepo_gap and gspo_gap and statistics.fmean(gspo_gap) > 0:
+        out["gap_reduction_pct"] = 100 * (1 - statistics.fmean(gepo_gap) / statistics.fmean(gspo_gap))
+    return out
 
 
 ANALYSIS_MARKER = "<!-- analysis: written by a person, kept when the report is regenerated -->"
@@ -104,34 +144,60 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
     old = md_path.read_text() if md_path.exists() else ""
     analysis = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
     start = _mean([r["accuracy_at_start"] for r in records])
+    seeds = sorted({r["seed"] for r in records})
     lines = [
         "# Delay study", "", f"Command: `{command}`", "",
         f"Held-out accuracy (mean exact match over {int(records[0]['eval_samples'])} samples per problem, "
         f"{int(records[0]['eval_problems'])} problems, in %); every cell starts from the same base model "
-        f"({100 * start:.1f} %). Best = highest evaluated version, Last = the final version.", "",
+        f"({100 * start:.1f} %). Best = highest evaluated version, Last = the final version. "
+        f"Seeds: {', '.join(map(str, seeds))}" + (" (mean, and the range over seeds in brackets)."
+                                                  if len(seeds) > 1 else "."), "",
         *_table(records, losses, delays), "",
-        "## Best-to-last gap (points, averaged over max delays and seeds)", "",
-        "| loss | gap |", "|---|---|"]
+        "## Best-to-last gap (points; mean over seeds, range in brackets)", "",
+        "| loss | " + " | ".join(f"max delay {d}" for d in delays) + " | mean |",
+        "|---|" + "---|" * (len(delays) + 1)]
     for loss in losses:
-        gaps = [100 * (r["best_accuracy"] - r["last_accuracy"]) for r in records if r["loss"] == loss]
-        lines.append(f"| {loss} | {statistics.fmean(gaps):.1f} |" if gaps else f"| {loss} | – |")
-    lines += ["", "## Staleness actually used, KL, importance-weight variance, sampler waste", "",
+        cols = []
+        for d in delays:
+            gaps = [_gap(r) for r in _cells(records, loss, d)]
+            cols.append("–" if not gaps else f"{statistics.fmean(gaps):.1f}" + (
+                f" ({min(gaps):.1f}–{max(gaps):.1f})" if len(gaps) > 1 else ""))
+        every = [_gap(r) for r in records if r["loss"] == loss]
+        lines.append(f"| {loss} | " + " | ".join(cols) + (f" | {statistics.fmean(every):.1f} |" if every else " | – |"))
+    lines += ["", "## Staleness actually used, completion length, KL, importance-weight variance, sampler waste", "",
               "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo.", "",
-              "| loss | max delay | max τ used | mean τ used | groups used | dropped | generated | sampler stalls "
-              "| forced refreshes | mean KL | mean IW var | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| loss | max delay | seed | steps | max τ used | mean τ used | mean completion tokens | groups used "
+              "| dropped | generated | sampler stalls | forced refreshes | mean KL | mean IW var | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
-        lines.append(f"| {r['loss']} | {r['max_delay']} | {r['max_staleness_used']} | "
-                     f"{r['mean_staleness_used']:.2f} | {r['groups_used']} | {r['groups_dropped']} | "
+        tokens = r.get("mean_completion_tokens")
+        lines.append(f"| {r['loss']} | {r['max_delay']} | {r['seed']} | {r.get('steps', '–')} | "
+                     f"{r['max_staleness_used']} | {r['mean_staleness_used']:.2f} | "
+                     f"{'–' if tokens is None else f'{tokens:.1f}'} | {r['groups_used']} | {r['groups_dropped']} | "
                      f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
                      f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | {r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
-        first = [r["last_accuracy"] for r in records if r["loss"] == "gepo" and r["max_delay"] == delays[0]]
-        last = [r["last_accuracy"] for r in records if r["loss"] == "gepo" and r["max_delay"] == delays[-1]]
+        first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0])]
+        last = [r["last_accuracy"] for r in _cells(records, "gepo", delays[-1])]
         if first and last:
             lines += ["", f"GEPO degradation (Last) from max delay {delays[0]} to {delays[-1]}: "
                           f"{100 * (statistics.fmean(first) - statistics.fmean(last)):.1f} points."]
-    lines += ["", "Plots: `accuracy_curves.png`, `iw_variance_vs_kl.png`, `staleness_histogram.png`.", ""]
+        c = claims(records, delays)
+        lines += ["", "## The paper's bars, computed", ""]
+        if c["gepo_drop_pct"] is not None:
+            lines.append(f"- GEPO's Last at max delay {c['last_delay']} is {c['gepo_drop_pct']:.1f} % below its Best "
+                         f"at max delay {c['first_delay']} (bar: under 3 %): "
+                         f"{'holds' if c['gepo_drop_pct'] < 3 else 'does not hold'}.")
+        if c["gap_reduction_pct"] is not None:
+            lines.append(f"- GEPO's best-to-last gap at max delay {c['last_delay']} is {c['gepo_gap']:.1f} points, "
+                         f"GSPO's {c['gspo_gap']:.1f}: {c['gap_reduction_pct']:.0f} % smaller (bar: at least 85 %): "
+                         f"{'holds' if c['gap_reduction_pct'] >= 85 else 'does not hold'}.")
+        elif c["gspo_gap"] is not None:
+            lines.append(f"- GSPO's best-to-last gap at max delay {c['last_delay']} is {c['gspo_gap']:.1f} points: "
+                         "there is no gap for GEPO to be 85 % smaller than; the bar cannot be tested.")
+    lines += ["", "Plots: `accuracy_curves.png`, `kl_and_iw_variance.png`, `iw_variance_vs_kl.png` (each loss's "
+                  "own weight), `weight_families_vs_kl.png` (Theorem 1: all three weights on the same batches), "
+                  "`staleness_histogram.png`.", ""]
     md_path.write_text("\n".join(lines) + "\n" + (analysis or f"{ANALYSIS_MARKER}\n"))
     _plots(out, records, losses, delays)
 
@@ -173,6 +239,47 @@ def _plots(out: Path, records: list[dict], losses: list[str], delays: list[int])
     fig.tight_layout()
     fig.savefig(out / "iw_variance_vs_kl.png", dpi=100)
     plt.close(fig)
+
+    # KL and the loss's own IW variance over training, one panel row per quantity, one column per max delay
+    fig, axes = plt.subplots(2, len(delays), figsize=(4.5 * len(delays), 6.5), sharex=True, squeeze=False)
+    for col, d in enumerate(delays):
+        for r in records:
+            if r["max_delay"] == d:
+                for row, idx in ((0, 0), (1, 1)):
+                    ys = [p[idx] for p in r["kl_iw_var_per_step"]]
+                    axes[row][col].plot(range(1, len(ys) + 1), [y if y and y > 0 else None for y in ys],
+                                        color=colors[r["loss"]], lw=0.8, alpha=0.8, label=f"{r['loss']} s{r['seed']}")
+        axes[0][col].set_title(f"max delay {d}")
+        axes[1][col].set_xlabel("learner step")
+        for row in (0, 1):
+            axes[row][col].set_yscale("log")
+    axes[0][0].set_ylabel("learner–sampler KL (k3, per token)")
+    axes[1][0].set_ylabel("IW variance (the loss's own weight)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "kl_and_iw_variance.png", dpi=100)
+    plt.close(fig)
+
+    # Theorem 1 like for like: the three weight families on the same batches, against KL
+    far = [r for r in records if r["max_delay"] == delays[-1] and r.get("weight_variances_per_step")]
+    if far:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for idx, (name, color) in enumerate((("token ratio p_t/q_t (GRPO)", "C2"),
+                                             ("sequence ratio p̄/q̄ (GSPO)", "C1"),
+                                             ("group weight p̄/Ê_q[q] (GEPO)", "C0")), start=1):
+            pts = [(p[0], p[idx]) for r in far for p in r["weight_variances_per_step"]
+                   if p[0] is not None and p[idx] is not None and p[0] > 0 and p[idx] > 0]
+            if pts:
+                ax.scatter(*zip(*pts), s=6, alpha=0.4, color=color, label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("learner–sampler KL (k3, per token)")
+        ax.set_ylabel("variance of the weight")
+        ax.set_title(f"weight families on the same batches (max delay {delays[-1]}, every loss and seed)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "weight_families_vs_kl.png", dpi=100)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for d in delays:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pipeline.delays import DelayModelConfig
 from pipeline.errors import UserError
@@ -178,18 +178,24 @@ class ModelConfig(_Strict):
     """Builtin model only: warm-up learning rate."""
     warmup_batch_size: int = Field(64, ge=1)
     """Builtin model only: problems per warm-up step."""
+    warmup_check_every: int = Field(25, ge=1)
+    """Builtin model only: warm-up steps between two checks of the sampled accuracy."""
 
 
 class TaskConfig(_Strict):
     """Where prompts and rewards come from: the built-in arithmetic task, or records in a file
     (docs/tasks.md)."""
 
-    name: Literal["arithmetic", "dataset"] = "arithmetic"
-    """`arithmetic` (generated from `seed`, no download) or `dataset` (records read from `path`)."""
+    name: Literal["arithmetic", "scratchpad_sum", "dataset"] = "arithmetic"
+    """`arithmetic` (generated from `seed`, no download), `scratchpad_sum` (sums of `terms`
+    numbers worked out step by step, 30–50-token completions; generated) or `dataset`
+    (records read from `path`)."""
     seed: int = 1234
     """Orders the endless train stream (the held-out split does not depend on it)."""
     digits: int = Field(2, ge=1, le=6)
-    """arithmetic only: operand digits."""
+    """arithmetic and scratchpad_sum: operand digits (scratchpad_sum: at most 3)."""
+    terms: int = Field(5, ge=2, le=8)
+    """scratchpad_sum only: numbers to add per problem."""
     ops: str = "+"
     """arithmetic only: operators drawn from, any of "+-*"."""
     eval_size: int = Field(200, ge=1)
@@ -208,6 +214,9 @@ class TaskConfig(_Strict):
     """dataset only: the record field holding the prompt, a string or a list of chat messages."""
     answer_field: str = "answer"
     """dataset only: the record field holding the gold answer."""
+    solution_field: Optional[str] = None
+    """dataset only: a record field holding a worked solution ending in the answer; the
+    builtin model's warm-up learns it (instead of the bare answer). RL never shows it."""
     verifier: str = "exact"
     """dataset only: `exact`, `numeric` (GSM8K-style numbers), `math` (`\\boxed{}` answers checked
     for symbolic equivalence with math-verify) or `package.module:function`, any importable
@@ -228,8 +237,11 @@ class TaskConfig(_Strict):
         """The settings `pipeline.tasks.make_task(self.name, **settings)` takes."""
         if self.name == "arithmetic":
             return {"seed": self.seed, "digits": self.digits, "ops": self.ops, "eval_size": self.eval_size}
+        if self.name == "scratchpad_sum":
+            return {"seed": self.seed, "terms": self.terms, "digits": self.digits, "eval_size": self.eval_size}
         return {"path": self.path, "eval_path": self.eval_path, "eval_fraction": self.eval_fraction,
                 "eval_size": self.eval_size, "prompt_field": self.prompt_field, "answer_field": self.answer_field,
+                "solution_field": self.solution_field,
                 "verifier": self.verifier, "chat_template": self.chat_template, "system_prompt": self.system_prompt,
                 "seed": self.seed}
 
@@ -397,6 +409,25 @@ class LearnerConfig(_Strict):
         return self
 
 
+class StudyConfig(_Strict):
+    """The grid of `heterorl study delay` (its --losses, --max-delays and --seeds win), so a
+    study's design is fixed in its config file before it runs."""
+
+    losses: list[LossType] = Field(default_factory=lambda: ["gepo", "gspo", "grpo"], min_length=1)
+    """Loss of each row."""
+    max_delays: list[int] = Field(default_factory=lambda: [0, 4, 16, 64], min_length=1)
+    """`learner.max_delay_steps` of each column."""
+    seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    """`run.seed` and `sampler.delays.seed` of each repetition."""
+
+    @field_validator("max_delays")
+    @classmethod
+    def _non_negative_delays(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError("max delays are >= 0 learner steps")
+        return sorted(set(v))
+
+
 class EvalConfig(_Strict):
     n_samples: int = Field(4, ge=1)
     """Samples per held-out problem at the sampling temperature (sampled accuracy)."""
@@ -502,6 +533,8 @@ class HeteroConfig(_Strict):
     """What `heterorl train` starts and where it writes."""
     security: SecurityConfig = SecurityConfig()
     """Signatures, key files and the checks of samplers' data."""
+    study: StudyConfig = StudyConfig()
+    """The grid of `heterorl study delay` run on this config."""
 
 
 # The environment variables that point every process at the servers (`heterorl env`

@@ -764,6 +764,7 @@ def compute_policy_loss(
     Returns:
         (loss, metrics): a scalar tensor (float32, or float64 for float64 inputs) and plain
         floats: loss, policy_loss, kl, iw_mean, iw_max, iw_min, iw_var, iw_qhat_var,
+        var_token_ratio, var_sequence_ratio, var_group_weight (see weight_family_variances),
         clip_frac, learner_seq_logp_mean, sampler_seq_logp_mean, num_tokens,
         num_sequences, num_groups.
 
@@ -843,9 +844,30 @@ def _metrics(b: _Batch, terms: LossTerms, loss: Tensor, policy_loss: Tensor) -> 
         clip_frac, b.seq_lp.detach().mean(), b.seq_lq.mean(),
     ]).tolist()
     metrics = dict(zip(names, values))
+    metrics.update(weight_family_variances(b))
     metrics.update(kl=b.kl_metric, num_tokens=b.num_tokens, num_sequences=float(b.batch_size),
                    num_groups=float(b.n_groups))
     return metrics
+
+
+@torch.no_grad()
+def weight_family_variances(b: _Batch) -> dict[str, float]:
+    """The variance of each family of importance weights on the same batch, whatever the loss
+    (Theorem 1 of the GEPO paper, like for like; REFERENCE.md §2):
+
+    - var_token_ratio: r_t = p_t / q_t over completion tokens (GRPO's weight);
+    - var_sequence_ratio: s_i = p̄_i / q̄_i over sequences (GSPO's);
+    - var_group_weight: w_i = p̄_i / Ê_q[q] over sequences, Ê over the prompt group (GEPO's).
+
+    Unclipped, capped like the losses' weights; variances divide by n. A batch of single
+    sequences has no group expectation: var_group_weight is then NaN."""
+    token = _masked_stats(_capped_exp(b.lp.detach() - b.lq), b)[3]
+    sequence = torch.var(_capped_exp(b.seq_lp.detach() - b.seq_lq), correction=0)
+    group = torch.var(_capped_exp(b.seq_lp.detach() - b.log_expectation), correction=0)
+    values = torch.stack([token, sequence, group]).tolist()
+    if b.stats.smallest_group < 2:
+        values[2] = math.nan
+    return dict(zip(("var_token_ratio", "var_sequence_ratio", "var_group_weight"), values))
 
 
 def _masked_stats(x: Tensor, b: _Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:

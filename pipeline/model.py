@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -58,6 +59,8 @@ __all__ = [
     "evaluate_policy",
     "warmup_supervised",
 ]
+
+log = logging.getLogger(__name__)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -647,10 +650,16 @@ class BaseModelSettings:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _target(problem: Problem) -> str:
+    """What the warm-up teaches for `problem`: its worked solution, else its answer."""
+    return problem.solution if problem.solution is not None else problem.answer
+
+
 def _supervised_batch(tokenizer, task: Task, problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt (as the task encodes it) + answer + eos; labels only on answer+eos tokens."""
+    """Right-padded prompt (as the task encodes it) + target + eos; labels only on target+eos
+    tokens. The target is the problem's worked solution when it has one, else its answer."""
     prompt_ids = [task.encode_prompt(p, tokenizer) for p in problems]
-    answer_ids = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer([_target(p) for p in problems], add_special_tokens=False)["input_ids"]
     eos, pad = tokenizer.eos_token_id, _pad_id(tokenizer)
     seqs = [pi + ai + [eos] for pi, ai in zip(prompt_ids, answer_ids)]
     L = max(len(s) for s in seqs)
@@ -693,7 +702,7 @@ def warmup_supervised(
     check = []
     if target_accuracy is not None:
         check = [task.train_problem(start_index + 10**12 + k) for k in range(check_problems)]
-        answer_tokens = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in check)
+        answer_tokens = max(len(tokenizer(_target(p), add_special_tokens=False)["input_ids"]) for p in check)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     losses: list[float] = []
     checks: list[tuple[int, float]] = []
@@ -705,6 +714,8 @@ def warmup_supervised(
                 max_new_tokens=answer_tokens + 1, seed=seed + step,
             )["accuracy_sampled"]
             checks.append((step, acc))
+            log.info("warm-up step %d/%d: sampled accuracy on train problems %.3f (stops at %.2f)",
+                     step, steps, acc, target_accuracy)
             if acc >= target_accuracy:
                 break
         if step == steps:

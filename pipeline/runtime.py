@@ -53,15 +53,21 @@ def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHa
 def base_model_settings(cfg: HeteroConfig) -> dict:
     """The builtin model's settings (pipeline.model.BaseModelSettings), from the config."""
     m, t = cfg.model, cfg.task
-    # The arithmetic held-out split depends on neither seed nor eval_size: leave them out of
-    # the cache key, so runs that differ only in those share a base model.
-    task_settings = {"digits": t.digits, "ops": t.ops} if t.name == "arithmetic" else t.task_settings()
+    # The generated tasks' held-out splits depend on neither seed nor eval_size: leave them out
+    # of the cache key, so runs that differ only in those share a base model.
+    if t.name == "arithmetic":
+        task_settings = {"digits": t.digits, "ops": t.ops}
+    elif t.name == "scratchpad_sum":
+        task_settings = {"terms": t.terms, "digits": t.digits}
+    else:
+        task_settings = t.task_settings()
     return {
         "task": t.name,
         "task_settings": task_settings,
         "size": {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads, "head_dim": m.head_dim,
                  "intermediate_size": m.intermediate_size, "max_positions": m.max_positions},
         "warmup_steps": m.warmup_steps, "warmup_batch_size": m.warmup_batch_size, "warmup_lr": m.warmup_lr,
+        "warmup_check_every": m.warmup_check_every,
         "warmup_target_accuracy": m.warmup_target_accuracy, "warmup_label_smoothing": m.warmup_label_smoothing,
         "seed": m.seed,
     }

@@ -7,7 +7,7 @@ A task is anything with ``name``, ``train_problem(index)``, ``eval_problems()``,
 ``eval_problems``. ``make_task(name, **settings)`` picks one from the registry, so a
 config names a task by string and a typo fails at load time.
 
-Two tasks are built in:
+Three tasks are built in:
 
 - ``"arithmetic"`` (:class:`ArithmeticTask`): integer arithmetic, prompts like
   ``37+58=``, completions are the answer digits followed by the model's end-of-sequence
@@ -15,6 +15,10 @@ Two tasks are built in:
   one CPU core, which is what the end-to-end demo needs. How the held-out split is kept
   disjoint, and what the verifier accepts, is documented on the class and in
   docs/task_and_model.md.
+- ``"scratchpad_sum"`` (:class:`ScratchpadSumTask`): the sum of several numbers,
+  ``12+47+30+85+9=``, with a written scratchpad of partial sums in any order
+  (``12+85=97 97+30=127 ...``), about 40 tokens long; only the final number is checked.
+  The reasoning task of the paper-claims study (docs/results/long_study/).
 - ``"dataset"`` (:class:`DatasetTask`): problems read from a file of records (JSON
   lines, Parquet, or a ``datasets.save_to_disk`` directory), each with a prompt (text or
   chat messages) and a gold answer, checked by a verifier from
@@ -38,7 +42,7 @@ import random
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import UserError
 from pipeline.verifiers import (
@@ -58,6 +62,7 @@ __all__ = [
     "DatasetError",
     "DatasetTask",
     "Problem",
+    "ScratchpadSumTask",
     "Task",
     "extract_answer",
     "make_task",
@@ -73,6 +78,9 @@ class Problem:
     answer: str  # canonical answer, e.g. "95"
     # A chat prompt as ((role, content), ...), or None for a plain-text prompt.
     messages: tuple[tuple[str, str], ...] | None = None
+    # One worked solution ending in the answer, the target of the built-in model's
+    # supervised warm-up (None: the answer alone). Never shown to the policy in RL.
+    solution: str | None = None
 
 
 @runtime_checkable
@@ -222,6 +230,120 @@ class ArithmeticTask:
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
         """The prompt text with the tokenizer's special tokens (the tiny tokenizer's ``<bos>``)."""
         return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+
+
+@dataclass(frozen=True)
+class ScratchpadSumTask:
+    """The sum of ``terms`` numbers of up to ``digits`` digits, worked out on a scratchpad.
+
+    The prompt is the sum, ``12+47+30+85+9=``. A worked solution adds one term at a time to
+    a running total, each step written out, in any order of the terms::
+
+        12+85=97 97+30=127 127+9=136 136+47=183
+
+    Every order is a valid reasoning path (5 terms: 60 left-to-right folds, more with other
+    groupings), and the reward looks only at the **final number** of the completion
+    (:func:`pipeline.verifiers.numeric`): ``183`` alone scores 1, so does any path that ends
+    in it. A completion is 30–50 tokens with the defaults, so a sequence's probability is a
+    product of dozens of token probabilities, as in chain-of-thought RL (a 3-token answer
+    is not; see docs/results/long_study/).
+
+    Settings (all validated; unknown ones are rejected by :func:`make_task`):
+
+    - ``seed``: orders the train stream (the held-out split does not depend on it);
+    - ``terms`` (5): numbers per problem, 2–8;
+    - ``digits`` (2): each term is drawn uniformly from ``[0, 10**digits - 1]``, 1–3;
+    - ``eval_size`` (200) and ``eval_fraction`` (0.1): as for the arithmetic task.
+
+    Disjointness: a keyed hash of the *sorted* terms puts a problem (and every reordering of
+    it) either in the held-out pool or in the train pool; train draws are rejection-sampled
+    from the train pool. ``Problem.solution`` is one worked solution, its order drawn from
+    the problem id: the warm-up target of the built-in model (docs/task_and_model.md).
+    """
+
+    seed: int = 0
+    terms: int = 5
+    digits: int = 2
+    eval_size: int = 200
+    eval_fraction: float = 0.1
+    name: str = dataclasses.field(default="scratchpad_sum", init=False)
+
+    def __post_init__(self) -> None:
+        for key, lo, hi in (("terms", 2, 8), ("digits", 1, 3)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{key} must be an int in [{lo}, {hi}], got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction!r}")
+        if isinstance(self.eval_size, bool) or not isinstance(self.eval_size, int) or not 1 <= self.eval_size <= 5000:
+            raise ValueError(f"eval_size must be an int in [1, 5000], got {self.eval_size!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that defines the task (used as part of model cache keys)."""
+        return {"name": self.name, "seed": self.seed, "terms": self.terms, "digits": self.digits,
+                "eval_size": self.eval_size, "eval_fraction": self.eval_fraction}
+
+    def is_heldout(self, terms: tuple[int, ...]) -> bool:
+        """Whether these terms (in any order) belong to the held-out pool."""
+        key = ",".join(map(str, sorted(terms)))
+        digest = hashlib.blake2b(f"heterorl-scratchpad|{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2.0**64 < self.eval_fraction
+
+    def _draw(self, rng: random.Random) -> tuple[int, ...]:
+        return tuple(rng.randrange(10**self.digits) for _ in range(self.terms))
+
+    def _make(self, problem_id: str, terms: tuple[int, ...]) -> Problem:
+        return Problem(problem_id=problem_id, prompt="+".join(map(str, terms)) + "=", answer=str(sum(terms)),
+                       solution=scratchpad(terms, random.Random(f"scratchpad-solution|{problem_id}")))
+
+    def train_problem(self, index: int) -> Problem:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be a non-negative int, got {index!r}")
+        rng = random.Random(f"scratchpad-train|{self.seed}|{index}")
+        while True:
+            terms = self._draw(rng)
+            if not self.is_heldout(terms):
+                return self._make(f"pad-train-{index}", terms)
+
+    def train_problem_by_id(self, problem_id: str) -> Problem:
+        prefix = "pad-train-"
+        index = problem_id[len(prefix):]
+        if not problem_id.startswith(prefix) or not index.isdigit() or index != str(int(index)):
+            raise KeyError(f"no train problem {problem_id!r}")
+        return self.train_problem(int(index))
+
+    def eval_problems(self) -> list[Problem]:
+        rng = random.Random(f"scratchpad-eval|{self.terms}|{self.digits}|{self.eval_fraction}")
+        seen: set[tuple[int, ...]] = set()
+        out: list[Problem] = []
+        while len(out) < self.eval_size:
+            terms = self._draw(rng)
+            if tuple(sorted(terms)) in seen or not self.is_heldout(terms):
+                continue
+            seen.add(tuple(sorted(terms)))
+            out.append(self._make(f"pad-eval-{len(out)}", terms))
+        return out
+
+    def reward(self, problem: Problem, completion_text: str) -> float:
+        """1.0 when the completion's final number is the sum (the scratchpad is not checked)."""
+        return numeric(problem.prompt, completion_text, problem.answer)
+
+    def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
+        return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+
+
+def scratchpad(terms: Sequence[int], rng: random.Random) -> str:
+    """A worked sum of `terms`: the running total plus one term at a time, in an order drawn
+    from `rng`, each step ``total+term=new`` and the steps separated by spaces."""
+    order = list(terms)
+    rng.shuffle(order)
+    total, steps = order[0], []
+    for term in order[1:]:
+        steps.append(f"{total}+{term}={total + term}")
+        total += term
+    return " ".join(steps)
 
 
 # ----------------------------------------------------------------------------------
@@ -406,6 +528,9 @@ class DatasetTask:
       read. A prompt is a string or a list of ``{"role", "content"}`` messages (other
       keys are dropped); an answer is a string or a number (an integral number is written
       without a decimal point: ``42.0`` becomes ``"42"``).
+    - ``solution_field`` (None): a record field holding a worked solution that ends in the
+      answer (a chain of thought). Only the built-in model's supervised warm-up reads it
+      (its target instead of the bare answer); the policy never sees it.
     - ``verifier`` ("exact"): a name or import spec for
       :func:`pipeline.verifiers.load_verifier`, resolved at construction. With ``numeric``
       every gold answer must hold a number, checked at load time.
@@ -430,6 +555,7 @@ class DatasetTask:
     eval_size: int = 200
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    solution_field: str | None = None
     verifier: str = "exact"
     chat_template: str = "auto"
     system_prompt: str | None = None
@@ -467,10 +593,11 @@ class DatasetTask:
             if not train:
                 raise DatasetError(f"{self.path}: every record's prompt also appears in eval_path "
                                    f"{self.eval_path}, so no train records are left")
-        self._train = tuple(Problem(f"data-train-{row}", prompt, answer, msgs) for row, _, prompt, answer, msgs in train)
+        self._train = tuple(Problem(f"data-train-{row}", prompt, answer, msgs, solution)
+                            for row, _, prompt, answer, msgs, solution in train)
         seen: set[str] = set()
         eval_problems = []
-        for row, _, prompt, answer, msgs in held:
+        for row, _, prompt, answer, msgs, _solution in held:
             if prompt in seen:
                 continue
             seen.add(prompt)
@@ -493,6 +620,8 @@ class DatasetTask:
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
                 raise DatasetError(f"{key} must be a non-empty string, got {value!r}")
+        if self.solution_field is not None and (not isinstance(self.solution_field, str) or not self.solution_field):
+            raise DatasetError(f"solution_field must be a non-empty string or null, got {self.solution_field!r}")
         if self.chat_template not in _CHAT_TEMPLATE_MODES:
             raise DatasetError(f"chat_template must be one of {', '.join(_CHAT_TEMPLATE_MODES)}, "
                                f"got {self.chat_template!r}")
@@ -501,8 +630,8 @@ class DatasetTask:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DatasetError(f"seed must be an int, got {self.seed!r}")
 
-    def _load(self, path: str) -> tuple[list[tuple[int, str, str, str, Any]], str]:
-        """``(row, location, prompt, answer, messages)`` per record of ``path``, and its sha256."""
+    def _load(self, path: str) -> tuple[list[tuple[int, str, str, str, Any, str | None]], str]:
+        """``(row, location, prompt, answer, messages, solution)`` per record of ``path``, and its sha256."""
         rows, digest = _load_rows(Path(path))
         if not rows:
             raise DatasetError(f"{path}: no records (the dataset is empty)")
@@ -521,7 +650,13 @@ class DatasetTask:
             if check_number and parse_number(answer) is None:
                 raise DatasetError(f"{loc}: field {self.answer_field!r} ({answer[-40:]!r}) holds no number "
                                    "for the numeric verifier")
-            out.append((row, loc, prompt, answer, messages))
+            solution = None
+            if self.solution_field is not None:
+                if not isinstance(rec.get(self.solution_field), str):
+                    raise DatasetError(f"{loc}: field {self.solution_field!r} (solution_field) must be text, got "
+                                       f"{_kind(rec.get(self.solution_field))}")
+                solution = rec[self.solution_field]
+            out.append((row, loc, prompt, answer, messages, solution))
         return out, digest
 
     # -- settings -------------------------------------------------------------------
@@ -538,6 +673,7 @@ class DatasetTask:
             "eval_size": self.eval_size,
             "prompt_field": self.prompt_field,
             "answer_field": self.answer_field,
+            "solution_field": self.solution_field,
             "verifier": self.verifier,
             "chat_template": self.chat_template,
             "system_prompt": self.system_prompt,
@@ -630,7 +766,8 @@ def _heldout(prompt: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2.0**64 < fraction
 
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "dataset": DatasetTask}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "scratchpad_sum": ScratchpadSumTask,
+                          "dataset": DatasetTask}
 
 
 def make_task(name: str, **settings: Any) -> Task:

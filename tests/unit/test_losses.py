@@ -716,3 +716,27 @@ def test_one_ratio_above_the_cap_leaves_the_other_gradients_accurate_in_float32(
         (grads[dtype],) = torch.autograd.grad(loss, lp_t)
     want, got = grads[torch.float64][1:], grads[torch.float32][1:].double()
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "gepo"])
+def test_weight_family_variances_match_a_float64_reference_whatever_the_loss(loss_type):
+    """Theorem 1 like for like: each loss's step reports all three weights' variances on its batch."""
+    rng = random.Random(7)
+    lp, lq, mask, _, gids = random_batch(rng, "gepo")
+    p, q, m, g = tensors(lp, lq, mask, gids)
+    adv = torch.tensor([rng.gauss(0, 1) for _ in gids], dtype=torch.float64)
+    _, metrics = compute_policy_loss(loss_type, p, q, m, adv, g)
+
+    def var(xs):
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / len(xs)
+
+    tokens = [math.exp(a - b) for pr, qr, mr in zip(lp, lq, mask) for a, b, k in zip(pr, qr, mr) if k]
+    seq_p = [sum(a for a, k in zip(pr, mr) if k) / sum(mr) for pr, mr in zip(lp, mask)]  # geometric mean, in log
+    seq_q = [sum(b for b, k in zip(qr, mr) if k) / sum(mr) for qr, mr in zip(lq, mask)]
+    expectation = {gid: sum(math.exp(2 * seq_q[j]) for j in range(len(gids)) if gids[j] == gid)
+                   / sum(math.exp(seq_q[j]) for j in range(len(gids)) if gids[j] == gid) for gid in set(gids)}
+    assert rel_err(metrics["var_token_ratio"], var(tokens)) < 1e-9
+    assert rel_err(metrics["var_sequence_ratio"], var([math.exp(a - b) for a, b in zip(seq_p, seq_q)])) < 1e-9
+    assert rel_err(metrics["var_group_weight"],
+                   var([math.exp(a) / expectation[gid] for a, gid in zip(seq_p, gids)])) < 1e-9

@@ -12,7 +12,8 @@ def record(loss, d, best, last):
             "groups_used": 6400, "groups_dropped": 10 * d, "mean_learner_sampler_kl": 1e-3 * (d + 1),
             "mean_iw_variance": 1e-2 * (d + 1), "kl_iw_var_per_step": [[1e-3 * (d + 1), 1e-2 * (d + 1)]],
             "wall_seconds": 60.0, "eval_samples": 8, "eval_problems": 200, "groups_generated": 7000,
-            "sampler_stalls": 3, "forced_refreshes": 2}
+            "sampler_stalls": 3, "forced_refreshes": 2, "steps": 100, "mean_completion_tokens": 40.0,
+            "weight_variances_per_step": [[1e-3 * (d + 1), 0.3, 0.2, 0.1], [2e-3 * (d + 1), 0.6, 0.4, 0.2]]}
 
 
 def test_report_table_gap_and_degradation(tmp_path):
@@ -23,11 +24,14 @@ def test_report_table_gap_and_degradation(tmp_path):
     assert "| loss | delay 0 Best | delay 0 Last | delay 16 Best | delay 16 Last |" in md
     assert "| gepo | 50.0 | 48.0 | 45.0 | 40.0 |" in md
     assert "| grpo | 52.0 | 30.0 | 40.0 | 20.0 |" in md
-    assert "| gepo | 3.5 |" in md   # best-to-last gap: mean of 2 and 5 points
-    assert "| grpo | 21.0 |" in md  # mean of 22 and 20
+    assert "| gepo | 2.0 | 5.0 | 3.5 |" in md   # best-to-last gap per max delay, then their mean
+    assert "| grpo | 22.0 | 20.0 | 21.0 |" in md
     assert "from max delay 0 to 16: 8.0 points" in md
+    # GEPO's Last at 16 (40.0) is 20 % below its Best at 0 (50.0)
+    assert "is 20.0 % below its Best at max delay 0 (bar: under 3 %): does not hold" in md
     assert json.loads((tmp_path / "delay_study.json").read_text()) == records
-    for png in ("accuracy_curves.png", "iw_variance_vs_kl.png", "staleness_histogram.png"):
+    for png in ("accuracy_curves.png", "iw_variance_vs_kl.png", "staleness_histogram.png", "kl_and_iw_variance.png",
+                "weight_families_vs_kl.png"):
         assert (tmp_path / png).stat().st_size > 5000
     assert "8 samples per problem, 200 problems" in md
 
@@ -53,3 +57,24 @@ def test_a_finished_cell_is_reused_only_with_the_same_config_text_and_settings()
     assert _same_cell(recorded, {**recorded, "config": "/elsewhere/heterorl/configs/study.yaml"})  # moved file
     assert not _same_cell(recorded, {**recorded, "config_text": "a: 2\n"})
     assert not _same_cell(recorded, {**recorded, "overrides": ["learner.lr=1e-3"]})
+
+
+def test_seed_spread_and_the_two_claims():
+    from heterorl.study import claims
+
+    records = [{**record("gepo", 0, 0.50, 0.50), "seed": 1}, {**record("gepo", 0, 0.60, 0.56), "seed": 2},
+               {**record("gepo", 64, 0.54, 0.54), "seed": 1}, {**record("gepo", 64, 0.55, 0.53), "seed": 2},
+               {**record("gspo", 64, 0.60, 0.50), "seed": 1}, {**record("gspo", 64, 0.60, 0.40), "seed": 2}]
+    c = claims(records, [0, 64])
+    assert abs(c["gepo_drop_pct"] - 100 * (0.55 - 0.535) / 0.55) < 1e-9  # mean Best at 0 vs mean Last at 64
+    assert abs(c["gepo_gap"] - 1.0) < 1e-9 and abs(c["gspo_gap"] - 15.0) < 1e-9
+    assert abs(c["gap_reduction_pct"] - 100 * (1 - 1.0 / 15.0)) < 1e-9
+    assert claims(records[:4], [0, 64])["gap_reduction_pct"] is None  # no GSPO cell: not claimed either way
+
+
+def test_the_report_shows_the_range_over_seeds(tmp_path):
+    records = [{**record("gepo", 0, 0.50, 0.50), "seed": 1}, {**record("gepo", 0, 0.60, 0.56), "seed": 2}]
+    write_report(tmp_path, records, ["gepo"], [0], "cmd")
+    md = (tmp_path / "delay_study.md").read_text()
+    assert "| gepo | 55.0 (50.0–60.0) | 53.0 (50.0–56.0) |" in md
+    assert "| gepo | 2.0 (0.0–4.0) | 2.0 |" in md
