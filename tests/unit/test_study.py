@@ -78,3 +78,14 @@ def test_the_report_shows_the_range_over_seeds(tmp_path):
     md = (tmp_path / "delay_study.md").read_text()
     assert "| gepo | 55.0 (50.0–60.0) | 53.0 (50.0–56.0) |" in md
     assert "| gepo | 2.0 (0.0–4.0) | 2.0 |" in md
+
+
+def test_the_long_study_design_is_fixed_in_its_config():
+    from heterorl.config_files import config_path
+    from pipeline.config import load_config
+
+    cfg = load_config(config_path("long_study"))
+    assert (cfg.study.losses, cfg.study.max_delays, cfg.study.seeds) == (["gepo", "gspo", "grpo"], [0, 16, 64], [0, 1])
+    assert cfg.task.name == "scratchpad_sum" and cfg.learner.kl_coef == 0.005 and cfg.learner.max_steps >= 400
+    assert cfg.sampler.delays.refresh.kind == "lognormal" and cfg.sampler.delays.refresh.upper == 64
+    assert load_config(config_path("study")).study.max_delays == [0, 4, 16, 64]  # the first study's default grid
