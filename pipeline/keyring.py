@@ -66,28 +66,26 @@ def _missing(path: Path, what: str) -> KeyFileError:
     return KeyFileError(f"no {what} at {path}: run `heterorl keys init` (or set security.* to the file)")
 
 
+def _existing(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise _missing(path, what)
+    return path
+
+
 def load_root_public(paths: KeyPaths) -> PublicKey:
-    if not paths.root_public.exists():
-        raise _missing(paths.root_public, "root public key")
-    return read_public_file(paths.root_public)
+    return read_public_file(_existing(paths.root_public, "root public key"))
 
 
 def load_root_key(paths: KeyPaths) -> SigningKey:
-    if not paths.root_key.exists():
-        raise _missing(paths.root_key, "root key")
-    return read_key_file(paths.root_key)
+    return read_key_file(_existing(paths.root_key, "root key"))
 
 
 def load_learner_key(paths: KeyPaths) -> SigningKey:
-    if not paths.learner_key.exists():
-        raise _missing(paths.learner_key, "learner key")
-    return read_key_file(paths.learner_key)
+    return read_key_file(_existing(paths.learner_key, "learner key"))
 
 
 def load_learner_public(paths: KeyPaths) -> PublicKey:
-    if not paths.learner_public.exists():
-        raise _missing(paths.learner_public, "learner public key (samplers pin it)")
-    return read_public_file(paths.learner_public)
+    return read_public_file(_existing(paths.learner_public, "learner public key (samplers pin it)"))
 
 
 def load_sampler_key(paths: KeyPaths, sampler_id: str, configured: Optional[str]) -> SigningKey:

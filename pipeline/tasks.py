@@ -107,6 +107,14 @@ _OPS = ("+", "-", "*")
 _COMMUTATIVE = frozenset({"+", "*"})
 
 
+def _train_index(problem_id: str, prefix: str) -> int:
+    """The index in `prefix<index>` (canonical digits only), else KeyError."""
+    index = problem_id[len(prefix):]
+    if not problem_id.startswith(prefix) or not index.isdigit() or index != str(int(index)):
+        raise KeyError(f"no train problem {problem_id!r}")
+    return int(index)
+
+
 @dataclass(frozen=True)
 class ArithmeticTask:
     """Integer arithmetic ``a<op>b=`` with operands of up to ``digits`` decimal digits.
@@ -205,11 +213,7 @@ class ArithmeticTask:
                 return self._make(f"arith-train-{index}", a, op, b)
 
     def train_problem_by_id(self, problem_id: str) -> Problem:
-        prefix = "arith-train-"
-        index = problem_id[len(prefix):]
-        if not problem_id.startswith(prefix) or not index.isdigit() or index != str(int(index)):
-            raise KeyError(f"no train problem {problem_id!r}")
-        return self.train_problem(int(index))
+        return self.train_problem(_train_index(problem_id, "arith-train-"))
 
     def eval_problems(self) -> list[Problem]:
         rng = random.Random(f"arith-eval|{self.digits}|{self.ops}|{self.eval_fraction}")
@@ -308,11 +312,7 @@ class ScratchpadSumTask:
                 return self._make(f"pad-train-{index}", terms)
 
     def train_problem_by_id(self, problem_id: str) -> Problem:
-        prefix = "pad-train-"
-        index = problem_id[len(prefix):]
-        if not problem_id.startswith(prefix) or not index.isdigit() or index != str(int(index)):
-            raise KeyError(f"no train problem {problem_id!r}")
-        return self.train_problem(int(index))
+        return self.train_problem(_train_index(problem_id, "pad-train-"))
 
     def eval_problems(self) -> list[Problem]:
         rng = random.Random(f"scratchpad-eval|{self.terms}|{self.digits}|{self.eval_fraction}")
