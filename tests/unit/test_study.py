@@ -89,3 +89,20 @@ def test_the_long_study_design_is_fixed_in_its_config():
     assert cfg.task.name == "scratchpad_sum" and cfg.learner.kl_coef == 0.005 and cfg.learner.max_steps >= 400
     assert cfg.sampler.delays.refresh.kind == "lognormal" and cfg.sampler.delays.refresh.upper == 64
     assert load_config(config_path("study")).study.max_delays == [0, 4, 16, 64]  # the first study's default grid
+
+
+def test_the_noise_robust_view_averages_consecutive_evaluations(tmp_path):
+    from heterorl.study import _smoothed
+
+    noisy = {**record("gepo", 64, 0.0, 0.0), "eval_curve": [[0, 0.2], [25, 0.5], [50, 0.3], [75, 0.4], [100, 0.2]]}
+    s = _smoothed(noisy)  # averages of 3: 0.333, 0.4, 0.3
+    assert abs(s["best_accuracy"] - 0.4) < 1e-12 and abs(s["last_accuracy"] - 0.3) < 1e-12
+    assert _smoothed({**noisy, "eval_curve": [[0, 0.2], [25, 0.5]]})["best_accuracy"] == 0.0  # too short: as is
+    records = [{**record("gepo", 0, 0.5, 0.5), "eval_curve": [[0, 0.2], [50, 0.5], [100, 0.5], [150, 0.5]]}, noisy,
+               {**record("gspo", 64, 0.6, 0.2), "eval_curve": [[0, 0.2], [50, 0.6], [100, 0.2], [150, 0.2]]}]
+    write_report(tmp_path, records, ["gepo", "gspo"], [0, 64], "cmd")
+    md = (tmp_path / "delay_study.md").read_text()
+    view = md[md.index("## The same on a 3-evaluation moving average"):]
+    # GEPO at 64: 40.0 − 30.0; GSPO at 64: max(0.333, 0.333) − 0.333 = 0
+    assert "| gepo | 0.0 | 10.0 | 5.0 |" in view and "| gspo | – | 0.0 | 0.0 |" in view
+    assert "is 40.0 % below its Best at max delay 0" in view  # Last 0.3 vs Best 0.5
