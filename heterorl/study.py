@@ -148,6 +148,17 @@ def _smoothed(r: dict, window: int = SMOOTHING) -> dict:
     return {**r, "best_accuracy": max(averages), "last_accuracy": averages[-1]}
 
 
+def late_slope(r: dict, fraction: float = 0.25) -> Optional[float]:
+    """Least-squares slope of held-out accuracy over the last `fraction` of the run, in points
+    per 100 steps: near 0 is a plateau, clearly below 0 a collapse, above 0 still learning."""
+    curve = r["eval_curve"]
+    start = curve[-1][0] * (1 - fraction)
+    xs, ys = zip(*[(x, 100 * y) for x, y in curve if x >= start]) if curve else ((), ())
+    if len(xs) < 3:
+        return None
+    return 100 * statistics.linear_regression(xs, ys).slope
+
+
 def _gap_table(records: list[dict], losses: list[str], delays: list[int], heading: str = "##") -> list[str]:
     lines = [f"{heading} Best-to-last gap (points; mean over seeds, range in brackets)", "",
              "| loss | " + " | ".join(f"max delay {d}" for d in delays) + " | mean |",
@@ -200,17 +211,20 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
         *_table(records, losses, delays), "",
         *_gap_table(records, losses, delays)]
     lines += ["", "## Staleness actually used, completion length, KL, importance-weight variance, sampler waste", "",
-              "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo.", "",
+              "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo. "
+              "Late slope: the least-squares slope of held-out accuracy over the last quarter of the run, in "
+              "points per 100 steps (about 0: a plateau; clearly negative: a collapse).", "",
               "| loss | max delay | seed | steps | max τ used | mean τ used | mean completion tokens | groups used "
-              "| dropped | generated | sampler stalls | forced refreshes | mean KL | mean IW var | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dropped | generated | sampler stalls | forced refreshes | mean KL | mean IW var | late slope | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
         tokens = r.get("mean_completion_tokens")
         lines.append(f"| {r['loss']} | {r['max_delay']} | {r['seed']} | {r.get('steps', '–')} | "
                      f"{r['max_staleness_used']} | {r['mean_staleness_used']:.2f} | "
                      f"{'–' if tokens is None else f'{tokens:.1f}'} | {r['groups_used']} | {r['groups_dropped']} | "
                      f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
-                     f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | {r['wall_seconds']} |")
+                     f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | "
+                     f"{'–' if (slope := late_slope(r)) is None else f'{slope:+.1f}'} | {r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
         first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0])]
         last = [r["last_accuracy"] for r in _cells(records, "gepo", delays[-1])]

@@ -106,3 +106,14 @@ def test_the_noise_robust_view_averages_consecutive_evaluations(tmp_path):
     # GEPO at 64: 40.0 − 30.0; GSPO at 64: max(0.333, 0.333) − 0.333 = 0
     assert "| gepo | 0.0 | 10.0 | 5.0 |" in view and "| gspo | – | 0.0 | 0.0 |" in view
     assert "is 40.0 % below its Best at max delay 0" in view  # Last 0.3 vs Best 0.5
+
+
+def test_the_late_slope_tells_a_plateau_from_a_collapse():
+    from heterorl.study import late_slope
+
+    curve = [[x, 0.2 + 0.001 * x] for x in range(0, 300, 25)]  # rising 10 points per 100 steps ...
+    plateau = {"eval_curve": curve + [[x, 0.5] for x in range(300, 425, 25)]}  # ... then flat
+    collapse = {"eval_curve": curve + [[x, 0.5 - 0.002 * (x - 300)] for x in range(300, 425, 25)]}
+    assert abs(late_slope(plateau)) < 1e-9
+    assert abs(late_slope(collapse) - (-20.0)) < 1e-9   # 0.2 per 100 steps = 20 points
+    assert late_slope({"eval_curve": [[0, 0.2], [400, 0.5]]}) is None  # too few evaluations to say
