@@ -148,6 +148,12 @@ def _smoothed(r: dict, window: int = SMOOTHING) -> dict:
     return {**r, "best_accuracy": max(averages), "last_accuracy": averages[-1]}
 
 
+def _median_kl(r: dict) -> str:
+    """The median over steps of the learner–sampler KL (the mean is ruled by a few spikes)."""
+    kls = [k for k, _ in r["kl_iw_var_per_step"] if k is not None]
+    return f"{statistics.median(kls):.2e}" if kls else "–"
+
+
 def late_slope(r: dict, fraction: float = 0.25) -> Optional[float]:
     """Least-squares slope of held-out accuracy over the last `fraction` of the run, in points
     per 100 steps: near 0 is a plateau, clearly below 0 a collapse, above 0 still learning."""
@@ -215,15 +221,15 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
               "Late slope: the least-squares slope of held-out accuracy over the last quarter of the run, in "
               "points per 100 steps (about 0: a plateau; clearly negative: a collapse).", "",
               "| loss | max delay | seed | steps | max τ used | mean τ used | mean completion tokens | groups used "
-              "| dropped | generated | sampler stalls | forced refreshes | mean KL | mean IW var | late slope | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dropped | generated | sampler stalls | forced refreshes | mean KL | median KL | mean IW var | late slope | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
         tokens = r.get("mean_completion_tokens")
         lines.append(f"| {r['loss']} | {r['max_delay']} | {r['seed']} | {r.get('steps', '–')} | "
                      f"{r['max_staleness_used']} | {r['mean_staleness_used']:.2f} | "
                      f"{'–' if tokens is None else f'{tokens:.1f}'} | {r['groups_used']} | {r['groups_dropped']} | "
                      f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
-                     f"{r['mean_learner_sampler_kl']:.2e} | {r['mean_iw_variance']:.2e} | "
+                     f"{r['mean_learner_sampler_kl']:.2e} | {_median_kl(r)} | {r['mean_iw_variance']:.2e} | "
                      f"{'–' if (slope := late_slope(r)) is None else f'{slope:+.1f}'} | {r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
         first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0])]
@@ -318,7 +324,7 @@ def _plots(out: Path, records: list[dict], losses: list[str], delays: list[int])
         ax.set_yscale("log")
         ax.set_xlabel("learner–sampler KL (k3, per token)")
         ax.set_ylabel("variance of the weight")
-        ax.set_title(f"weight families on the same batches (max delay {delays[-1]}, every loss and seed)")
+        ax.set_title(f"three weights on the same batches\n(max delay {delays[-1]}, every loss and seed)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "weight_families_vs_kl.png", dpi=100)

@@ -34,6 +34,7 @@ def test_report_table_gap_and_degradation(tmp_path):
                 "weight_families_vs_kl.png"):
         assert (tmp_path / png).stat().st_size > 5000
     assert "8 samples per problem, 200 problems" in md
+    assert "| 1.00e-03 | 1.00e-03 | 1.00e-02 |" in md  # max delay 0: mean KL, median KL, IW variance
 
 
 def test_a_written_analysis_survives_regeneration(tmp_path):
