@@ -95,17 +95,17 @@ def _gap(r: dict) -> float:
     return 100 * (r["best_accuracy"] - r["last_accuracy"])
 
 
-def _pct(values: list[float]) -> str:
-    """Mean in %, with the range over seeds when there are several."""
+def _spread(values: list[float], scale: float = 1.0) -> str:
+    """Mean (times `scale`), with the range over seeds when there are several."""
     if not values:
         return "–"
-    text = f"{100 * statistics.fmean(values):.1f}"
-    return text + (f" ({100 * min(values):.1f}–{100 * max(values):.1f})" if len(values) > 1 else "")
+    text = f"{scale * statistics.fmean(values):.1f}"
+    return text + (f" ({scale * min(values):.1f}–{scale * max(values):.1f})" if len(values) > 1 else "")
 
 
 def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[str]:
     def cell(loss, d, key):
-        return _pct([r[key] for r in _cells(records, loss, d)])
+        return _spread([r[key] for r in _cells(records, loss, d)], 100)
 
     head = "| loss | " + " | ".join(f"delay {d} Best | delay {d} Last" for d in delays) + " |"
     rule = "|---|" + "---|---|" * len(delays)
@@ -170,11 +170,7 @@ def _gap_table(records: list[dict], losses: list[str], delays: list[int], headin
              "| loss | " + " | ".join(f"max delay {d}" for d in delays) + " | mean |",
              "|---|" + "---|" * (len(delays) + 1)]
     for loss in losses:
-        cols = []
-        for d in delays:
-            gaps = [_gap(r) for r in _cells(records, loss, d)]
-            cols.append("–" if not gaps else f"{statistics.fmean(gaps):.1f}" + (
-                f" ({min(gaps):.1f}–{max(gaps):.1f})" if len(gaps) > 1 else ""))
+        cols = [_spread([_gap(r) for r in _cells(records, loss, d)]) for d in delays]
         every = [_gap(r) for r in records if r["loss"] == loss]
         lines.append(f"| {loss} | " + " | ".join(cols) + (f" | {statistics.fmean(every):.1f} |" if every else " | – |"))
     return lines
