@@ -107,6 +107,12 @@ _OPS = ("+", "-", "*")
 _COMMUTATIVE = frozenset({"+", "*"})
 
 
+def _plain_prompt_ids(problem: Problem, tokenizer: Any) -> list[int]:
+    """The prompt text with the tokenizer's special tokens (the tiny tokenizer's ``<bos>``):
+    how the generated tasks encode their prompts."""
+    return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+
+
 def _train_index(problem_id: str, prefix: str) -> int:
     """The index in `prefix<index>` (canonical digits only), else KeyError."""
     index = problem_id[len(prefix):]
@@ -232,8 +238,7 @@ class ArithmeticTask:
         return 1.0 if extract_answer(completion_text) == problem.answer else 0.0
 
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
-        """The prompt text with the tokenizer's special tokens (the tiny tokenizer's ``<bos>``)."""
-        return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+        return _plain_prompt_ids(problem, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -331,7 +336,7 @@ class ScratchpadSumTask:
         return numeric(problem.prompt, completion_text, problem.answer)
 
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
-        return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+        return _plain_prompt_ids(problem, tokenizer)
 
 
 def scratchpad(terms: Sequence[int], rng: random.Random) -> str:
