@@ -41,7 +41,7 @@ def run_sync(cfg, steps: int, threads: int) -> list[float]:
     import torch
 
     from pipeline.engine import make_engine, resolve_device
-    from pipeline.model import load_policy, sample_groups
+    from pipeline.models import load_policy, sample_groups
     from pipeline.runtime import make_task_from_config, resolve_base_model
     from pipeline.update import optimizer_step
     from producers.sampler import score_groups

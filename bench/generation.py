@@ -55,7 +55,7 @@ def save_model(shape: str, path: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.model import ModelSize, build_tiny_model, build_tokenizer
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 
     torch.manual_seed(0)
     if shape == "tiny":

@@ -58,7 +58,7 @@ def build_model(shape: str):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.model import build_tiny_model, build_tokenizer
+    from pipeline.models.tiny import build_tiny_model, build_tokenizer
 
     torch.manual_seed(0)
     if shape == "tiny":

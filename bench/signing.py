@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     from consumers.screening import GroupScreen
     from pipeline.config import load_config
     from pipeline.engine import make_engine
-    from pipeline.model import ModelSize, build_tiny_model, build_tokenizer, sample_groups
+    from pipeline.models import sample_groups
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.rollout import decode_rollout, encode_rollout, seal_rollout
     from pipeline.signing import SigningKey
     from pipeline.tasks import make_task

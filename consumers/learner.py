@@ -57,8 +57,8 @@ from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
 from pipeline.learner_state import load_learner_state, save_learner_state, save_weights
-from pipeline.metrics import MetricsWriter
-from pipeline.model import generation_eos_ids, load_policy, tokenizer_fingerprint
+from pipeline.metrics import MetricsWriter, StageClock
+from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
 from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.retry import retry_call
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
@@ -138,6 +138,9 @@ class Learner:
         self.version = 0
         self.next_offsets: dict[int, int] = {}
         self.last_record_at = self.last_wait_log = time.monotonic()
+        self.clock = StageClock()
+        """Where each step's time goes: intake (decode, signature, admission), screen (re-scoring
+        rewards and log-probs), train (the optimizer step), snapshot (saving a checkpoint locally)."""
 
     def run(self) -> int:
         """Train until `learner.max_steps` (or a drain); 3 if no rollout came for `learner.idle_timeout_s`."""
@@ -261,7 +264,7 @@ class Learner:
         ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
         self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
                                   (lambda: None) if ranks_share_weights else (lambda: self.engine.module),
-                                  PastPolicies(self.handles.store, self.work_dir))
+                                  PastPolicies(self.handles.store, self.work_dir, dtype=DTYPES[self.lcfg.precision]))
 
     def refresh_registry(self) -> None:
         """Re-read the signed key registry every `security.registry_refresh_s`: a revoked key's
@@ -311,7 +314,8 @@ class Learner:
         self.refresh_registry()
         now, where = time.time(), f"{self.topic}[{record.partition}]@{record.offset}"
         try:
-            rollout = self.verifier.check(record.value, now)
+            with self.clock.stage("intake"):
+                rollout = self.verifier.check(record.value, now)
         except RolloutDecodeError:
             admitted = self.admission.admit_message(record.partition, record.offset, record.value, self.version, now)
         except Rejected as e:
@@ -341,7 +345,8 @@ class Learner:
         if admitted.verdict == "malformed":
             self.strike(key_id, rollout.sampler_id, "invalid", admitted.reason)
         elif admitted.verdict == "kept":
-            failures = self.screen.check(rollout, self.version - rollout.policy_version)
+            with self.clock.stage("screen"):
+                failures = self.screen.check(rollout, self.version - rollout.policy_version)
             if failures:
                 self.admission.withdraw(lambda g: g.rollout.rollout_id != rollout.rollout_id,
                                         lambda g: f"failed_check:{failures[0][0]}")
@@ -381,10 +386,12 @@ class Learner:
         groups, weights = [g.rollout for g in batch], [g.decision.weight for g in batch]
         if self.link is not None:
             self.link.send(TRAIN, {"groups": [encode_rollout(r) for r in groups], "weights": weights})
-        step_metrics = optimizer_step(self.engine, groups, weights, self.lcfg, temperature=self.cfg.sampler.temperature,
-                                      max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
+        with self.clock.stage("train"):
+            step_metrics = optimizer_step(self.engine, groups, weights, self.lcfg,
+                                          temperature=self.cfg.sampler.temperature,
+                                          max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
         self.version += 1
-        values = self.recorder.record(self.version, batch, step_metrics)
+        values = self.recorder.record(self.version, batch, {**step_metrics, **self.clock.take()})
         self.state.report_learner({"step": self.version, **self.admission.counters.as_dict()})
         self.log.info("step %d loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.version,
                       values["loss"], values["reward_mean"], values["staleness_mean"], values["staleness_max"],
@@ -400,8 +407,9 @@ class Learner:
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{self.version}-", dir=self.work_dir))
         if self.link is not None:  # gathering the weights and the optimizer state takes every rank
             self.link.send(SAVE)
-        save_weights(self.engine, self.tokenizer, snapshot)
-        save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
+        with self.clock.stage("snapshot"):
+            save_weights(self.engine, self.tokenizer, snapshot)
+            save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
         extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
             # Verdicts since the last step (no step logs them) travel with the final checkpoint.

@@ -50,7 +50,7 @@ from pipeline.errors import UserError
 from pipeline.kafka_io import read_topic, topic_partitions
 from pipeline.learner_state import save_weights
 from pipeline.metrics import MetricsWriter
-from pipeline.model import load_policy, tokenizer_fingerprint
+from pipeline.models import load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
 from pipeline.services import ServiceUnavailable, require_services

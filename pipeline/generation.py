@@ -3,7 +3,7 @@
 Two backends behind one small interface (:class:`PolicyEngine`), chosen by
 `sampler.backend`:
 
-- ``hf``: the KV-cached decoding loop of `pipeline.model.sample_groups` on a
+- ``hf``: the KV-cached decoding loop of `pipeline.models.sample_groups` on a
   `transformers` model, on the CPU or a GPU (`model.device`), in fp32 or bf16
   (`sampler.precision`).
 - ``vllm``: vLLM's offline engine (`vllm.LLM`), one request per prompt with
@@ -40,10 +40,9 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from pipeline.config import ConfigError, vllm_logprobs_mode
-from pipeline.model import SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
+from pipeline.models import DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
 
 BACKENDS = ("auto", "hf", "vllm")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def pick_backend(setting: str, device: torch.device, settings: SamplingSettings)
 
 
 class HfEngine:
-    """The `transformers` model and the product's decoding loop (`pipeline.model.sample_groups`)."""
+    """The `transformers` model and the product's decoding loop (`pipeline.models.sample_groups`)."""
 
     backend = "hf"
 

@@ -10,8 +10,32 @@ import json
 import math
 import os
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
+
+
+class StageClock:
+    """Wall seconds a process spent in each named stage since the last `take()`: where a
+    learner step's time went (`time_train_s`, `time_screen_s`, ... in its metrics record)."""
+
+    def __init__(self):
+        self._seconds: Counter = Counter()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - started
+
+    def take(self) -> dict[str, float]:
+        """`{"time_<stage>_s": seconds}` since the last call, and start again."""
+        out = {f"time_{name}_s": seconds for name, seconds in sorted(self._seconds.items())}
+        self._seconds.clear()
+        return out
 
 
 class MetricsWriter:

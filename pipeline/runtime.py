@@ -17,10 +17,10 @@ from typing import Optional
 from transformers.utils import logging as hf_logging
 
 from pipeline.checkpoints import CheckpointStore, connect_s3
-from pipeline.config import ConfigError, HeteroConfig
+from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.keyring import key_paths, load_learner_public
-from pipeline.model import ensure_base_model, evaluate_policy, load_policy
+from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
 from pipeline.signing import SigningKey
@@ -51,7 +51,7 @@ def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHa
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:
-    """The builtin model's settings (pipeline.model.BaseModelSettings), from the config."""
+    """The builtin model's settings (pipeline.models.tiny.BaseModelSettings), from the config."""
     m, t = cfg.model, cfg.task
     # The generated tasks' held-out splits depend on neither seed nor eval_size: leave them out
     # of the cache key, so runs that differ only in those share a base model.
@@ -74,13 +74,14 @@ def base_model_settings(cfg: HeteroConfig) -> dict:
 
 
 def resolve_base_model(cfg: HeteroConfig) -> Path:
-    """A local HF model directory: the configured path, or the cached builtin model."""
-    if cfg.model.base != "builtin:tiny":
-        path = Path(cfg.model.base)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.base {path} is not a Hugging Face model directory (no config.json)")
-        return path
-    return ensure_base_model(Path(cfg.services.data_dir) / "models", base_model_settings(cfg))
+    """The local model directory `model.base` names (pipeline.models.sources): a built-in
+    model, a GGUF file or a Hub model made once into `<data_dir>/models`, or your directory."""
+    def tiny(cache_dir: Path) -> Path:
+        from pipeline.models.tiny import ensure_base_model
+
+        return ensure_base_model(cache_dir, base_model_settings(cfg))
+
+    return resolve_model(cfg.model.base, Path(cfg.services.data_dir) / "models", tiny)
 
 
 def make_task_from_config(cfg: HeteroConfig):
@@ -88,8 +89,9 @@ def make_task_from_config(cfg: HeteroConfig):
 
 
 def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
-    """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy."""
-    model, tokenizer = load_policy(model_dir, resolve_device(cfg.model.device))
+    """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy,
+    at the samplers' precision (`sampler.precision`), as the policy is used."""
+    model, tokenizer = load_policy(model_dir, resolve_device(cfg.model.device), DTYPES[cfg.sampler.precision])
     return evaluate_model(cfg, model, tokenizer, task)
 
 

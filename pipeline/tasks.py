@@ -46,6 +46,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import UserError
 from pipeline.verifiers import (
+    BUILTIN_VERIFIERS,
     END_MARKERS,
     Verifier,
     exact,
@@ -105,12 +106,48 @@ class Task(Protocol):
 
 _OPS = ("+", "-", "*")
 _COMMUTATIVE = frozenset({"+", "*"})
+_STYLES = {"equation": "exact", "question": "numeric"}
+"""The arithmetic task's prompt styles and the verifier each uses unless one is set."""
+QUESTION = "What is {a} {op} {b}? Reply with just the number."
+"""The arithmetic task's `question` prompt (SmolLM2-135M-Instruct answers it greedily in 18 %
+of two-digit sums and differences; without the second sentence it explains, and is cut off)."""
 
 
-def _plain_prompt_ids(problem: Problem, tokenizer: Any) -> list[int]:
-    """The prompt text with the tokenizer's special tokens (the tiny tokenizer's ``<bos>``):
-    how the generated tasks encode their prompts."""
-    return list(tokenizer(problem.prompt, add_special_tokens=True)["input_ids"])
+_CHAT_TEMPLATE_MODES = ("auto", "none")
+
+
+def encode_messages(tokenizer: Any, messages: Sequence[tuple[str, str]], chat_template: str = "auto",
+                    system_prompt: str | None = None) -> list[int]:
+    """The prompt token ids of chat `messages` ((role, content), ...); every task encodes
+    its prompts here.
+
+    A ``system_prompt`` becomes a leading system message unless the messages already start
+    with one. With ``chat_template="auto"`` and a tokenizer that has a chat template, they
+    are rendered by ``apply_chat_template(..., add_generation_prompt=True)`` and that text is
+    encoded without special tokens (the template writes its own BOS). Otherwise (``"none"``,
+    or no template, as with the tiny model's tokenizer) the contents, the system prompt
+    first, are joined by newlines and encoded with the tokenizer's special tokens: a plain
+    prompt ``37+58=`` becomes ``<bos>37+58=``.
+    """
+    messages = list(messages)
+    if system_prompt and messages[0][0] != "system":
+        messages.insert(0, ("system", system_prompt))
+    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n".join(content for _, content in messages)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _check_prompt_format(chat_template: Any, system_prompt: Any) -> None:
+    if chat_template not in _CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template must be one of {', '.join(_CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string or null, got {type(system_prompt).__name__}")
 
 
 def _train_index(problem_id: str, prefix: str) -> int:
@@ -135,6 +172,14 @@ class ArithmeticTask:
       ``-`` may give negative answers (written with a leading ``-``).
     - ``eval_size``: number of held-out problems.
     - ``eval_fraction``: fraction of all operand pairs reserved for the held-out pool.
+    - ``style``: ``"equation"`` asks ``37+58=`` (the tiny model's task); ``"question"`` asks
+      in words, ``What is 37 + 58? Reply with just the number.``, for an instruct model
+      (:data:`QUESTION`).
+    - ``verifier``: ``"exact"`` (the default for equations) or ``"numeric"`` (the default for
+      questions: the completion's last number, so ``37 + 58 = 95`` scores 1), from
+      :mod:`pipeline.verifiers`.
+    - ``chat_template`` (``"auto"``) and ``system_prompt`` (None): how the prompt is encoded,
+      :func:`encode_messages` (the tiny tokenizer has no template: plain text).
 
     Disjointness is by construction: a keyed hash of the *unordered* operand pair for
     commutative ops (ordered for ``-``) puts every problem either in the held-out pool
@@ -142,10 +187,10 @@ class ArithmeticTask:
     problems are drawn from the held-out pool, so no train problem (nor its commuted
     twin ``b+a``) ever equals an eval problem.
 
-    Verifier: the completion text is cut at the first end marker (:data:`END_MARKERS`;
-    normally the sampler already stops at EOS), leading/trailing whitespace is stripped,
-    and the rest must equal the canonical answer string exactly: no leading zeros
-    (``"095"`` is wrong), no ``+`` sign, no inner spaces, ``-0`` is wrong.
+    The ``exact`` verifier: the completion text is cut at the first end marker
+    (:data:`END_MARKERS`; normally the sampler already stops at EOS), leading/trailing
+    whitespace is stripped, and the rest must equal the canonical answer string exactly: no
+    leading zeros (``"095"`` is wrong), no ``+`` sign, no inner spaces, ``-0`` is wrong.
     """
 
     seed: int = 0
@@ -153,9 +198,20 @@ class ArithmeticTask:
     ops: str = "+"
     eval_size: int = 200
     eval_fraction: float = 0.1
+    style: str = "equation"
+    verifier: str | None = None
+    chat_template: str = "auto"
+    system_prompt: str | None = None
     name: str = dataclasses.field(default="arithmetic", init=False)
 
     def __post_init__(self) -> None:
+        if self.style not in _STYLES:
+            raise ValueError(f"style must be one of {', '.join(_STYLES)}, got {self.style!r}")
+        if self.verifier is None:
+            object.__setattr__(self, "verifier", _STYLES[self.style])
+        if self.verifier not in ("exact", "numeric"):
+            raise ValueError(f"verifier must be exact or numeric for the arithmetic task, got {self.verifier!r}")
+        _check_prompt_format(self.chat_template, self.system_prompt)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")  # noqa: TRY004 (make_task promises ValueError)
         if not isinstance(self.digits, int) or not 1 <= self.digits <= 6:
@@ -182,6 +238,10 @@ class ArithmeticTask:
             "ops": self.ops,
             "eval_size": self.eval_size,
             "eval_fraction": self.eval_fraction,
+            "style": self.style,
+            "verifier": self.verifier,
+            "chat_template": self.chat_template,
+            "system_prompt": self.system_prompt,
         }
 
     # -- split ------------------------------------------------------------------------
@@ -201,7 +261,8 @@ class ArithmeticTask:
             value = a - b
         else:
             value = a * b
-        return Problem(problem_id=problem_id, prompt=f"{a}{op}{b}=", answer=str(value))
+        prompt = f"{a}{op}{b}=" if self.style == "equation" else QUESTION.format(a=a, op=op, b=b)
+        return Problem(problem_id=problem_id, prompt=prompt, answer=str(value))
 
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
         n = self._n_operands()
@@ -235,10 +296,10 @@ class ArithmeticTask:
 
     # -- verifier ---------------------------------------------------------------------
     def reward(self, problem: Problem, completion_text: str) -> float:
-        return 1.0 if extract_answer(completion_text) == problem.answer else 0.0
+        return BUILTIN_VERIFIERS[self.verifier](problem.prompt, completion_text, problem.answer)
 
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
-        return _plain_prompt_ids(problem, tokenizer)
+        return encode_messages(tokenizer, [("user", problem.prompt)], self.chat_template, self.system_prompt)
 
 
 @dataclass(frozen=True)
@@ -336,7 +397,7 @@ class ScratchpadSumTask:
         return numeric(problem.prompt, completion_text, problem.answer)
 
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
-        return _plain_prompt_ids(problem, tokenizer)
+        return encode_messages(tokenizer, [("user", problem.prompt)], "none")
 
 
 def scratchpad(terms: Sequence[int], rng: random.Random) -> str:
@@ -359,7 +420,6 @@ class DatasetError(UserError, ValueError):
 
 
 SUPPORTED_FORMATS = ".jsonl, .parquet, or a directory written by datasets' save_to_disk"
-_CHAT_TEMPLATE_MODES = ("auto", "none")
 
 
 def _one_line(text: str) -> str:
@@ -627,11 +687,10 @@ class DatasetTask:
                 raise DatasetError(f"{key} must be a non-empty string, got {value!r}")
         if self.solution_field is not None and (not isinstance(self.solution_field, str) or not self.solution_field):
             raise DatasetError(f"solution_field must be a non-empty string or null, got {self.solution_field!r}")
-        if self.chat_template not in _CHAT_TEMPLATE_MODES:
-            raise DatasetError(f"chat_template must be one of {', '.join(_CHAT_TEMPLATE_MODES)}, "
-                               f"got {self.chat_template!r}")
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise DatasetError(f"system_prompt must be a string or null, got {_kind(self.system_prompt)}")
+        try:
+            _check_prompt_format(self.chat_template, self.system_prompt)
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise DatasetError(f"seed must be an int, got {self.seed!r}")
 
@@ -739,30 +798,12 @@ class DatasetTask:
 
     # -- prompt -----------------------------------------------------------------------
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
-        """The prompt token ids.
-
-        The messages are the problem's chat messages, or one user message holding its
-        text; a ``system_prompt`` becomes a leading system message unless the messages
-        already start with one. With ``chat_template="auto"`` and a tokenizer that has a
-        chat template, they are rendered by ``apply_chat_template(...,
-        add_generation_prompt=True)`` and that text is encoded without special tokens
-        (the template writes its own BOS). Otherwise (``"none"``, or no template) the
-        message contents, the system prompt first, are joined by newlines and encoded
-        with the tokenizer's special tokens, which for a plain prompt without a system
-        prompt is exactly what :class:`ArithmeticTask` feeds.
-        """
+        """The prompt token ids: the problem's chat messages, or one user message holding its
+        text, through :func:`encode_messages` with this task's ``chat_template`` and
+        ``system_prompt``. For a plain prompt without a system prompt and no template, that is
+        exactly what :class:`ArithmeticTask` feeds."""
         messages = list(problem.messages) if problem.messages else [("user", problem.prompt)]
-        if self.system_prompt and messages[0][0] != "system":
-            messages.insert(0, ("system", self.system_prompt))
-        if self.chat_template == "auto" and getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(
-                [{"role": role, "content": content} for role, content in messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        text = "\n".join(content for _, content in messages)
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return encode_messages(tokenizer, messages, self.chat_template, self.system_prompt)
 
 
 def _heldout(prompt: str, fraction: float) -> bool:

@@ -10,7 +10,7 @@ One step, top to bottom:
   2. this rank's share of the sequences, balanced by tokens (`rank_share`), split into
      micro-batches of at most `learner.micro_batch_tokens` padded tokens
      (`micro_batches`);
-  3. per micro-batch: log-probs (`pipeline.model.completion_logprobs`, chunked over the
+  3. per micro-batch: log-probs (`pipeline.models.completion_logprobs`, chunked over the
      vocabulary), its share of the loss, backward (gradients accumulate);
   4. one DeepSpeed step (gradients all-reduced across ranks first);
   5. the step's metrics from all its log-probs together, exactly as one-shot.
@@ -28,7 +28,7 @@ import torch
 from pipeline.config import LearnerConfig
 from pipeline.engine import Ranks, begin_micro_batch
 from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
-from pipeline.model import completion_logprobs, logits_chunk_tokens
+from pipeline.models import completion_logprobs, logits_chunk_tokens
 from pipeline.rollout import Rollout
 
 

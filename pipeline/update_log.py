@@ -113,7 +113,7 @@ class UpdateEntry:
     topic: str = ""
     """The rollout topic the partitions and offsets of this entry refer to."""
     tokenizer_sha: Optional[str] = None
-    """pipeline.model.tokenizer_fingerprint of the learner's tokenizer."""
+    """pipeline.models.tokenizer_fingerprint of the learner's tokenizer."""
     kind: str = "step"
     """"step", or "rewind": a learner (re)started at version `step`; entries of later steps
     written before it belong to updates that were lost with a crash and are void."""

@@ -56,7 +56,7 @@ from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
 from pipeline.keyring import key_paths, load_sampler_key
 from pipeline.generation import PolicyEngine, SamplingSettings, make_engine, pick_backend
-from pipeline.model import decode_completion
+from pipeline.models import decode_completion
 from pipeline.pacing import Pacing
 from pipeline.redis_state import RunView
 from pipeline.retry import Backoff, retry_call

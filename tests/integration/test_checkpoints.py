@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from pipeline.model import ModelSize, build_tiny_model, build_tokenizer
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, ModelSize(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))

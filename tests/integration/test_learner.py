@@ -33,7 +33,7 @@ checks of signatures and content are tests/*/test_trust.py's and test_screening.
 
 def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_path):
     from consumers.learner import run_learner
-    from pipeline.model import build_tokenizer
+    from pipeline.models.tiny import build_tokenizer
     from pipeline.runtime import connect_run
 
     run = f"boundary-{uuid.uuid4().hex[:6]}"

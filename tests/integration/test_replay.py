@@ -135,7 +135,7 @@ def _cli(*args, env):
 def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path):
     from infra.local_stack import stack_env
     from pipeline.kafka_io import ensure_topic
-    from pipeline.model import load_policy
+    from pipeline.models import load_policy
 
     run_dir, summary, cfg = recorded
     env = stack_env(local_stack)

@@ -14,7 +14,7 @@ import pytest
 from pyarrow import ipc
 
 from pipeline.errors import UserError
-from pipeline.model import CHARS, build_tokenizer
+from pipeline.models.tiny import CHARS, build_tokenizer
 from pipeline.tasks import (
     ArithmeticTask,
     DatasetError,

@@ -22,7 +22,8 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.config import vllm_logprobs_mode
 from pipeline.generation import HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed
-from pipeline.model import ModelSize, SampledGroup, build_tiny_model, build_tokenizer, completion_logprobs
+from pipeline.models import SampledGroup, completion_logprobs
+from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

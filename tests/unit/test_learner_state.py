@@ -94,7 +94,7 @@ def test_a_zero3_checkpoint_is_a_plain_hugging_face_directory(overrides, tmp_pat
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from pipeline.learner_state import save_weights
-    from pipeline.model import build_tokenizer
+    from pipeline.models.tiny import build_tokenizer
 
     engine = engine_for(overrides)
     train(engine, 2, seed=1)

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.model import completion_logprobs
+from pipeline.models import completion_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ def test_a_batch_whose_full_logits_would_not_fit_the_memory_budget_trains():
         sys.path.insert(0, {str(ROOT)!r})
         import torch
         from tests.unit.test_logprobs import qwen2
-        from pipeline.model import completion_logprobs
+        from pipeline.models import completion_logprobs
         model = qwen2()
         vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024
         budget = vm + 1024 * 2**20

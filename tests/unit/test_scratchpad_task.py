@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.model import _supervised_batch, _target, build_tokenizer
+from pipeline.models.tiny import _supervised_batch, _target, build_tokenizer
 from pipeline.tasks import DatasetError, Problem, ScratchpadSumTask, make_task, scratchpad
 
 

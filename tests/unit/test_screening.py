@@ -6,7 +6,8 @@ import pytest
 
 from consumers.screening import GroupScreen
 from pipeline.config import SecurityConfig
-from pipeline.model import build_tiny_model, build_tokenizer, sample_groups
+from pipeline.models import sample_groups
+from pipeline.models.tiny import build_tiny_model, build_tokenizer
 from pipeline.tasks import make_task
 from producers.sampler import score_groups
 

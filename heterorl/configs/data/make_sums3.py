@@ -5,7 +5,7 @@ is the same bytes every time. Every combination of three operands 0-9 and two op
 from ``+-`` (4,000 problems) is shuffled with a fixed seed, and the first ``COUNT`` are
 written, one JSON object per line: ``{"question": "7-3+5=", "target": "9"}``. Negative
 results are written with a leading ``-``. Every character is one the tiny model's
-tokenizer knows (``pipeline.model.CHARS``).
+tokenizer knows (``pipeline.models.tiny.CHARS``).
 
 The fields are deliberately not called prompt/answer; a config reads the file with::
 

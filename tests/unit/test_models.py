@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.model: tokenizer, sampling, learner log-probs, evaluation, base-model cache."""
+"""Unit tests for pipeline.models: the tiny tokenizer, sampling, learner log-probs, evaluation, base-model cache."""
 
 from __future__ import annotations
 
@@ -9,20 +9,16 @@ import math
 import pytest
 import torch
 
-from pipeline import model as M
-from pipeline.model import (
-    BaseModelSettings,
-    ModelSize,
-    build_tiny_model,
-    build_tokenizer,
+from pipeline.models import (
     completion_logprobs,
     decode_completion,
-    ensure_base_model,
     evaluate_policy,
     greedy_completions,
     load_policy,
     sample_groups,
 )
+from pipeline.models import sampling, tiny
+from pipeline.models.tiny import BaseModelSettings, ModelSize, build_tiny_model, build_tokenizer, ensure_base_model
 from pipeline.tasks import make_task
 
 TINY = ModelSize(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
@@ -184,11 +180,11 @@ def test_top_k_one_is_greedy(tok, eos_model):
 
 def test_filter_logits_keeps_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = torch.isfinite(M._filter_logits(logits, 0, 0.7))
+    kept = torch.isfinite(sampling._filter_logits(logits, 0, 0.7))
     assert kept.tolist() == [[True, True, False, False]]
-    kept = torch.isfinite(M._filter_logits(logits, 0, 0.1))
+    kept = torch.isfinite(sampling._filter_logits(logits, 0, 0.1))
     assert kept.tolist() == [[True, False, False, False]]
-    kept = torch.isfinite(M._filter_logits(logits, 3, 1.0))
+    kept = torch.isfinite(sampling._filter_logits(logits, 3, 1.0))
     assert kept.tolist() == [[True, True, True, False]]
 
 
@@ -292,7 +288,7 @@ def test_ensure_base_model_builds_once_and_loads_offline(tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("ensure_base_model retrained a cached model")
 
-    monkeypatch.setattr(M, "warmup_supervised", no_training)
+    monkeypatch.setattr(tiny, "warmup_supervised", no_training)
     again = ensure_base_model(tmp_path, settings.to_dict())  # a plain mapping works too
     assert again == path
     assert _sha(path / "model.safetensors") == sha
@@ -319,7 +315,7 @@ def test_cache_key_covers_every_setting():
 def test_warmup_stops_at_target(tok):
     task = make_task("arithmetic", digits=1, eval_size=3)
     model = build_tiny_model(tok, TINY, seed=0)
-    report = M.warmup_supervised(model, tok, task, steps=4, batch_size=8, lr=1e-3, target_accuracy=0.0,
+    report = tiny.warmup_supervised(model, tok, task, steps=4, batch_size=8, lr=1e-3, target_accuracy=0.0,
                                  check_every=2, check_problems=8)
     # Accuracy >= 0 holds at the first check, so no step is taken.
     assert report["steps"] == 0 and report["checks"][0][0] == 0

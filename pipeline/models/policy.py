@@ -1,0 +1,112 @@
+"""A policy as the roles hold it: a `transformers` causal LM and its tokenizer, loaded from a
+local directory, with the token ids that end and pad its completions.
+
+Only safetensors weights are read (no pickle is ever unpickled); the tokenizer is
+tokenizer.json. Any directory `pipeline.models.sources.resolve_model` returns works here:
+the built-in tiny model, a converted GGUF file, a saved Hub model, your own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+__all__ = [
+    "DTYPES",
+    "decode_completion",
+    "eos_ids",
+    "generation_eos_ids",
+    "load_policy",
+    "load_tokenizer",
+    "pad_id",
+    "tokenizer_fingerprint",
+]
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The precisions a config names (`sampler.precision`, `learner.precision`) as torch dtypes."""
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a local HF model directory; one without a pad token gets its EOS token as pad."""
+    tokenizer = AutoTokenizer.from_pretrained(Path(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Load any local HF causal-LM directory: (model in `dtype` eval mode on `device`, tokenizer).
+
+    Only safetensors weights are accepted (``use_safetensors=True``: no pickle is ever
+    unpickled). A tokenizer without a pad token gets its EOS token as pad.
+    """
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map and special tokens: equal iff ids mean the same text."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS, then any other EOS of the model's generation config."""
+    return _merge_eos(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+
+
+def generation_eos_ids(model_dir: str | os.PathLike, tokenizer) -> list[int]:
+    """`eos_ids` for a model directory that is not loaded (generation_config.json read as JSON)."""
+    path = Path(model_dir) / "generation_config.json"
+    gen_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return _merge_eos(tokenizer, gen_eos)
+
+
+def _merge_eos(tokenizer, gen_eos) -> list[int]:
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if isinstance(gen_eos, int):
+        gen_eos = [gen_eos]
+    for i in gen_eos or []:
+        if int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token")
+    return ids
+
+
+def pad_id(tokenizer) -> int:
+    """The id that fills a batch's empty places: the tokenizer's pad token, else its EOS.
+
+    A pad id equal to EOS (SmolLM2's GGUF sets it so) is harmless here: completions are
+    lists of their own tokens, cut after their first EOS, never recovered from a padded
+    tensor by looking for pads."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return int(tokenizer.eos_token_id)
+
+
+def decode_completion(tokenizer, completion_ids: Sequence[int], eos_ids: Sequence[int] | None = None) -> str:
+    """Text of a completion's tokens before its first EOS, special tokens skipped.
+
+    This is what samplers pass to ``Task.reward``.
+    """
+    eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}
+    ids = list(completion_ids)
+    for k, t in enumerate(ids):
+        if t in eos:
+            ids = ids[:k]
+            break
+    return tokenizer.decode(ids, skip_special_tokens=True)
