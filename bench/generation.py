@@ -1,13 +1,15 @@
 """Generation speed of each installed backend, side by side: completion tokens per second.
 
-    python bench/generation.py --shape tiny|20m|qwen2-0.5b [--backends hf,vllm]
+    python bench/generation.py --shape tiny|20m|smollm2|qwen2-0.5b [--backends hf,vllm]
         [--prompts N] [--group-size G] [--prompt-tokens P] [--new-tokens C]
         [--precision fp32|bf16] [--threads T] [--rounds R] [--device auto|cpu|cuda] [--json FILE]
 
 Every backend samples the same batch from the same random-init model through the
 sampler's own engines (`pipeline.generation.make_engine`): N prompts of P random tokens,
 G completions each, C new tokens (a random-init model almost never ends early; tokens are
-counted as generated). Each backend runs in its own fresh process (vLLM changes the
+counted as generated). `smollm2` is the real SmolLM2-135M-Instruct instead, asked the
+smollm2 config's questions through its chat template (P is then the prompts' own length,
+about 47 tokens): completions end at EOS, and only generated tokens are counted. Each backend runs in its own fresh process (vLLM changes the
 process's thread settings), one warm-up batch then `--rounds` timed batches; the engine's
 start-up is reported separately and not counted. The last line gives each backend's
 tokens/s relative to `hf`.
@@ -15,6 +17,7 @@ tokens/s relative to `hf`.
 Shapes:
 - tiny: the built-in demo model (Llama, hidden 64, 4 layers, 4 heads of 32, 21-token vocabulary);
 - 20m: Qwen2 architecture, hidden 320, 6 layers, 5 heads of 64, vocabulary 32,000 (~19M parameters);
+- smollm2: SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads of 64, vocabulary 49,152), real weights;
 - qwen2-0.5b: Qwen2-0.5B's shape (494M parameters, vocabulary 151,936), for a GPU.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {
     "tiny": ("built-in demo model (hidden 64, 4 layers, 4 heads of 32)", (64, 8, 8, 8)),
     "20m": ("Qwen2 architecture, hidden 320, 6 layers, vocabulary 32,000 (~19M parameters)", (16, 8, 64, 128)),
+    "smollm2": ("SmolLM2-135M-Instruct, real weights; the smollm2 config's questions", (64, 8, 47, 16)),
     "qwen2-0.5b": ("Qwen2-0.5B's shape, random init (494M parameters, vocabulary 151,936)", (32, 8, 256, 256)),
 }
 
@@ -58,6 +63,11 @@ def save_model(shape: str, path: Path) -> None:
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 
     torch.manual_seed(0)
+    if shape == "smollm2":
+        from pipeline.models import resolve_model
+
+        shutil.copytree(resolve_model("smollm2-135m-instruct", ROOT / ".heterorl" / "models"), path)
+        return
     if shape == "tiny":
         tokenizer = build_tokenizer()
         model = build_tiny_model(tokenizer, ModelSize())
@@ -93,6 +103,11 @@ def worker(args) -> dict:
     vocab = len(engine.tokenizer)
     rng = random.Random(0)
     batch = [[1] + [rng.randrange(4, vocab) for _ in range(prompt_tokens - 1)] for _ in range(prompts)]
+    if args.shape == "smollm2":
+        from pipeline.tasks import make_task
+
+        task = make_task("arithmetic", digits=2, ops="+-", style="question")
+        batch = [task.encode_prompt(task.train_problem(i), engine.tokenizer) for i in range(prompts)]
     engine.sample(batch, group_size=group, seed=0)  # warm-up
     seconds, tokens = [], []
     for r in range(args.rounds):

@@ -1,11 +1,12 @@
 """The learner's optimizer step against a plain-PyTorch step: tokens/s and peak memory.
 
-    python bench/learner.py --shape tiny|20m|qwen2-0.5b [--groups N] [--group-size G]
+    python bench/learner.py --shape tiny|20m|smollm2|qwen2-0.5b [--groups N] [--group-size G]
         [--prompt-tokens P] [--completion-tokens C] [--precision fp32|bf16]
         [--gradient-checkpointing | --no-gradient-checkpointing] [--micro-batch-tokens T]
         [--zero-stage S] [--steps K] [--rounds R] [--device auto|cpu|cuda]
 
-Both sides start from the same random-init model (seeded) and train on the same batch:
+Both sides start from the same model (random init, seeded; `smollm2`: the real
+SmolLM2-135M-Instruct of `model.base: smollm2-135m-instruct`) and train on the same batch:
 `groups` prompt groups of `group-size` sequences of P prompt + C completion tokens, with
 random rewards and sampler log-probs near the model's (about log 1/vocabulary).
 
@@ -48,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {
     "tiny": ("the built-in demo model (Llama, hidden 64, 4 layers, ~40-token vocabulary)", (64, 8, 12, 6)),
     "20m": ("Qwen2 architecture, hidden 320, 6 layers, vocabulary 32,000 (~19M parameters)", (16, 8, 64, 192)),
+    "smollm2": ("SmolLM2-135M-Instruct, the real model (Llama, 30 layers, vocabulary 49,152); the smollm2 "
+                "config's step: 8 groups of 8, 48-token chat prompts, 16 new tokens", (8, 8, 48, 16)),
     "qwen2-0.5b": ("Qwen2-0.5B's shape, random init (494M parameters, vocabulary 151,936)", (32, 8, 256, 768)),
 }
 GPU_MEMORY_TARGET_GIB = 40.0
@@ -58,11 +61,14 @@ def build_model(shape: str):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from pipeline.models import load_policy, resolve_model
     from pipeline.models.tiny import build_tiny_model, build_tokenizer
 
     torch.manual_seed(0)
     if shape == "tiny":
         return build_tiny_model(build_tokenizer(), seed=0)
+    if shape == "smollm2":
+        return load_policy(resolve_model("smollm2-135m-instruct", ROOT / ".heterorl" / "models"))[0].train()
     if shape == "20m":
         config = Qwen2Config(vocab_size=32000, hidden_size=320, intermediate_size=1280, num_hidden_layers=6,
                              num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=4096,

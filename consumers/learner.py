@@ -410,6 +410,8 @@ class Learner:
         with self.clock.stage("snapshot"):
             save_weights(self.engine, self.tokenizer, snapshot)
             save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
+        with self.clock.stage("screen"):
+            self.screen.remember(self.version, snapshot)  # stale groups of this version: checked without a download
         extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
             # Verdicts since the last step (no step logs them) travel with the final checkpoint.

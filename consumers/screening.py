@@ -42,15 +42,29 @@ UNVERIFIABLE = "unverifiable"
 
 
 class PastPolicies:
-    """The published checkpoints stale groups are re-scored with (the newest `capacity` kept in memory)."""
+    """The policies stale groups are re-scored with: the newest `capacity` kept in memory, each
+    either handed over by the learner as it publishes it (`remember`) or downloaded from S3 and
+    verified like a sampler's (`get`, for a version made before a restart)."""
 
-    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 2, dtype: torch.dtype = torch.float32):
+    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 3, dtype: torch.dtype = torch.float32):
         """`dtype`: the learner's precision, so a stale group's statistic is computed as a fresh one's."""
         self.store, self.work_dir, self.capacity, self.dtype = store, work_dir, capacity, dtype
         self.models: "OrderedDict[int, torch.nn.Module]" = OrderedDict()
 
+    def remember(self, version: int, model_dir: Path) -> None:
+        """Keep the learner's own weights of `version`, from the directory it just saved them to,
+        so its stale groups are re-scored without downloading what the learner made itself."""
+        model, _ = load_policy(model_dir, dtype=self.dtype)
+        self._keep(version, model.eval())
+
+    def _keep(self, version: int, model: torch.nn.Module) -> None:
+        self.models[version] = model
+        self.models.move_to_end(version)
+        while len(self.models) > self.capacity:
+            self.models.popitem(last=False)
+
     def get(self, version: int) -> Optional[torch.nn.Module]:
-        """The policy of `version`, or None if it is no longer in S3."""
+        """The policy of `version` (kept, or downloaded and verified), or None if it is no longer in S3."""
         if version in self.models:
             self.models.move_to_end(version)
             return self.models[version]
@@ -66,10 +80,7 @@ class PastPolicies:
             model, _ = load_policy(model_dir, dtype=self.dtype)
         finally:
             shutil.rmtree(target, ignore_errors=True)
-        model.eval()
-        self.models[version] = model
-        while len(self.models) > self.capacity:
-            self.models.popitem(last=False)
+        self._keep(version, model.eval())
         return model
 
 
@@ -151,11 +162,24 @@ class GroupScreen:
             self.counts["logprobs_unchecked_pruned"] += 1
         return model
 
+    def remember(self, version: int, model_dir: Path) -> None:
+        """The learner published `version` from `model_dir`: keep it for re-scoring stale groups."""
+        if self.past is not None and self.security.check_logprobs:
+            self.past.remember(version, model_dir)
+
     def summary(self) -> dict:
-        """The counts, and per sampler the checked groups' statistic: n, median, p99, max."""
+        """The counts, and per sampler the distribution of its checked groups' statistic (the
+        calibration data of `security.logprob_threshold`, docs/security.md): n, quantiles, max
+        and how many were over the threshold."""
         per_sampler = {}
         for sampler_id, values in sorted(self.gaps.items()):
             gaps = sorted(values)
-            per_sampler[sampler_id] = {"groups": len(gaps), "median": statistics.median(gaps),
-                                       "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], "max": gaps[-1]}
+
+            def quantile(q: float) -> float:
+                return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
+
+            per_sampler[sampler_id] = {"groups": len(gaps), "min": gaps[0], "p10": quantile(0.10),
+                                       "median": statistics.median(gaps), "p90": quantile(0.90),
+                                       "p99": quantile(0.99), "max": gaps[-1],
+                                       "over_threshold": sum(g > self.security.logprob_threshold for g in gaps)}
         return {**self.counts, "logprob_gap_by_sampler": per_sampler}

@@ -34,6 +34,7 @@ from pipeline.generation import check_backend_available
 from pipeline.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
+from pipeline.models.sources import classify
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
                               resolve_base_model, setup_logging)
 
@@ -74,6 +75,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     run_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None})})
     task = make_task_from_config(cfg)  # a bad dataset or verifier fails here, before any server starts
+    classify(cfg.model.base)  # and so does a model.base that names nothing
     check_backend_available(cfg.sampler.backend)  # and so does a generation engine that is not installed
     run_dir = Path(out or cfg.train.out_dir or f"runs/{run_name}")
     if (run_dir / "metrics.jsonl").exists():

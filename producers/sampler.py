@@ -311,6 +311,8 @@ class Sampler:
         self.last_wait_log = time.monotonic()
         self.started = time.time()
         self.generated = 0
+        self.generate_s = 0.0
+        """Seconds spent in the engine's sample() (the rest of a sampler's time: pauses, loads, I/O)."""
         self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
         self.stalled = False
         self.verifier_errors_logged = 0
@@ -533,8 +535,10 @@ class Sampler:
         indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch)
         problems = [self.task.train_problem(i) for i in indices]
         engine = self.policy.engine
+        started = time.perf_counter()
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
                                group_size=self.scfg.group_size, seed=self.seed + indices[0])
+        self.generate_s += time.perf_counter() - started
         rollouts = self.make_rollouts(problems, groups)
         self.note_verifier_errors()
         self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
@@ -579,6 +583,7 @@ class Sampler:
 
     def totals(self) -> dict:
         return {"generated": self.generated, "published": self.outbox.published,
+                "generate_s": round(self.generate_s, 1),
                 "verifier_errors": getattr(self.task, "verifier_errors", 0),
                 "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,

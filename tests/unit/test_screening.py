@@ -4,7 +4,7 @@ log-prob check against the version a group claims."""
 import numpy as np
 import pytest
 
-from consumers.screening import GroupScreen
+from consumers.screening import GroupScreen, PastPolicies
 from pipeline.config import SecurityConfig
 from pipeline.models import sample_groups
 from pipeline.models.tiny import build_tiny_model, build_tokenizer
@@ -35,7 +35,8 @@ def test_honest_groups_pass_with_a_gap_of_float_noise(setup):
     for r in setup[3]():
         assert s.check(r, staleness=0) == []
     gaps = s.summary()["logprob_gap_by_sampler"]["s"]
-    assert gaps["groups"] == 3 and gaps["max"] < 1e-4
+    assert gaps["groups"] == 3 and gaps["max"] < 1e-4 and gaps["over_threshold"] == 0
+    assert gaps["min"] <= gaps["p10"] <= gaps["median"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"]
 
 
 def test_forged_rewards_are_replaced_by_the_verifiers_and_reported(setup):
@@ -67,6 +68,8 @@ def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
     r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
     assert s.check(r, staleness=2) == []  # not drawn
     assert s.check(r, staleness=0)[0][0] == "logprob_mismatch"
+    stats = s.summary()["logprob_gap_by_sampler"]["s"]  # the calibration data counts it
+    assert stats["groups"] == 1 and stats["over_threshold"] == 1 and stats["min"] == stats["max"] > 0.10
 
 
 class OnePast:
@@ -91,3 +94,32 @@ def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not
     assert s.check(lying, staleness=3) == []  # now only drawn ones are checked (fraction 0)
     blind = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
     assert blind.check(rollouts()[0], staleness=3)[0][0] == "unverifiable"
+
+
+class NoStore:
+    """A checkpoint store that must not be read."""
+
+    def manifest_key(self, version):
+        return f"v{version}/manifest.json"
+
+    def fetch(self, *_, **__):
+        raise AssertionError("downloaded a version the learner handed over")
+
+
+def test_the_learners_own_versions_are_checked_without_a_download(setup, tmp_path):
+    """What the learner publishes it keeps for re-scoring (`remember`): a stale group of that
+    version is checked against exactly those weights, and the oldest is let go past capacity."""
+    tokenizer, model, task, rollouts = setup
+    past = PastPolicies(NoStore(), tmp_path, capacity=2)
+    for version in (4, 6, 8):
+        model.save_pretrained(tmp_path / f"v{version}")
+        tokenizer.save_pretrained(tmp_path / f"v{version}")
+        past.remember(version, tmp_path / f"v{version}")
+    assert list(past.models) == [6, 8]
+    s = GroupScreen(SecurityConfig(probation_groups=10), task, tokenizer, 1.0, lambda: model, past)
+    honest, lying = rollouts()[0], rollouts()[1]
+    honest.policy_version = lying.policy_version = 6
+    lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
+    assert s.check(honest, staleness=2) == []
+    assert s.check(lying, staleness=2)[0][0] == "logprob_mismatch"
+    assert s.summary()["logprob_gap_by_sampler"]["s"]["max"] > 0.10
