@@ -223,6 +223,7 @@ class Learner:
             self.state.publish_policy(0, self.handles.store.publish(0, base_model, extra={"offsets": {}, "step": 0}),
                                       signer=self.handles.store.signer)
             self.log.info("published base model %s as policy v0", base_model)
+        self.base_model = base_model
         self.start_version = self.saved_version = self.version
         self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets, security=self.kafka_security)
         self.next_offsets = self.source.positions()
@@ -262,9 +263,14 @@ class Learner:
         self.registry_read_at = -float("inf")
         self.refresh_registry()
         ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
+        # Room for every published version a group within the max delay can claim.
+        versions_in_reach = self.lcfg.max_delay_steps // self.lcfg.sync_every + 1
         self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
                                   (lambda: None) if ranks_share_weights else (lambda: self.engine.module),
-                                  PastPolicies(self.handles.store, self.work_dir, dtype=DTYPES[self.lcfg.precision]))
+                                  PastPolicies(self.handles.store, self.work_dir, capacity=versions_in_reach,
+                                               dtype=DTYPES[self.lcfg.precision]))
+        if self.base_model is not None:
+            self.screen.remember(0, self.base_model)  # v0's stale groups: checked without a download
 
     def refresh_registry(self) -> None:
         """Re-read the signed key registry every `security.registry_refresh_s`: a revoked key's
@@ -294,20 +300,23 @@ class Learner:
     # ---- admit ----------------------------------------------------------------------
     def take(self, records: list[RawRecord]) -> None:
         """Admit each message in order, training whenever a batch is full. Offsets advance
-        message by message, so a checkpoint stores exactly what was judged before it."""
+        message by message, so a checkpoint stores exactly what was judged before it.
+
+        Samplers pace themselves on the offsets reported here (`sampler.max_backlog_groups`):
+        what the learner has judged, after each step and after the records of a poll, not what
+        it has polled. A poll holds up to 64 records, and at 8 groups a step those are 8 steps
+        of data that a sampler would otherwise not count as waiting."""
         self.last_record_at = time.monotonic()
-        read_up_to = dict(self.next_offsets)
-        for record in records:
-            read_up_to[record.partition] = max(read_up_to.get(record.partition, 0), record.offset + 1)
-        self.state.report_learner_offsets(read_up_to)  # samplers pace themselves on it
         for record in records:
             self.next_offsets[record.partition] = record.offset + 1
             self.admit(record)
             batch = self.admission.take_batch(time.time())
             if batch:
                 self.train(batch)
+                self.state.report_learner_offsets(self.next_offsets)
             if self.version >= self.lcfg.max_steps:
                 break
+        self.state.report_learner_offsets(self.next_offsets)
 
     def admit(self, record: RawRecord) -> None:
         """Check the seal, then admit; a kept group's content is checked before it may be used."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -438,8 +439,20 @@ COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_st
             "chaos": _cmd_chaos, "keys": _cmd_keys, "attack": _cmd_attack, "adversary": _cmd_adversary}
 
 
+SUPERVISORS = ("train", "chaos", "attack", "study")
+"""Commands that start processes of their own (each in a session of its own)."""
+
+
+def _terminated(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SUPERVISORS:
+        # `kill` (SIGTERM) ends them like Ctrl-C: they stop the processes and the local stack
+        # they started on the way out, instead of leaving them running.
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

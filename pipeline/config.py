@@ -305,8 +305,9 @@ class SamplerConfig(_Strict):
     weight_poll_interval_s: float = Field(0.25, gt=0)
     """How often the sampler asks Redis for a newer policy version."""
     max_backlog_groups: Optional[int] = Field(512, ge=1)
-    """Pause generating while more than this many groups in the topic are still unread by
-    the learner (None: never pause), so samplers do not run far ahead of the learner."""
+    """Pause generating while more than this many groups in the topic are still not taken in
+    (read and judged) by the learner (None: never pause), so samplers do not run far ahead of
+    the learner."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
     """How often the sampler renews its lease in Redis."""
     lease_ttl_s: float = Field(10.0, gt=0)

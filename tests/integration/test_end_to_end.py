@@ -106,3 +106,35 @@ def _train_inspect_and_stop(tmp_path):
     assert down.returncode == 0 and "stopped" in down.stdout
     assert load_stack(data) is None
     assert all(_gone(pid) for pid in pids.values())
+
+
+def test_a_killed_train_stops_everything_it_started(tmp_path):
+    """`kill` (SIGTERM) of `heterorl train` ends it like Ctrl-C: its learner, sampler and the local
+    stack it started stop with it, nothing is left running."""
+    import signal
+    import time
+
+    from infra.local_stack import load_stack, stop_stack
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    proc = subprocess.Popen([sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--out", str(out),
+                             "--data-dir", str(data), "--set", "learner.max_steps=1000"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or "learner" not in (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.5)
+        stack = load_stack(data)
+        children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+        assert stack is not None and children  # the learner and the sampler run, the stack is up
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+        assert "heterorl: interrupted" in proc.stderr.read()
+        assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split() == []
+        assert load_stack(data) is None and all(_gone(pid) for pid in stack.processes.values())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_stack(data)
