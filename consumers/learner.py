@@ -262,11 +262,11 @@ class Learner:
         """Signed messages read per key, and those of staleness 0 (a quarantine records how many it took)."""
         self.registry_read_at = -float("inf")
         self.refresh_registry()
-        ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
+        self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
         # Room for every published version a group within the max delay can claim.
         versions_in_reach = self.lcfg.max_delay_steps // self.lcfg.sync_every + 1
         self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
-                                  (lambda: None) if ranks_share_weights else (lambda: self.engine.module),
+                                  (lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
                                   PastPolicies(self.handles.store, self.work_dir, capacity=versions_in_reach,
                                                dtype=DTYPES[self.lcfg.precision]))
         if self.base_model is not None:
@@ -419,8 +419,8 @@ class Learner:
         with self.clock.stage("snapshot"):
             save_weights(self.engine, self.tokenizer, snapshot)
             save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
-        with self.clock.stage("screen"):
-            self.screen.remember(self.version, snapshot)  # stale groups of this version: checked without a download
+        with self.clock.stage("screen"):  # stale groups of this version: checked without a download
+            self.screen.remember(self.version, snapshot, None if self.ranks_share_weights else self.engine.module)
         extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
             # Verdicts since the last step (no step logs them) travel with the final checkpoint.

@@ -19,6 +19,7 @@ Failures are handed back; the learner strikes the key and withdraws the group.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import shutil
@@ -51,10 +52,16 @@ class PastPolicies:
         self.store, self.work_dir, self.capacity, self.dtype = store, work_dir, capacity, dtype
         self.models: "OrderedDict[int, torch.nn.Module]" = OrderedDict()
 
-    def remember(self, version: int, model_dir: Path) -> None:
-        """Keep the learner's own weights of `version`, from the directory it just saved them to,
-        so its stale groups are re-scored without downloading what the learner made itself."""
-        model, _ = load_policy(model_dir, dtype=self.dtype)
+    def remember(self, version: int, model_dir: Path, module: Optional[torch.nn.Module] = None) -> None:
+        """Keep the learner's own weights of `version` (a copy of `module`, the learner's model,
+        else read from `model_dir`, where it just saved them), so its stale groups are re-scored
+        without downloading what the learner made itself."""
+        if module is not None:
+            model = copy.deepcopy(module).to(self.dtype)
+        else:
+            model, _ = load_policy(model_dir, dtype=self.dtype)
+        for p in model.parameters():
+            p.requires_grad_(False)
         self._keep(version, model.eval())
 
     def _keep(self, version: int, model: torch.nn.Module) -> None:
@@ -162,10 +169,11 @@ class GroupScreen:
             self.counts["logprobs_unchecked_pruned"] += 1
         return model
 
-    def remember(self, version: int, model_dir: Path) -> None:
-        """The learner published `version` from `model_dir`: keep it for re-scoring stale groups."""
+    def remember(self, version: int, model_dir: Path, module: Optional[torch.nn.Module] = None) -> None:
+        """The learner published `version` from `model_dir` (its weights are `module`'s, where this
+        rank holds them whole): keep it for re-scoring stale groups."""
         if self.past is not None and self.security.check_logprobs:
-            self.past.remember(version, model_dir)
+            self.past.remember(version, model_dir, module)
 
     def summary(self) -> dict:
         """The counts, and per sampler the distribution of its checked groups' statistic (the

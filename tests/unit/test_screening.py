@@ -123,3 +123,19 @@ def test_the_learners_own_versions_are_checked_without_a_download(setup, tmp_pat
     assert s.check(honest, staleness=2) == []
     assert s.check(lying, staleness=2)[0][0] == "logprob_mismatch"
     assert s.summary()["logprob_gap_by_sampler"]["s"]["max"] > 0.10
+
+
+def test_a_kept_version_is_a_copy_the_learners_next_steps_do_not_change(setup, tmp_path):
+    import torch
+
+    tokenizer, model, task, rollouts = setup
+    past = PastPolicies(NoStore(), tmp_path, capacity=2)
+    learner = build_tiny_model(tokenizer, seed=0)
+    past.remember(2, tmp_path / "not-read", module=learner)  # taken from the model, not the directory
+    kept = past.get(2)
+    before = {k: v.clone() for k, v in kept.state_dict().items()}
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(1.0)  # the learner's next step
+    assert all(torch.equal(before[k], v) for k, v in kept.state_dict().items())
+    assert not any(p.requires_grad for p in kept.parameters())
