@@ -154,3 +154,65 @@ def test_settings_roundtrip():
     assert s["name"] == "arithmetic"
     rebuilt = make_task("arithmetic", **{k: v for k, v in s.items() if k != "name"})
     assert rebuilt == task
+
+
+# -- questions in words, for instruct models ----------------------------------------------
+def test_question_style_asks_the_same_problems_in_words():
+    equations = make_task("arithmetic", ops="+-")
+    questions = make_task("arithmetic", ops="+-", style="question")
+    for i in range(50):
+        e, q = equations.train_problem(i), questions.train_problem(i)
+        a, op, b = _operands(e)
+        assert q.prompt == f"What is {a} {op} {b}? Reply with just the number."
+        assert (q.problem_id, q.answer) == (e.problem_id, e.answer)
+        assert questions.train_problem_by_id(q.problem_id) == q
+    assert [p.answer for p in questions.eval_problems()] == [p.answer for p in equations.eval_problems()]
+    assert questions.settings()["style"] == "question" and questions.verifier == "numeric"
+    assert equations.verifier == "exact"
+
+
+@pytest.mark.parametrize(("completion", "reward"), [
+    ("9", 1.0), ("47 - 38 = 9", 1.0), ("The answer is 9.", 1.0), ("9\nbecause 47 - 38 = 9", 1.0),
+    ("47 - 38 = 19", 0.0), ("9 or 10", 0.0), ("nine", 0.0), ("", 0.0), ("-9", 0.0),
+])
+def test_a_question_is_scored_by_the_last_number_of_the_answer(completion, reward):
+    task = make_task("arithmetic", ops="-", style="question")
+    problem = Problem("arith-train-0", "What is 47 - 38? Reply with just the number.", "9")
+    assert task.reward(problem, completion) == reward
+    negative = Problem("arith-train-1", "What is 23 - 58? Reply with just the number.", "-35")
+    assert task.reward(negative, "23 - 58 = -35") == 1.0 and task.reward(negative, "35") == 0.0
+
+
+def test_question_prompts_go_through_the_chat_template():
+    from tests.unit.test_dataset_task import _templated_tokenizer
+
+    tok = _templated_tokenizer()  # renders (system)user followed by a space (letters are <unk> to it)
+    task = make_task("arithmetic", style="question")
+    problem = task.train_problem(0)
+
+    def ids(text, special=False):
+        return tok(text, add_special_tokens=special)["input_ids"]
+
+    assert task.encode_prompt(problem, tok) == ids(f"{problem.prompt} ")
+    with_system = make_task("arithmetic", style="question", system_prompt="1")
+    assert with_system.encode_prompt(problem, tok) == ids(f"(1){problem.prompt} ")
+    plain = make_task("arithmetic", style="question", chat_template="none")
+    assert plain.encode_prompt(problem, tok) == ids(problem.prompt, special=True)
+
+
+@pytest.mark.parametrize("settings", [{"style": "essay"}, {"verifier": "math"}, {"chat_template": "always"},
+                                      {"system_prompt": 3}])
+def test_bad_question_settings_are_rejected(settings):
+    with pytest.raises(ValueError, match=next(iter(settings))):
+        make_task("arithmetic", **settings)
+
+
+def test_the_tiny_model_cannot_be_asked_in_words():
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task.prompt_style=question needs a real model"):
+        load_config(None, ["task.prompt_style=question"], env={})
+    with pytest.raises(ConfigError, match="task.verifier=math is for datasets"):
+        load_config(None, ["task.verifier=math"], env={})
+    cfg = load_config(None, ["task.prompt_style=question", "model.base=smollm2-135m-instruct"], env={})
+    assert make_task(cfg.task.name, **cfg.task.task_settings()).verifier == "numeric"
