@@ -50,7 +50,7 @@ import urllib3
 from minio.error import S3Error
 
 from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
-from pipeline.config import HeteroConfig
+from pipeline.config import HeteroConfig, strip_password
 from pipeline.delays import RefreshGate, transit_stream
 from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
@@ -381,7 +381,7 @@ class Sampler:
         self.signer = self._signing_key()
         self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
         self.handles = self._connect()
-        self.state, self.redis_url = self.handles.state, self.handles.services.redis_url
+        self.state, self.redis_url = self.handles.state, strip_password(self.handles.services.redis_url)  # for logs
         self.task = make_task_from_config(self.cfg)
         bootstrap = self.handles.services.kafka_bootstrap
         self.spool_dir = Path(self.scfg.spool_dir or Path(self.cfg.services.data_dir) / "spool" / self.sampler_id)

@@ -22,6 +22,7 @@ Nothing here starts a server unless a test asks for the fixture, so
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -29,6 +30,19 @@ import threading
 import pytest
 
 from infra.local_stack import StackError, StackState, stack_env, start_stack, stop_stack
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Torch's intra-op threads set to `n` inside the block, restored after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -110,7 +110,7 @@ def _train_inspect_and_stop(tmp_path):
 
 def test_a_killed_train_stops_everything_it_started(tmp_path):
     """`kill` (SIGTERM) of `heterorl train` ends it like Ctrl-C: its learner, sampler and the local
-    stack it started stop with it, nothing is left running."""
+    stack it started stop with it, nothing is left running. No service password is in its logs."""
     import signal
     import time
 
@@ -131,9 +131,13 @@ def test_a_killed_train_stops_everything_it_started(tmp_path):
         assert stack is not None and children  # the learner and the sampler run, the stack is up
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130
-        assert "heterorl: interrupted" in proc.stderr.read()
+        stderr = proc.stderr.read()
+        assert "heterorl: interrupted" in stderr
         assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split() == []
         assert load_stack(data) is None and all(_gone(pid) for pid in stack.processes.values())
+        logs = stderr + "".join(f.read_text() for f in (out / "logs").glob("*.log"))
+        assert "redis://" in logs and stack.redis_passwords  # Redis URLs are logged, with *** for passwords
+        assert not any(password in logs for password in stack.redis_passwords.values())
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,6 +20,7 @@ from pipeline.models import (
 from pipeline.models import sampling, tiny
 from pipeline.models.tiny import BaseModelSettings, ModelSize, build_tiny_model, build_tokenizer, ensure_base_model
 from pipeline.tasks import make_task
+from tests.conftest import torch_threads
 
 TINY = ModelSize(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=32)
 # Prompts of different lengths, so left padding (sampler) and right padding (learner) both matter.
@@ -28,10 +29,8 @@ PROMPTS = ["1+2=", "37+58=", "123+4=", "9*9=", "70-71="]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

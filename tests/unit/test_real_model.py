@@ -30,6 +30,7 @@ from pipeline.rollout import Rollout
 from pipeline.tasks import make_task
 from pipeline.update import optimizer_step
 from producers.sampler import score_groups
+from tests.conftest import torch_threads
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +62,8 @@ def task():
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(2):
+        yield
 
 
 def _gap(model, groups, temperature: float = 1.0) -> float:
