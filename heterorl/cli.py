@@ -2,8 +2,8 @@
 
 Every subcommand parses its arguments, loads the typed config (a shipped config by name,
 or a file), and calls one function. The command modules, and with them torch,
-transformers and deepspeed, are imported only by the command that needs them, so
-`heterorl --help` is instant. A user mistake (`pipeline.errors.UserError`: a bad config,
+transformers and deepspeed, are imported only by the command that needs them, and only
+after its config has loaded, so `heterorl --help` and a mistake in the config answer at once. A user mistake (`pipeline.errors.UserError`: a bad config,
 an unreachable server, a bad file) ends in one line on stderr, exit status 2; a run whose
 process failed (`RunFailed`) in one line plus that process's last log lines, exit
 status 1; anything else is a bug and keeps its traceback.
@@ -328,35 +328,40 @@ def _cmd_keys(args) -> int:
 
 
 def _cmd_attack(args) -> int:
+    cfg = _load(args, local_stack=False)
     from heterorl.attack import run_attack
 
-    return run_attack(_load(args, local_stack=False), Path(args.out), args.minutes, args.samplers)
+    return run_attack(cfg, Path(args.out), args.minutes, args.samplers)
 
 
 def _cmd_adversary(args) -> int:
+    cfg = _load(args, role="sampler")
     from heterorl.adversaries import run_adversary
 
-    return run_adversary(args.kind, _load(args, role="sampler"), args.sampler_id)
+    return run_adversary(args.kind, cfg, args.sampler_id)
 
 
 def _cmd_sampler(args) -> int:
-    from producers.sampler import run_sampler
-
     if args.key:
         args.overrides.append(f"security.sampler_key={args.key}")
-    return run_sampler(_load(args, role="sampler"), sampler_id=args.sampler_id)
+    cfg = _load(args, role="sampler")
+    from producers.sampler import run_sampler
+
+    return run_sampler(cfg, sampler_id=args.sampler_id)
 
 
 def _cmd_learner(args) -> int:
+    cfg = _load(args, role="learner")
     from consumers.learner import run_learner
 
-    return run_learner(_load(args, role="learner"), Path(args.out) if args.out else None)
+    return run_learner(cfg, Path(args.out) if args.out else None)
 
 
 def _cmd_evaluator(args) -> int:
+    cfg = _load(args)
     from consumers.evaluator import run_evaluator
 
-    return run_evaluator(_load(args), Path(args.out) if args.out else None)
+    return run_evaluator(cfg, Path(args.out) if args.out else None)
 
 
 def _comma_list(text: str, kind=str) -> list:
@@ -381,12 +386,12 @@ def _cmd_study(args) -> int:
 
 
 def _cmd_replay(args) -> int:
-    from consumers.replay import ReplayFilter, parse_time, run_replay
-    from pipeline.services import require_services
-
     if args.loss:
         args.overrides.append(f"learner.loss_type={args.loss}")
     cfg = _load(args)
+    from consumers.replay import ReplayFilter, parse_time, run_replay
+    from pipeline.services import require_services
+
     source = args.source
     if source.startswith("kafka:///"):
         source = f"kafka://{require_services(cfg.services).kafka_bootstrap}/{source[len('kafka:///'):]}"
@@ -410,9 +415,10 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_chaos(args) -> int:
+    cfg = _load(args, local_stack=False)
     from heterorl.chaos import run_chaos
 
-    return run_chaos(_load(args, local_stack=False), Path(args.out), args.minutes, args.samplers, args.partition_s,
+    return run_chaos(cfg, Path(args.out), args.minutes, args.samplers, args.partition_s,
                      keep_stack=args.keep_stack)
 
 
@@ -427,9 +433,10 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    cfg = _load(args, local_stack=False)  # a config mistake is reported before the heavy imports
     from heterorl.train import run_train
 
-    return run_train(_load(args, local_stack=False), Path(args.out) if args.out else None,
+    return run_train(cfg, Path(args.out) if args.out else None,
                      keep_stack=args.keep_stack)
 
 

@@ -127,25 +127,26 @@ def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
     assert _max_abs_diff(original, _weights(again["final_checkpoint"], cfg, tmp_path / "w-again")) < 1e-5
 
 
-def _cli(*args, env):
-    return subprocess.run([sys.executable, "-m", "heterorl", *args], cwd=ROOT, env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path):
+def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path, monkeypatch, capsys):
+    from heterorl import cli
     from infra.local_stack import stack_env
     from pipeline.kafka_io import ensure_topic
     from pipeline.models import load_policy
 
     run_dir, summary, cfg = recorded
-    env = stack_env(local_stack)
+    for key, value in stack_env(local_stack).items():
+        monkeypatch.setenv(key, value)
     common = ["--config", str(run_dir / "config.yaml")]
 
     def refused(*args) -> str:
-        proc = _cli("replay", *common, *args, env=env)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        """`heterorl replay ...` in this process (what `python -m heterorl` runs, without a
+        second start of torch): exit status 2 and one line on stderr."""
+        capsys.readouterr()
+        status = cli.main(["replay", *common, *args])
+        stderr = capsys.readouterr().err
+        assert status == 2, stderr[-2000:]
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr
         return lines[0]
 
     base = _base(local_stack, summary)

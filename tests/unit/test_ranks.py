@@ -56,10 +56,17 @@ def run(tmp_path, world: int, stage: int, budget: int) -> tuple[dict, list[float
     return load_file(str(out)), [float(x) for x in line.split()[1:]]
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The reference: 1 rank, ZeRO 1, every batch in one pass (that micro-batches and ZeRO 3
+    give the one-pass step on one rank is tests/unit/test_update.py and test_learner_state.py)."""
+    return run(tmp_path_factory.mktemp("one-rank"), 1, 1, 100_000)
+
+
 @pytest.mark.parametrize("stage, budget", [(1, 100_000), (1, 12), (3, 12)],
                          ids=["zero1", "zero1-micro", "zero3-micro"])
-def test_two_ranks_give_the_weights_of_one(tmp_path, stage, budget):
-    one, numbers_one = run(tmp_path, 1, stage, budget)
+def test_two_ranks_give_the_weights_of_one(tmp_path, one_rank, stage, budget):
+    one, numbers_one = one_rank
     two, numbers_two = run(tmp_path, 2, stage, budget)
     # Equal but for float32 summation order across ranks, carried through three AdamW steps.
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 3e-5

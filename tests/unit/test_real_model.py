@@ -125,21 +125,30 @@ def test_a_sampler_batch_through_the_chat_template_scores_and_matches_the_learne
 
 
 def test_a_49k_vocabulary_in_lm_head_chunks_gives_the_same_logprobs_and_gradients(smollm2, task):
+    """One chunk (49k x 12 logits) and 4 checkpointed chunks of 3 positions, both in fp32, against
+    the same computation in float64. fp32 sums a 576-wide dot product in an order that depends on
+    the chunk's shape, so the two fp32 results differ from each other by rounding only (about 5e-6
+    in log-prob here): each is held to the float64 reference instead."""
     model, tokenizer = load_policy(smollm2)
     model.train()
     prompts = [task.encode_prompt(task.train_problem(i), tokenizer) for i in range(2)]
     completions = [tokenizer(" 42 is the answer.", add_special_tokens=False)["input_ids"] + [EOS],
                    tokenizer("-7", add_special_tokens=False)["input_ids"] + [EOS]]
-    results = []
-    for chunk_tokens in (None, 3):  # one chunk (49k x 12 logits), and 4 checkpointed chunks of 3 positions
+
+    def logps_and_grad(chunk_tokens):
         model.zero_grad(set_to_none=True)
         logps, mask = completion_logprobs(model, prompts, completions, 1.0, chunk_tokens=chunk_tokens)
         (logps * mask).sum().backward()
         grad = model.model.embed_tokens.weight.grad  # the tied head's and the embedding's gradient
-        results.append((logps.detach().clone(), grad.clone()))
-    (a, ga), (b, gb) = results
-    assert torch.allclose(a, b, atol=1e-6, rtol=0)
-    assert float((ga - gb).abs().max()) < 1e-6 * max(1.0, float(ga.abs().max()))
+        return logps.detach().double(), grad.double()
+
+    one_chunk, four_chunks = logps_and_grad(None), logps_and_grad(3)
+    model.double()
+    reference, reference_grad = logps_and_grad(3)
+    scale = float(reference_grad.abs().max())
+    for logps, grad in (one_chunk, four_chunks):
+        assert float((logps - reference).abs().max()) < 5e-5  # measured: 7e-6 and 9e-6
+        assert float((grad - reference_grad).abs().max()) < 1e-4 * scale  # measured: 2e-5 and 3e-5 of the largest
 
 
 def test_one_learner_step_on_the_real_model(smollm2, task):
@@ -202,7 +211,10 @@ def test_vllm_serves_the_real_model_and_reloads_its_tied_head_in_place(smollm2, 
     out = json.loads(line.removeprefix("VLLM_WORKER_RESULT "))
     assert out["same_engine"] and out["eos"] == EOS
     before, after = ([SampledGroup(**g) for g in groups] for groups in out["groups_after"])
+    assert [len(g.completion_ids) for g in before + after] == [4] * (2 * len(prompts))
     first_model, second_model = load_policy(smollm2)[0], load_policy(second)[0]  # (untied by prepare: same logits)
+    # The learner's recomputation on every fourth group: each costs a 30-layer forward on the CPU.
+    before, after = before[::4], after[::4]
     assert _gap(first_model, before) < LOGPROB_TOLERANCE
     assert _gap(second_model, after) < LOGPROB_TOLERANCE
     assert _gap(first_model, after) > 0.01  # the reload changed the head, not only the embedding

@@ -10,6 +10,11 @@ Installs each model directory in turn into one engine and samples PROMPTS after 
 install (text, encoded with the tokenizer's special tokens, or lists of token ids, kept),
 then prints one JSON object: the groups sampled after the last install (`groups`), after
 each install (`groups_after`), and whether every install went into the same engine.
+
+    python -m tests.unit.vllm_worker '{"runs": [SETTINGS_JSON + {"model_dirs": [...]}, ...]}'
+
+runs several engines one after the other in this one process (vLLM's start-up is paid once)
+and prints `{"runs": [one object as above per run]}`.
 """
 
 import json
@@ -21,13 +26,12 @@ import torch
 from pipeline.generation import SamplingSettings, VllmEngine
 
 
-def main(argv: list[str]) -> None:
-    spec = json.loads(argv[0])
+def serve(spec: dict, model_dirs: list[str]) -> dict:
     engine = VllmEngine(SamplingSettings(**spec["settings"]), torch.device("cpu"),
                         precision=spec.get("precision", "fp32"), kv_cache_gib=0.25,
                         max_model_len=spec.get("max_model_len"))
     engines, groups_after = [], []
-    for model_dir in argv[1:]:
+    for model_dir in model_dirs:
         engine.install(engine.prepare(Path(model_dir)))
         engines.append(id(engine.llm))
         prompts = [engine.tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in spec["prompts"]]
@@ -37,6 +41,15 @@ def main(argv: list[str]) -> None:
     out = {"same_engine": len(set(engines)) == 1, "eos": engine.tokenizer.eos_token_id,
            "groups": groups_after[-1], "groups_after": groups_after}
     engine.close()
+    return out
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    if "runs" in spec:
+        out = {"runs": [serve(run, run["model_dirs"]) for run in spec["runs"]]}
+    else:
+        out = serve(spec, argv[1:])
     print("VLLM_WORKER_RESULT " + json.dumps(out))
 
 
