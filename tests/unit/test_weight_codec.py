@@ -1,0 +1,186 @@
+"""The weight-delta codec (pipeline/weights/codec.py): exact reconstruction and refusals."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.weights.codec import Delta, DeltaError, apply_delta, bits, describe, encode_delta, tensor_sha256
+
+
+def adam_like_step(weights: dict[str, torch.Tensor], lr: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Each weight moved by about lr (fp32 arithmetic, cast back to the weight's dtype), as an Adam step moves it."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (w.float() + lr * torch.randn(w.shape, generator=gen).sign()).to(w.dtype)
+            for name, w in weights.items()}
+
+
+def model_weights(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"embed.weight": (0.02 * torch.randn(512, 64, generator=gen)).to(dtype),
+            "layer.0.mlp.weight": (0.05 * torch.randn(128, 64, generator=gen)).to(dtype),
+            "layer.0.norm.weight": torch.ones(64, dtype=dtype)}
+
+
+def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert np.array_equal(bits(got[name]), bits(want[name])), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_optimizer_sized_step_is_rebuilt_bit_for_bit(dtype):
+    master = model_weights(torch.float32)  # the learner keeps fp32 master weights and publishes them cast
+    base = {name: w.to(dtype) for name, w in master.items()}
+    new = {name: w.to(dtype) for name, w in adam_like_step(master, lr=1e-6).items()}
+    delta = encode_delta(base, new)
+    assert_bit_equal(apply_delta(base, delta), new)
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    if dtype == torch.bfloat16:
+        # A step of 1e-6 moves few master weights across a bf16 rounding boundary: the delta is a small part.
+        changed = sum(e["changed"] for e in delta.entries.values()) / sum(t.numel() for t in new.values())
+        assert changed < 0.05
+        assert delta.nbytes < 0.10 * full
+    else:
+        # In fp32 nearly every element changes, in its low bits: XOR of the patterns compresses well.
+        assert all(e["encoding"] == "xor" for name, e in delta.entries.items() if e["changed"])
+        assert delta.nbytes < full
+
+
+def test_an_unchanged_tensor_costs_nothing_and_one_changed_everywhere_is_exact():
+    base = model_weights(torch.bfloat16)
+    new = dict(base)
+    new["layer.0.mlp.weight"] = torch.randn(128, 64).to(torch.bfloat16)  # every element replaced
+    delta = encode_delta(base, new)
+    assert delta.entries["embed.weight"]["encoding"] == "same"
+    assert delta.entries["embed.weight"]["parts"] == {}
+    assert delta.entries["layer.0.norm.weight"]["encoding"] == "same"
+    assert not any(key.startswith("embed.weight") for key in delta.payload)
+    assert delta.entries["layer.0.mlp.weight"]["changed"] > 0.99 * 128 * 64
+    assert_bit_equal(apply_delta(base, delta), new)
+
+
+def test_special_bit_patterns_survive():
+    base = {"w": torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, 4.0], dtype=torch.float32)}
+    new = {"w": torch.tensor([-0.0, float("nan"), float("inf"), float("-inf"), 1e-45, 4.0], dtype=torch.float32)}
+    rebuilt = apply_delta(base, encode_delta(base, new))
+    assert_bit_equal(rebuilt, new)
+    assert delta_entry_changed(base, new) == 5
+
+
+def delta_entry_changed(base, new) -> int:
+    return encode_delta(base, new).entries["w"]["changed"]
+
+
+def test_sparse_is_chosen_when_few_elements_change():
+    base = {"w": torch.zeros(100_000, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    where = torch.randperm(100_000, generator=torch.Generator().manual_seed(0))[:100]
+    new["w"][where] = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    delta = encode_delta(base, new)
+    assert delta.entries["w"]["encoding"] == "sparse" and delta.entries["w"]["changed"] == 100
+    assert delta.nbytes < 1000
+    assert_bit_equal(apply_delta(base, delta), new)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied_heads(tied):
+    """A tied head is one tensor under two names: both rebuild, and stay equal when tied."""
+    base = model_weights(torch.bfloat16)
+    base["lm_head.weight"] = base["embed.weight"] if tied else base["embed.weight"].clone() * 2
+    new = adam_like_step(base, lr=1e-2)
+    if tied:
+        new["lm_head.weight"] = new["embed.weight"]
+    rebuilt = apply_delta(base, encode_delta(base, new))
+    assert_bit_equal(rebuilt, new)
+    assert torch.equal(rebuilt["lm_head.weight"], rebuilt["embed.weight"]) == tied
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), share=st.floats(0.0, 1.0), dtype=st.sampled_from(["bf16", "fp32"]),
+       n=st.integers(1, 3000))
+def test_any_change_pattern_round_trips(seed, share, dtype, n):
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    base = {"w": torch.randn(n, generator=gen).to(torch_dtype)}
+    mask = torch.rand(n, generator=gen) < share
+    new = {"w": torch.where(mask, torch.randn(n, generator=gen).to(torch_dtype), base["w"])}
+    delta = encode_delta(base, new)
+    assert delta.entries["w"]["sha256"] == tensor_sha256(new["w"])
+    assert_bit_equal(apply_delta(base, delta), new)
+
+
+def test_describe_names_what_a_keyframe_reader_checks():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert describe(t) == {"dtype": "fp32", "shape": [2, 3],
+                           "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
+
+
+# --- refusals: a delta that cannot rebuild exactly what it claims is never loaded ---------------
+
+def a_delta():
+    base = model_weights(torch.bfloat16)
+    new = adam_like_step(base, lr=1e-2, seed=1)
+    return base, new, encode_delta(base, new)
+
+
+def test_a_tampered_payload_is_refused():
+    base, _, delta = a_delta()
+    key = next(iter(delta.payload))
+    blob = bytearray(delta.payload[key])
+    blob[len(blob) // 2] ^= 0xFF
+    delta.payload[key] = bytes(blob)
+    with pytest.raises(DeltaError, match="does not decompress|sha256|holds"):
+        apply_delta(base, delta)
+
+
+def test_a_payload_rebuilt_against_another_base_is_refused():
+    base, _, delta = a_delta()
+    other_base = adam_like_step(base, lr=1e-2, seed=7)
+    with pytest.raises(DeltaError, match="sha256 .* the manifest says"):
+        apply_delta(other_base, delta)
+
+
+def test_a_missing_base_tensor_or_payload_is_refused():
+    base, _, delta = a_delta()
+    partial = {k: v for k, v in base.items() if k != "embed.weight"}
+    with pytest.raises(DeltaError, match="does not fit its base model.*embed.weight"):
+        apply_delta(partial, delta)
+    delta.payload.pop(next(iter(delta.payload)))
+    with pytest.raises(DeltaError, match="payload is missing"):
+        apply_delta(base, delta)
+
+
+def test_a_wrong_shape_dtype_or_encoding_is_refused():
+    base, _, delta = a_delta()
+    with pytest.raises(DeltaError, match="the base holds"):
+        apply_delta({**base, "embed.weight": base["embed.weight"].float()}, delta)
+    delta.entries["embed.weight"]["encoding"] = "pickle"
+    with pytest.raises(DeltaError, match="unknown delta encoding 'pickle'"):
+        apply_delta(base, delta)
+    with pytest.raises(DeltaError, match="different tensors"):
+        encode_delta(base, {**base, "extra.weight": torch.zeros(2)})
+
+
+def test_payloads_are_bounded_by_the_declared_size():
+    """A forged payload that expands past the entry's size, or indices past the tensor's end, is refused."""
+    base = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"][3] = 1.0
+    delta = encode_delta(base, new)
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)
+    delta.payload[delta.entries["w"]["parts"]["values"]] = bomb
+    with pytest.raises(DeltaError, match="does not decompress|holds"):
+        apply_delta(base, delta)
+    forged = Delta(entries={"w": {**encode_delta(base, new).entries["w"]}}, payload=dict(encode_delta(base, new).payload))
+    forged.payload[forged.entries["w"]["parts"]["indices"]] = zstandard.ZstdCompressor().compress(
+        np.array([5000], dtype=np.uint32).tobytes())
+    with pytest.raises(DeltaError, match="outside the tensor"):
+        apply_delta(base, forged)
