@@ -1,6 +1,6 @@
 """Replay: train a fresh learner on a recorded rollout topic, with no sampler at all.
 
-Run: `heterorl replay --source kafka://HOST:PORT/TOPIC|FILE.parquet --base s3://BUCKET/PREFIX|DIR
+Run: `heterorl replay --source kafka://HOST:PORT/TOPIC|FILE.parquet --base s3://BUCKET/RUN/vN/|DIR
 --out RUN_DIR [--config C] [--loss L] [--set key=value ...] [--exact-batches] [filters]`.
 
 The question it answers: "what would another loss, clip range or max delay have done
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from consumers.recorder import StepRecorder
 from pipeline.admission import Admission, PendingGroup
 from pipeline.archive import ArchiveError, read_archive
-from pipeline.checkpoints import (MANIFEST_NAME, BackgroundPublisher, CheckpointNotFound, CheckpointStore,
+from pipeline.checkpoints import (BackgroundPublisher, CheckpointNotFound, CheckpointStore,
                                   CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import make_engine, resolve_device
@@ -56,6 +56,7 @@ from pipeline.runtime import evaluate_model, make_task_from_config, setup_loggin
 from pipeline.services import ServiceUnavailable, require_services
 from pipeline.update import optimizer_step
 from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
+from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
 
 
 class ReplayError(UserError, ValueError):
@@ -126,21 +127,18 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
 # 2. The base checkpoint
 # ----------------------------------------------------------------------------------
 def fetch_base(cfg: HeteroConfig, base: str, dest: Path) -> Path:
-    """A local HF model directory for `base` (`s3://BUCKET/PREFIX` or a local directory)."""
+    """A local HF model directory for `base` (`s3://BUCKET/RUN/vN/`, a published version, or a local directory)."""
     if base.startswith("s3://"):
-        bucket, _, prefix = base[len("s3://"):].partition("/")
-        prefix = prefix.strip("/")
-        if not bucket or not prefix:
-            raise ReplayError(f"--base {base}: expected s3://BUCKET/PREFIX of a published version")
         try:
+            parse_checkpoint_url(base)
             client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
-            path, _ = CheckpointStore(client, bucket, run="").fetch(f"{prefix}/{MANIFEST_NAME}", dest)
-        except (ServiceUnavailable, CheckpointNotFound, CorruptCheckpointError) as e:
+            path, _, _ = fetch_published(client, base, dest)  # a keyframe, or rebuilt from its deltas
+        except (CheckpointUrlError, ServiceUnavailable, CheckpointNotFound, CorruptCheckpointError) as e:
             raise ReplayError(f"--base {base}: {e}") from None
         return path
     path = Path(base)
     if not (path / "config.json").is_file():
-        raise ReplayError(f"--base {base} is neither s3://BUCKET/PREFIX nor a Hugging Face model directory")
+        raise ReplayError(f"--base {base} is neither s3://BUCKET/RUN/vN/ nor a Hugging Face model directory")
     return path
 
 

@@ -34,6 +34,7 @@ examples:
   heterorl status --json
   heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
   heterorl export --topic demo.rollouts --out demo.parquet
+  heterorl weights fetch s3://heterorl/demo/v100/ --out final-model  # a verified HF directory
   heterorl compare runs/demo runs/gspo
   heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
   heterorl attack --config demo --minutes 3 --out runs/attack # adversaries + attack_audit.json
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kafka://HOST:PORT/TOPIC (kafka:///TOPIC: the configured or local-stack broker) or "
                         "the path of a .parquet file written by `heterorl export`")
     p.add_argument("--base", required=True, metavar="CHECKPOINT",
-                   help="starting weights: s3://BUCKET/PREFIX of a published version (e.g. the original "
+                   help="starting weights: s3://BUCKET/RUN/vN/ of a published version (e.g. the original "
                         "run's v0; endpoint and credentials from the config or the local stack) or a local "
                         "Hugging Face model directory")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="new run directory for the replay")
@@ -254,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new directory: logs, metrics, the servers' data (OUT/data), audit.json; --data-dir "
                         "only locates the cached base model")
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
+
+    p = sub.add_parser("weights", help="published policy weights: take any version home as a plain model directory")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = actions.add_parser("fetch", help="rebuild a published version (keyframe or delta) into a Hugging Face directory",
+                           description="Downloads the version's keyframe and deltas (or its full copy), rebuilds the "
+                                       "weights, checks every tensor bit for bit against the sha256 its manifest "
+                                       "names (signed by the learner when security.require_signatures), and writes "
+                                       "a directory that transformers loads. Nothing is written unless it verifies.")
+    _add_config_args(p)
+    p.add_argument("url", metavar="s3://BUCKET/RUN/vN/", help="the version, as `heterorl train` prints it")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (replaced if it exists)")
 
     p = sub.add_parser("compare", help="side-by-side table and accuracy plot of run directories",
                        description="Prints final and best held-out accuracy, mean KL, importance-weight "
@@ -422,6 +434,21 @@ def _cmd_chaos(args) -> int:
                      keep_stack=args.keep_stack)
 
 
+def _cmd_weights(args) -> int:
+    cfg = _load(args)
+    from pipeline.checkpoints import connect_s3
+    from pipeline.keyring import key_paths, load_learner_public
+    from pipeline.services import require_services
+    from pipeline.weights.policy import fetch_published
+
+    trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
+    client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
+    path, manifest, report = fetch_published(client, args.url, Path(args.out), trusted=trusted)
+    print(f"wrote {path}: policy v{manifest.version} of run {manifest.run}, every tensor verified "
+          f"(downloaded {' -> '.join(f'v{v}' for v in report.path)}, {report.bytes_downloaded / 1e6:.1f} MB)")
+    return 0
+
+
 def _cmd_compare(args) -> int:
     from heterorl.compare import compare_runs, format_table, plot_comparison
 
@@ -443,7 +470,7 @@ def _cmd_train(args) -> int:
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
             "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
-            "chaos": _cmd_chaos, "keys": _cmd_keys, "attack": _cmd_attack, "adversary": _cmd_adversary}
+            "chaos": _cmd_chaos, "keys": _cmd_keys, "weights": _cmd_weights, "attack": _cmd_attack, "adversary": _cmd_adversary}
 
 
 SUPERVISORS = ("train", "chaos", "attack", "study")

@@ -33,11 +33,14 @@ def test_every_option_of_every_command_has_help_text():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
-                                     "study", "replay", "export", "compare", "chaos", "keys", "attack", "adversary"}
+                                     "study", "replay", "export", "compare", "chaos", "keys", "attack", "adversary",
+                                     "weights"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     actions = next(a for a in commands.choices["keys"]._actions if isinstance(a, argparse._SubParsersAction))
+    weights = next(a for a in commands.choices["weights"]._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {**commands.choices, **{f"study {k}": v for k, v in studies.choices.items()},
-               **{f"keys {k}": v for k, v in actions.choices.items()}}
+               **{f"keys {k}": v for k, v in actions.choices.items()},
+               **{f"weights {k}": v for k, v in weights.choices.items()}}
     for name, sub in parsers.items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":

@@ -184,3 +184,30 @@ def test_payloads_are_bounded_by_the_declared_size():
         np.array([5000], dtype=np.uint32).tobytes())
     with pytest.raises(DeltaError, match="outside the tensor"):
         apply_delta(base, forged)
+
+
+# --- the weight path's pure decisions (pipeline/weights/policy.py) -----------------------------
+
+def test_a_keyframe_every_n_versions_or_when_the_chain_outweighs_a_full_copy():
+    from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule
+
+    rule = KeyframeRule(keyframe_every=4)
+    assert [rule.choose(n, 10 * n, 10, 1000) for n in range(4)] == [DELTA, DELTA, DELTA, KEYFRAME]
+    assert rule.choose(1, 600, 500, 1000) == KEYFRAME  # 600 + 500 >= a full copy of 1000
+    assert KeyframeRule(keyframe_every=1).choose(0, 0, 1, 1000) == KEYFRAME
+
+
+def test_a_sampler_takes_the_cheaper_path_to_a_version():
+    from pipeline.checkpoints import CorruptCheckpointError
+    from pipeline.weights.policy import DELTA, KEYFRAME, Link, choose_path
+
+    chain = [Link(10, KEYFRAME, None, 1000), Link(11, DELTA, 10, 30), Link(12, DELTA, 11, 30), Link(13, DELTA, 12, 30)]
+    assert [link.version for link in choose_path(chain, have=12)] == [13]
+    assert [link.version for link in choose_path(chain, have=10)] == [11, 12, 13]
+    assert [link.version for link in choose_path(chain, have=None)] == [10, 11, 12, 13]
+    assert [link.version for link in choose_path(chain, have=7)] == [10, 11, 12, 13]  # not on this chain
+    assert choose_path(chain, have=13) == []  # already there
+    heavy = [Link(10, KEYFRAME, None, 100), Link(11, DELTA, 10, 80), Link(12, DELTA, 11, 80)]
+    assert [link.version for link in choose_path(heavy, have=11)] == [12]  # 80 <= 100 + 160
+    with pytest.raises(CorruptCheckpointError, match="keyframe"):
+        choose_path(chain[1:], have=None)

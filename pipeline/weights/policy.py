@@ -1,0 +1,391 @@
+"""Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
+
+A policy version is published through `pipeline.checkpoints.CheckpointStore` (files, then a
+signed manifest; every download chunked, resumable and checked against its sha256) in one
+of two kinds, named in the manifest's `extra["weights"]`:
+
+- a **keyframe** holds the model directory as it is (`*.safetensors` weights, config,
+  tokenizer files) and, per weights file, the dtype, shape and sha256 of every tensor:
+  `{"kind": "keyframe", "files": {"model.safetensors": {name: {dtype, shape, sha256}}}}`;
+- a **delta** holds `delta.safetensors` (the compressed payload of `pipeline.weights.codec`
+  as uint8 tensors) and names its base version, the keyframe its chain starts from, each
+  tensor's encoding and sha256, and the non-weight files it takes from its base with their
+  sha256: `{"kind": "delta", "base_version": b, "keyframe_version": k, "files": {file:
+  {name: entry}}, "inherit": [{path, size, sha256}, ...]}`.
+
+The learner (`PolicyPublisher`) keeps the weights it published last and writes a delta
+against them, or a keyframe every `keyframe_every` versions, or when the deltas since the
+last keyframe would outweigh a full copy (`KeyframeRule`). A sampler (`fetch_policy`)
+holding version h rebuilds version t from the cheaper path (`choose_path`): h's own chain of
+deltas, or t's keyframe and the deltas after it. Every rebuilt tensor must match its signed
+sha256 bit for bit; a delta that does not fit, a missing base or a broken chain is refused
+(counted in the returned `FetchReport`) and the sampler falls back to the keyframe path.
+The rebuilt directory is written only once all of it has been verified.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
+                                  Manifest, sha256_file)
+from pipeline.errors import UserError
+from pipeline.weights.codec import Delta, DeltaError, apply_delta, describe, encode_delta, tensor_sha256
+
+DELTA_FILE = "delta.safetensors"
+WEIGHTS_SUFFIX = ".safetensors"
+KEYFRAME, DELTA = "keyframe", "delta"
+
+
+# --- pure decisions -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KeyframeRule:
+    """When the learner publishes a full copy instead of a delta."""
+
+    keyframe_every: int = 10
+    """A keyframe at least every this many versions (1: every version is a keyframe)."""
+
+    def choose(self, versions_since_keyframe: int, chain_bytes: int, delta_bytes: int, full_bytes: int) -> str:
+        """`versions_since_keyframe`: deltas published since the last keyframe; `chain_bytes`: their
+        total size; `delta_bytes` / `full_bytes`: this version as a delta / as a keyframe."""
+        if self.keyframe_every <= 1 or versions_since_keyframe + 1 >= self.keyframe_every:
+            return KEYFRAME
+        if chain_bytes + delta_bytes >= full_bytes:  # a far-behind sampler would fetch more than a full copy
+            return KEYFRAME
+        return DELTA
+
+
+@dataclass(frozen=True)
+class Link:
+    """One version of a chain, as its manifest describes it."""
+
+    version: int
+    kind: str
+    base_version: Optional[int]
+    nbytes: int
+    """Bytes a sampler downloads for this version (its weights or its delta, no learner state)."""
+
+
+def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
+    """The versions to download, in order, to rebuild the last of `chain`.
+
+    `chain` runs from a keyframe to the target (each link's base the one before it). A sampler
+    that holds `have` (on the chain) may apply only the deltas after it; it does when they
+    weigh no more than the keyframe and all of its deltas together."""
+    if not chain or chain[0].kind != KEYFRAME:
+        raise CorruptCheckpointError("a policy chain must start from a keyframe")
+    from_keyframe = chain
+    versions = [link.version for link in chain]
+    if have is not None and have in versions:
+        from_have = chain[versions.index(have) + 1:]
+        if sum(link.nbytes for link in from_have) <= sum(link.nbytes for link in from_keyframe):
+            return from_have
+    return from_keyframe
+
+
+# --- reading and writing weights --------------------------------------------------------------
+
+def weights_files(model_dir: Path) -> list[str]:
+    """The safetensors weight files of a model directory (relative paths, sorted)."""
+    return sorted(p.relative_to(model_dir).as_posix() for p in Path(model_dir).rglob("*" + WEIGHTS_SUFFIX)
+                  if p.is_file() and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts)
+
+
+def read_weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of a model directory, by weights file."""
+    return {name: load_file(str(Path(model_dir) / name)) for name in weights_files(model_dir)}
+
+
+def _write_weights(weights: dict[str, dict[str, torch.Tensor]], model_dir: Path) -> None:
+    for name, tensors in weights.items():
+        target = Path(model_dir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(target), metadata={"format": "pt"})
+
+
+def _payload_tensors(payload: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    return {key: torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+            for key, blob in payload.items()}
+
+
+def _payload_bytes(path: Path) -> dict[str, bytes]:
+    return {key: t.numpy().tobytes() for key, t in load_file(str(path)).items()}
+
+
+# --- the learner's side -----------------------------------------------------------------------
+
+class PolicyPublisher:
+    """Publishes each policy version as a keyframe or a delta against the one before it."""
+
+    def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule()):
+        self.store = store
+        self.rule = rule
+        self._last: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
+        """(version, weights) published last: the base of the next delta."""
+        self._keyframe_version: Optional[int] = None
+        self._since_keyframe = 0
+        self._chain_bytes = 0
+        self.published: list[dict] = []
+        """Per version: version, kind, bytes a sampler downloads, full bytes."""
+
+    def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
+                parent_version: Optional[int] = None) -> str:
+        """Upload `model_dir` (a saved model, optionally with `learner_state/`) as `version`;
+        returns the manifest key."""
+        model_dir = Path(model_dir)
+        weights = read_weights(model_dir)
+        if not weights:
+            raise CorruptCheckpointError(f"{model_dir} holds no *.safetensors weights to publish")
+        full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
+        delta = self._delta_against_last(weights)
+        kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
+                                                               sum(d.nbytes for d in delta.values()), full_bytes)
+        if kind == KEYFRAME:
+            key, nbytes = self._publish_keyframe(version, model_dir, weights, extra, parent_version)
+            self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
+        else:
+            key, nbytes = self._publish_delta(version, model_dir, delta, extra, parent_version)
+            self._since_keyframe += 1
+            self._chain_bytes += nbytes
+        self._last = (version, weights)
+        self.published.append({"version": version, "kind": kind, "bytes": nbytes, "full_bytes": full_bytes})
+        return key
+
+    def _delta_against_last(self, weights) -> Optional[dict[str, Delta]]:
+        if self._last is None or set(self._last[1]) != set(weights):
+            return None
+        try:
+            return {name: encode_delta(self._last[1][name], tensors) for name, tensors in weights.items()}
+        except DeltaError:  # a different architecture or dtype: start a new chain
+            return None
+
+    def _publish_keyframe(self, version, model_dir, weights, extra, parent_version) -> tuple[str, int]:
+        description = {"kind": KEYFRAME,
+                       "files": {name: {k: describe(t) for k, t in tensors.items()} for name, tensors in weights.items()}}
+        key = self.store.publish(version, model_dir, {**(extra or {}), "weights": description}, parent_version)
+        return key, sum(p.stat().st_size for p in model_dir.rglob("*")
+                        if p.is_file() and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts)
+
+    def _publish_delta(self, version, model_dir, delta, extra, parent_version) -> tuple[str, int]:
+        base_version = self._last[0]
+        payload: dict[str, bytes] = {}
+        files = {}
+        for name, file_delta in delta.items():
+            entries = {}
+            for tensor, entry in file_delta.entries.items():
+                parts = {part: f"{name}::{key}" for part, key in entry["parts"].items()}
+                for part, key in entry["parts"].items():
+                    payload[f"{name}::{key}"] = file_delta.payload[key]
+                entries[tensor] = {**entry, "parts": parts}
+            files[name] = entries
+        weights = set(weights_files(model_dir))
+        inherit = [{"path": p.relative_to(model_dir).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
+                   for p in sorted(model_dir.rglob("*")) if p.is_file()
+                   and p.relative_to(model_dir).as_posix() not in weights
+                   and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts]
+        with tempfile.TemporaryDirectory(prefix=f"delta-v{version}-") as tmp:
+            staged = Path(tmp)
+            save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
+            if (model_dir / LEARNER_STATE_DIR).is_dir():
+                shutil.copytree(model_dir / LEARNER_STATE_DIR, staged / LEARNER_STATE_DIR)
+            description = {"kind": DELTA, "base_version": base_version, "keyframe_version": self._keyframe_version,
+                           "files": files, "inherit": inherit}
+            key = self.store.publish(version, staged, {**(extra or {}), "weights": description}, parent_version)
+            return key, (staged / DELTA_FILE).stat().st_size
+
+
+# --- the sampler's side -----------------------------------------------------------------------
+
+@dataclass
+class FetchReport:
+    """What one `fetch_policy` did."""
+
+    path: list[int] = field(default_factory=list)
+    """Versions downloaded, in order."""
+    bytes_downloaded: int = 0
+    refused: list[str] = field(default_factory=list)
+    """Why a path was refused before the one that worked (a broken chain, a tampered delta)."""
+    from_keyframe: bool = False
+
+
+def link_of(manifest: Manifest) -> Link:
+    """The chain link a manifest describes (a manifest without `weights` is a plain keyframe)."""
+    weights = manifest.extra.get("weights") or {"kind": KEYFRAME}
+    kind = weights.get("kind")
+    if kind not in (KEYFRAME, DELTA):
+        raise CorruptCheckpointError(f"manifest v{manifest.version} names an unknown weights kind {kind!r}")
+    nbytes = sum(f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/"))
+    base = weights.get("base_version") if kind == DELTA else None
+    if kind == DELTA and (not isinstance(base, int) or base >= manifest.version):
+        raise CorruptCheckpointError(f"manifest v{manifest.version} is a delta without a valid base version")
+    return Link(manifest.version, kind, base, nbytes)
+
+
+def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
+               max_links: int = 1000) -> tuple[list[Link], dict[int, Manifest]]:
+    """The links from the keyframe `manifest`'s version rests on up to it (oldest first), and
+    their manifests. Raises CheckpointNotFound when a base version is gone."""
+    manifests = {manifest.version: manifest}
+    links = [link_of(manifest)]
+    while links[0].kind == DELTA:
+        if len(links) > max_links:
+            raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
+        base = store.read_manifest(store.manifest_key(links[0].base_version))
+        if base.version != links[0].base_version:
+            raise CorruptCheckpointError(f"the manifest at v{links[0].base_version} says v{base.version}")
+        manifests[base.version] = base
+        links.insert(0, link_of(base))
+    return links, manifests
+
+
+def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
+                 have: Optional[tuple[int, Path]] = None, expect_version: Optional[int] = None,
+                 work_dir: Optional[Path] = None) -> tuple[Path, Manifest, FetchReport]:
+    """Rebuild the version at `manifest_key` into `dest_dir` as a plain model directory.
+
+    `have`: (version, directory) of a verified copy the caller holds, the base for its deltas.
+    Every tensor is checked against the signed sha256 before `dest_dir` appears; a path that
+    fails (a missing base, a delta that does not fit or was tampered with) is refused and
+    recorded in the report, and the keyframe path is tried; if that fails too,
+    CorruptCheckpointError (or CheckpointNotFound when the versions were pruned)."""
+    target = store.read_manifest(manifest_key)
+    if expect_version is not None and target.version != expect_version:
+        raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
+                                     f"{manifest_key} is v{target.version}")
+    report = FetchReport()
+    links, manifests = read_chain(store, target)
+    work_dir = Path(work_dir or Path(dest_dir).parent)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = choose_path(links, have[0] if have else None)
+    if have is not None and (not path or path[0].kind == DELTA):
+        try:
+            rebuilt = _rebuild(store, path, manifests, Path(have[1]), read_weights(Path(have[1])), work_dir, report)
+            return _finish(rebuilt, dest_dir, target, report)
+        except (DeltaError, CorruptCheckpointError, CheckpointNotFound) as e:
+            report.refused.append(f"from v{have[0]}: {e}")
+            path = links
+    report.from_keyframe = True
+    keyframe = path[0]
+    origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
+    try:
+        origin_dir, _ = store.fetch(store.manifest_key(keyframe.version), origin / "model",
+                                    expect_version=keyframe.version)
+        report.path.append(keyframe.version)
+        report.bytes_downloaded += keyframe.nbytes
+        weights = read_weights(origin_dir)
+        _check_keyframe(manifests[keyframe.version], weights)
+        if len(path) == 1:  # the version is this keyframe: its verified files are the result
+            dest_dir = Path(dest_dir)
+            if dest_dir.exists():
+                shutil.rmtree(dest_dir)
+            origin_dir.rename(dest_dir)
+            return dest_dir, target, report
+        rebuilt = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report)
+        return _finish(rebuilt, dest_dir, target, report)
+    except DeltaError as e:
+        raise CorruptCheckpointError(f"refused policy v{target.version}: {e}") from None
+    finally:
+        shutil.rmtree(origin, ignore_errors=True)
+
+
+def _check_keyframe(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    description = (manifest.extra.get("weights") or {}).get("files")
+    if description is None:
+        return  # a plain checkpoint: its files' sha256 were checked by the download
+    if set(description) != set(weights):
+        raise DeltaError(f"keyframe v{manifest.version} holds weights files {sorted(weights)}, its manifest "
+                         f"names {sorted(description)}")
+    for name, tensors in weights.items():
+        for tensor, entry in description[name].items():
+            if tensor not in tensors or tensor_sha256(tensors[tensor]) != entry.get("sha256"):
+                raise DeltaError(f"keyframe v{manifest.version}: tensor {tensor!r} does not match its manifest")
+
+
+def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
+             weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport):
+    """Apply `deltas` in order to `weights` (read from `origin_dir`); returns (weights, directory
+    holding the non-weight files the result inherits)."""
+    for link in deltas:
+        manifest = manifests[link.version]
+        files = manifest.extra["weights"].get("files") or {}
+        scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
+        try:
+            delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version)
+            report.path.append(link.version)
+            report.bytes_downloaded += link.nbytes
+            payload = _payload_bytes(delta_dir / DELTA_FILE)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if set(files) != set(weights):
+            raise DeltaError(f"delta v{link.version} is for weights files {sorted(files)}, its base holds "
+                             f"{sorted(weights)}")
+        weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
+                   for name, entries in files.items()}
+        _check_inherited(manifest, origin_dir)
+    return weights, origin_dir
+
+
+def _check_inherited(manifest: Manifest, origin_dir: Path) -> None:
+    for f in (manifest.extra["weights"].get("inherit") or []):
+        path = origin_dir / f["path"]
+        if not path.is_file() or sha256_file(path) != f["sha256"]:
+            raise DeltaError(f"delta v{manifest.version} inherits {f['path']} with sha256 {f['sha256'][:12]}…, "
+                             "which its base does not hold")
+
+
+def _finish(rebuilt, dest_dir: Path, target: Manifest, report: FetchReport) -> tuple[Path, Manifest, FetchReport]:
+    weights, origin_dir = rebuilt
+    dest_dir = Path(dest_dir)
+    staging = Path(tempfile.mkdtemp(prefix=".rebuilding-", dir=dest_dir.parent))
+    try:
+        description = target.extra.get("weights") or {}
+        inherited = [f["path"] for f in description.get("inherit", [])] if description.get("kind") == DELTA else [
+            p.relative_to(origin_dir).as_posix() for p in origin_dir.rglob("*")
+            if p.is_file() and not p.name.endswith(WEIGHTS_SUFFIX)]
+        for rel in inherited:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(origin_dir / rel, staging / rel)
+        _write_weights(weights, staging)
+        if dest_dir.exists():
+            shutil.rmtree(dest_dir)
+        staging.rename(dest_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest_dir, target, report
+
+
+# --- any version, by its address ----------------------------------------------------------------
+
+class CheckpointUrlError(UserError, ValueError):
+    """A checkpoint address that does not name a published version."""
+
+
+_URL = re.compile(r"s3://(?P<bucket>[^/]+)/(?P<run>.+?)/v(?P<version>\d+)/?(?:manifest\.json)?")
+
+
+def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
+    """`s3://BUCKET/RUN/vN/` (as runs print it, with or without `manifest.json`) -> (bucket, run, N)."""
+    match = _URL.fullmatch(url.strip())
+    if match is None:
+        raise CheckpointUrlError(f"{url!r} is not a published version: expected s3://BUCKET/RUN/vN/ "
+                                 "(as `heterorl train` prints it)")
+    return match["bucket"], match["run"], int(match["version"])
+
+
+def fetch_published(client, url: str, out: Path, trusted=None) -> tuple[Path, Manifest, FetchReport]:
+    """Rebuild the version at `url` into `out` (a plain Hugging Face directory), every tensor
+    checked against its manifest; `trusted`: the learner public key its manifests must carry."""
+    bucket, run, version = parse_checkpoint_url(url)
+    store = CheckpointStore(client, bucket, run, trusted=trusted)
+    out = Path(out)
+    return fetch_policy(store, store.manifest_key(version), out, expect_version=version)

@@ -1,0 +1,171 @@
+"""Policy versions as keyframes and deltas in a real S3 server (pipeline/weights/policy.py):
+rebuilt bit for bit along either path, and refused whenever a piece does not fit."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.services import Services
+from pipeline.weights.codec import bits
+from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule, PolicyPublisher, fetch_policy, read_weights
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """Six versions of a tiny bf16 model (fp32 master weights moved by 1e-5 a step, as the
+    learner publishes them), each a plain model directory."""
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, ModelSize(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    root = tmp_path_factory.mktemp("versions")
+    master = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    dirs = []
+    for version in range(6):
+        path = root / f"v{version}"
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        weights = load_file(str(path / "model.safetensors"))
+        save_file({k: master[k].to(torch.bfloat16) for k in weights}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+        dirs.append(path)
+        for k in master:
+            master[k] += 1e-5 * torch.randn(master[k].shape, generator=generator).sign()
+    return dirs
+
+
+def _store(stack, run, signer=None, trusted=None) -> CheckpointStore:
+    services = Services(stack.kafka_bootstrap, stack.redis_url, stack.s3_endpoint, stack.s3_access_key,
+                        stack.s3_secret_key, stack.s3_region, stack.bucket)
+    return CheckpointStore(connect_s3(services), stack.bucket, run, signer=signer, trusted=trusted)
+
+
+def _published(stack, run, versions, keyframe_every=3):
+    from pipeline.signing import SigningKey
+
+    learner = SigningKey.generate()
+    writer, reader = _store(stack, run, signer=learner), _store(stack, run, trusted=learner.public)
+    publisher = PolicyPublisher(writer, KeyframeRule(keyframe_every))
+    for version, path in enumerate(versions):
+        publisher.publish(version, path, extra={"step": version}, parent_version=version - 1 if version else None)
+    return publisher, writer, reader
+
+
+def assert_same_weights(rebuilt: Path, original: Path) -> None:
+    got, want = read_weights(rebuilt), read_weights(original)
+    assert set(got) == set(want)
+    for name in want:
+        assert set(got[name]) == set(want[name])
+        for tensor in want[name]:
+            assert np.array_equal(bits(got[name][tensor]), bits(want[name][tensor])), tensor
+
+
+def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, versions, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    publisher, _, reader = _published(local_stack, "policy-chain", versions)
+    assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]
+    deltas = [p["bytes"] for p in publisher.published if p["kind"] == DELTA]
+    keyframe_weights = publisher.published[0]["full_bytes"]
+    assert max(deltas) < 0.5 * keyframe_weights  # a 1e-5 step leaves most bf16 patterns as they were
+
+    # A sampler holding v4 takes only v5's delta; one holding nothing, the keyframe v3 and its deltas.
+    near, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "near", have=(4, versions[4]))
+    assert report.path == [5] and not report.from_keyframe and report.refused == []
+    assert_same_weights(near, versions[5])
+    fresh, manifest, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "fresh", expect_version=5)
+    assert report.path == [3, 4, 5] and report.from_keyframe and manifest.extra["step"] == 5
+    assert_same_weights(fresh, versions[5])
+    # A sampler left behind before the keyframe: v1 is not on v5's chain.
+    _, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
+    assert report.path == [3, 4, 5]
+    # Whatever the path, the result is a plain Hugging Face directory, config and tokenizer included.
+    model = AutoModelForCausalLM.from_pretrained(near, use_safetensors=True)
+    stored = load_file(str(versions[5] / "model.safetensors"))["model.norm.weight"]
+    assert torch.equal(model.model.norm.weight.detach(), stored.float())
+    AutoTokenizer.from_pretrained(near)
+    assert {p.name for p in near.iterdir()} == {p.name for p in versions[5].iterdir()}
+
+
+def test_a_sampler_whose_copy_does_not_fit_falls_back_to_the_keyframe(local_stack, versions, tmp_path):
+    _, _, reader = _published(local_stack, "policy-wrong-base", versions)
+    wrong = shutil.copytree(versions[4], tmp_path / "wrong-v4")
+    weights = load_file(str(wrong / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1  # the sampler's copy of v4 is not v4
+    save_file(weights, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+    rebuilt, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "v5", have=(4, wrong))
+    assert report.from_keyframe and report.path == [5, 3, 4, 5]
+    assert len(report.refused) == 1 and "sha256" in report.refused[0]
+    assert_same_weights(rebuilt, versions[5])
+
+
+def test_a_tampered_delta_or_manifest_is_refused_and_nothing_is_written(local_stack, versions, tmp_path):
+    _, writer, reader = _published(local_stack, "policy-tamper", versions)
+    key = "policy-tamper/v5/delta.safetensors"
+    data = bytearray(writer.client.get_object(writer.bucket, key).read())
+    data[-3] ^= 0xFF
+    writer.client.put_object(writer.bucket, key, io.BytesIO(bytes(data)), len(data))
+    with pytest.raises(CorruptCheckpointError, match="sha256"):
+        fetch_policy(reader, reader.manifest_key(5), tmp_path / "v5", have=(4, versions[4]))
+    assert not (tmp_path / "v5").exists()
+
+    # A manifest whose tensor sha256 was rewritten (so that a forged delta would pass) is unsigned now.
+    manifest_key = reader.manifest_key(4)
+    raw = json.loads(writer.client.get_object(writer.bucket, manifest_key).read())
+    entries = raw["extra"]["weights"]["files"]["model.safetensors"]
+    next(iter(entries.values()))["sha256"] = "0" * 64
+    body = json.dumps(raw).encode()
+    writer.client.put_object(writer.bucket, manifest_key, io.BytesIO(body), len(body))
+    with pytest.raises(CorruptCheckpointError, match="refused"):
+        fetch_policy(reader, manifest_key, tmp_path / "v4", have=(3, versions[3]))
+    assert not (tmp_path / "v4").exists()
+
+
+def test_a_missing_base_is_named(local_stack, versions, tmp_path):
+    _, writer, reader = _published(local_stack, "policy-pruned", versions)
+    for obj in writer.client.list_objects(writer.bucket, prefix="policy-pruned/v4/", recursive=True):
+        writer.client.remove_object(writer.bucket, obj.object_name)
+    with pytest.raises(CheckpointNotFound, match="v4"):
+        fetch_policy(reader, reader.manifest_key(5), tmp_path / "v5")
+
+
+def test_weights_fetch_takes_a_version_home_and_names_a_bad_address(local_stack, versions, tmp_path, monkeypatch,
+                                                                    capsys):
+    from heterorl import cli
+    from infra.local_stack import stack_env
+
+    publisher = PolicyPublisher(_store(local_stack, "policy-cli"), KeyframeRule(3))
+    for version, path in enumerate(versions):
+        publisher.publish(version, path)
+    for key, value in stack_env(local_stack).items():
+        monkeypatch.setenv(key, value)
+    unsigned = ["--set", "security.require_signatures=false"]  # this run's manifests carry no signature
+
+    status = cli.main(["weights", "fetch", f"s3://{local_stack.bucket}/policy-cli/v5/", "--out",
+                       str(tmp_path / "home"), *unsigned])
+    out = capsys.readouterr().out
+    assert status == 0 and "policy v5 of run policy-cli" in out and "v3 -> v4 -> v5" in out, out
+    assert_same_weights(tmp_path / "home", versions[5])
+
+    status = cli.main(["weights", "fetch", f"s3://{local_stack.bucket}/policy-cli/", "--out", str(tmp_path / "x"),
+                       *unsigned])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "expected s3://BUCKET/RUN/vN/" in err, err
+    status = cli.main(["weights", "fetch", f"s3://{local_stack.bucket}/policy-cli/v9/", "--out", str(tmp_path / "y"),
+                       *unsigned])
+    err = capsys.readouterr().err
+    assert status == 2 and "no checkpoint manifest at" in err and "policy-cli/v9" in err, err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
