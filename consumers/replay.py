@@ -132,6 +132,8 @@ def fetch_base(cfg: HeteroConfig, base: str, dest: Path) -> Path:
         try:
             parse_checkpoint_url(base)
             client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
+            # Unsigned reads: a replay also starts from its own `--checkpoints`, which no learner key
+            # signs. Every file and tensor is still checked against the manifest (docs/weights.md).
             path, _, _ = fetch_published(client, base, dest)  # a keyframe, or rebuilt from its deltas
         except (CheckpointUrlError, ServiceUnavailable, CheckpointNotFound, CorruptCheckpointError) as e:
             raise ReplayError(f"--base {base}: {e}") from None

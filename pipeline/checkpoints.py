@@ -114,7 +114,9 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _safe_relpath(name: str) -> str:
+def safe_relpath(name: str) -> str:
+    """`name` as a relative path inside a checkpoint; CorruptCheckpointError for an absolute, `..` or
+    pickle-based one."""
     p = PurePosixPath(name)
     if p.is_absolute() or ".." in p.parts or not p.parts:
         raise CorruptCheckpointError(f"manifest names an unsafe path {name!r}")
@@ -223,7 +225,7 @@ class CheckpointStore:
         try:
             if data.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"format {data.get('format')!r}")
-            files = [{"path": _safe_relpath(f["path"]), "size": int(f["size"]), "sha256": str(f["sha256"])}
+            files = [{"path": safe_relpath(f["path"]), "size": int(f["size"]), "sha256": str(f["sha256"])}
                      for f in data["files"]]
             return Manifest(run=str(data["run"]), version=int(data["version"]),
                             created_at=float(data["created_at"]), files=files,

@@ -19,8 +19,8 @@ float values, so reconstruction is exact: `apply_delta(base, encode_delta(base, 
 against the sha256 of the tensor it must equal (`tensor_sha256`), which the delta carries and
 the learner signs with the manifest; a mismatch, a payload that does not decompress to
 exactly the size its entry declares, a missing base tensor, or a shape or dtype other than
-the entry's is refused with DeltaError. Decompression is bounded by the declared size, so a
-hostile payload cannot expand without limit.
+the entry's is refused with DeltaError. A payload's zstd frame must declare that exact size
+before it is decompressed, so a hostile payload cannot expand past it.
 
 A delta is `Delta(entries, payload)`: `entries` is JSON-ready (per tensor: encoding, dtype,
 shape, sha256, the payload names and sizes), `payload` maps names to compressed bytes. The
@@ -49,6 +49,8 @@ BIT_VIEWS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ENCODINGS = ("same", "sparse", "xor")
+MAX_SPARSE_ELEMENTS = 2**32 - 1
+"""Largest tensor whose changed elements can be sent as uint32 index gaps (larger ones: `xor`)."""
 
 
 class DeltaError(UserError, ValueError):
@@ -118,11 +120,12 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         if changed.size == 0:
             delta.entries[name] = {**entry, "encoding": "same", "parts": {}}
             continue
-        gaps = np.diff(changed, prepend=0).astype(np.uint32)  # first gap is the first index itself
-        sparse = {"indices": compressor.compress(gaps.tobytes()),
-                  "values": compressor.compress(new_bits[changed].tobytes())}
-        xor = {"xor": compressor.compress((old_bits ^ new_bits).tobytes())}
-        chosen, parts = min((("sparse", sparse), ("xor", xor)), key=lambda c: sum(len(b) for b in c[1].values()))
+        candidates = [("xor", {"xor": compressor.compress((old_bits ^ new_bits).tobytes())})]
+        if new_bits.size <= MAX_SPARSE_ELEMENTS:  # gaps are uint32
+            gaps = np.diff(changed, prepend=0).astype(np.uint32)  # first gap is the first index itself
+            candidates.append(("sparse", {"indices": compressor.compress(gaps.tobytes()),
+                                          "values": compressor.compress(new_bits[changed].tobytes())}))
+        chosen, parts = min(candidates, key=lambda c: sum(len(b) for b in c[1].values()))
         delta.entries[name] = {**entry, "encoding": chosen, "parts": {}}
         for part, blob in parts.items():
             key = f"{name}.{part}"
@@ -144,6 +147,8 @@ def apply_delta(base: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, tor
     rebuilt = {}
     for name in sorted(delta.entries):
         entry = delta.entries[name]
+        if not isinstance(entry, dict):
+            raise DeltaError(f"tensor {name!r}: the delta entry is not an object")
         dtype, shape = _entry_dtype_shape(name, entry)
         old_t = base[name]
         if old_t.dtype != dtype or list(old_t.shape) != shape:
@@ -153,6 +158,8 @@ def apply_delta(base: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, tor
         encoding = entry.get("encoding")
         if encoding == "sparse":
             count = _int_field(name, entry, "changed")
+            if not 1 <= count <= raw.size:
+                raise DeltaError(f"tensor {name!r}: the delta claims {count} changed elements of {raw.size}")
             gaps = np.frombuffer(_part(decompressor, delta, name, entry, "indices", count * 4), dtype=np.uint32)
             values = np.frombuffer(_part(decompressor, delta, name, entry, "values", count * raw.itemsize),
                                    dtype=raw.dtype)
@@ -197,11 +204,20 @@ def _int_field(name: str, entry: dict, key: str) -> int:
 def _part(decompressor: zstandard.ZstdDecompressor, delta: Delta, name: str, entry: dict, part: str,
           expected: int) -> bytes:
     """The decompressed bytes of one payload part, which must be exactly `expected` long."""
-    key = (entry.get("parts") or {}).get(part)
-    if key not in delta.payload:
+    parts = entry.get("parts")
+    key = parts.get(part) if isinstance(parts, dict) else None
+    if not isinstance(key, str) or key not in delta.payload:
         raise DeltaError(f"tensor {name!r}: the delta's {part} payload is missing")
+    blob = delta.payload[key]
     try:
-        out = decompressor.decompress(delta.payload[key], max_output_size=expected)
+        # The frame must declare exactly the size the entry does before anything is allocated:
+        # zstd honours a declared content size over `max_output_size`.
+        declared = zstandard.get_frame_parameters(blob).content_size
+        if declared != expected:
+            raise DeltaError(f"tensor {name!r}: the delta's {part} payload declares "
+                             f"{'no size' if declared == zstandard.CONTENTSIZE_UNKNOWN else f'{declared} bytes'}, "
+                             f"{expected} expected")
+        out = decompressor.decompress(blob, max_output_size=expected)
     except zstandard.ZstdError as e:
         raise DeltaError(f"tensor {name!r}: the delta's {part} payload does not decompress ({e})") from None
     if len(out) != expected:

@@ -14,13 +14,16 @@ of two kinds, named in the manifest's `extra["weights"]`:
   {name: entry}}, "inherit": [{path, size, sha256}, ...]}`.
 
 The learner (`PolicyPublisher`) keeps the weights it published last and writes a delta
-against them, or a keyframe every `keyframe_every` versions, or when the deltas since the
-last keyframe would outweigh a full copy (`KeyframeRule`). A sampler (`fetch_policy`)
-holding version h rebuilds version t from the cheaper path (`choose_path`): h's own chain of
-deltas, or t's keyframe and the deltas after it. Every rebuilt tensor must match its signed
-sha256 bit for bit; a delta that does not fit, a missing base or a broken chain is refused
-(counted in the returned `FetchReport`) and the sampler falls back to the keyframe path.
-The rebuilt directory is written only once all of it has been verified.
+against them, or a keyframe: every `keyframe_every` versions or when the deltas since the
+last keyframe would outweigh a full copy (`KeyframeRule`), and whenever anything but the
+weights changed. A sampler (`fetch_policy`) holding version h rebuilds version t from the
+deltas after h when h is on t's chain (never more bytes than the keyframe path, by the rule
+above), else from t's keyframe and the deltas after it (`choose_path`). Every rebuilt tensor
+must match its signed sha256 bit for bit. When the path from h fails (its copy is not what
+the chain says, a delta does not fit), the failure is recorded in the returned
+`FetchReport` and the keyframe path is taken; when that fails too, or a version on the
+chain is gone, the version is refused. The rebuilt directory is written only once all of
+it has been verified.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
-                                  Manifest, sha256_file)
+from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointStore, CorruptCheckpointError,
+                                  Manifest, is_pickle_file, safe_relpath, sha256_file)
 from pipeline.errors import UserError
-from pipeline.weights.codec import Delta, DeltaError, apply_delta, describe, encode_delta, tensor_sha256
+from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
 
 DELTA_FILE = "delta.safetensors"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -78,26 +82,42 @@ class Link:
 def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
     """The versions to download, in order, to rebuild the last of `chain`.
 
-    `chain` runs from a keyframe to the target (each link's base the one before it). A sampler
-    that holds `have` (on the chain) may apply only the deltas after it; it does when they
-    weigh no more than the keyframe and all of its deltas together."""
-    if not chain or chain[0].kind != KEYFRAME:
-        raise CorruptCheckpointError("a policy chain must start from a keyframe")
-    from_keyframe = chain
+    `chain` runs from a keyframe, or from the version the sampler holds, to the target (each
+    link's base the one before it). A sampler holding `have` on the chain applies the deltas
+    after it (their bytes never exceed the keyframe's and its deltas': they are a part of
+    them); otherwise it starts from the keyframe."""
     versions = [link.version for link in chain]
     if have is not None and have in versions:
-        from_have = chain[versions.index(have) + 1:]
-        if sum(link.nbytes for link in from_have) <= sum(link.nbytes for link in from_keyframe):
-            return from_have
-    return from_keyframe
+        return chain[versions.index(have) + 1:]
+    if not chain or chain[0].kind != KEYFRAME:
+        raise CorruptCheckpointError("a policy chain must start from a keyframe")
+    return chain
 
 
 # --- reading and writing weights --------------------------------------------------------------
 
+def _is_policy_file(rel: PurePosixPath) -> bool:
+    """A file samplers get: not learner state, not a pickle-based format (never published)."""
+    return LEARNER_STATE_DIR not in rel.parts and not is_pickle_file(rel.name)
+
+
 def weights_files(model_dir: Path) -> list[str]:
     """The safetensors weight files of a model directory (relative paths, sorted)."""
-    return sorted(p.relative_to(model_dir).as_posix() for p in Path(model_dir).rglob("*" + WEIGHTS_SUFFIX)
-                  if p.is_file() and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts)
+    model_dir = Path(model_dir)
+    return sorted(p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*" + WEIGHTS_SUFFIX)
+                  if p.is_file() and _is_policy_file(PurePosixPath(p.relative_to(model_dir).as_posix())))
+
+
+def other_files(model_dir: Path) -> list[dict]:
+    """The model directory's other published files (config, tokenizer, ...): path, size, sha256."""
+    model_dir = Path(model_dir)
+    weights = set(weights_files(model_dir))
+    out = []
+    for p in sorted(model_dir.rglob("*")):
+        rel = p.relative_to(model_dir).as_posix()
+        if p.is_file() and rel not in weights and _is_policy_file(PurePosixPath(rel)):
+            out.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
+    return out
 
 
 def read_weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -129,8 +149,8 @@ class PolicyPublisher:
     def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule()):
         self.store = store
         self.rule = rule
-        self._last: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
-        """(version, weights) published last: the base of the next delta."""
+        self._last: Optional[tuple[int, dict[str, dict[str, torch.Tensor]], list[dict]]] = None
+        """(version, weights, other files) published last: the base of the next delta."""
         self._keyframe_version: Optional[int] = None
         self._since_keyframe = 0
         self._chain_bytes = 0
@@ -145,60 +165,56 @@ class PolicyPublisher:
         weights = read_weights(model_dir)
         if not weights:
             raise CorruptCheckpointError(f"{model_dir} holds no *.safetensors weights to publish")
+        others = other_files(model_dir)
         full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
-        delta = self._delta_against_last(weights)
+        delta = self._delta_against_last(version, weights, others)
         kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
                                                                sum(d.nbytes for d in delta.values()), full_bytes)
         if kind == KEYFRAME:
-            key, nbytes = self._publish_keyframe(version, model_dir, weights, extra, parent_version)
+            key, nbytes = self._publish_keyframe(version, model_dir, weights, others, extra, parent_version)
             self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
         else:
-            key, nbytes = self._publish_delta(version, model_dir, delta, extra, parent_version)
+            key, nbytes = self._publish_delta(version, model_dir, delta, others, extra, parent_version)
             self._since_keyframe += 1
             self._chain_bytes += nbytes
-        self._last = (version, weights)
+        self._last = (version, weights, others)
         self.published.append({"version": version, "kind": kind, "bytes": nbytes, "full_bytes": full_bytes})
         return key
 
-    def _delta_against_last(self, weights) -> Optional[dict[str, Delta]]:
-        if self._last is None or set(self._last[1]) != set(weights):
+    def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
+        """The delta from the last published version, or None where only a keyframe will do: the
+        first version, a version number not above the last, other files or architecture changed."""
+        if self._last is None or version <= self._last[0] or set(self._last[1]) != set(weights) \
+                or self._last[2] != others:
             return None
         try:
             return {name: encode_delta(self._last[1][name], tensors) for name, tensors in weights.items()}
         except DeltaError:  # a different architecture or dtype: start a new chain
             return None
 
-    def _publish_keyframe(self, version, model_dir, weights, extra, parent_version) -> tuple[str, int]:
+    def _publish_keyframe(self, version, model_dir, weights, others, extra, parent_version) -> tuple[str, int]:
         description = {"kind": KEYFRAME,
                        "files": {name: {k: describe(t) for k, t in tensors.items()} for name, tensors in weights.items()}}
         key = self.store.publish(version, model_dir, {**(extra or {}), "weights": description}, parent_version)
-        return key, sum(p.stat().st_size for p in model_dir.rglob("*")
-                        if p.is_file() and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts)
+        return key, sum((model_dir / name).stat().st_size for name in weights) + sum(f["size"] for f in others)
 
-    def _publish_delta(self, version, model_dir, delta, extra, parent_version) -> tuple[str, int]:
-        base_version = self._last[0]
+    def _publish_delta(self, version, model_dir, delta, others, extra, parent_version) -> tuple[str, int]:
         payload: dict[str, bytes] = {}
         files = {}
         for name, file_delta in delta.items():
             entries = {}
             for tensor, entry in file_delta.entries.items():
-                parts = {part: f"{name}::{key}" for part, key in entry["parts"].items()}
-                for part, key in entry["parts"].items():
+                for key in entry["parts"].values():
                     payload[f"{name}::{key}"] = file_delta.payload[key]
-                entries[tensor] = {**entry, "parts": parts}
+                entries[tensor] = {**entry, "parts": {part: f"{name}::{key}" for part, key in entry["parts"].items()}}
             files[name] = entries
-        weights = set(weights_files(model_dir))
-        inherit = [{"path": p.relative_to(model_dir).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
-                   for p in sorted(model_dir.rglob("*")) if p.is_file()
-                   and p.relative_to(model_dir).as_posix() not in weights
-                   and LEARNER_STATE_DIR not in p.relative_to(model_dir).parts]
         with tempfile.TemporaryDirectory(prefix=f"delta-v{version}-") as tmp:
             staged = Path(tmp)
             save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
             if (model_dir / LEARNER_STATE_DIR).is_dir():
                 shutil.copytree(model_dir / LEARNER_STATE_DIR, staged / LEARNER_STATE_DIR)
-            description = {"kind": DELTA, "base_version": base_version, "keyframe_version": self._keyframe_version,
-                           "files": files, "inherit": inherit}
+            description = {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
+                           "files": files, "inherit": others}
             key = self.store.publish(version, staged, {**(extra or {}), "weights": description}, parent_version)
             return key, (staged / DELTA_FILE).stat().st_size
 
@@ -217,26 +233,55 @@ class FetchReport:
     from_keyframe: bool = False
 
 
+def weights_description(manifest: Manifest) -> dict:
+    """The manifest's `extra.weights`, checked for shape (a manifest without it is a plain
+    keyframe: every version published before deltas). CorruptCheckpointError if malformed."""
+    weights = manifest.extra.get("weights")
+    if weights is None:
+        return {"kind": KEYFRAME, "files": None}
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"manifest v{manifest.version}: {what}")
+
+    if not isinstance(weights, dict) or weights.get("kind") not in (KEYFRAME, DELTA):
+        raise bad(f"unknown weights kind {weights.get('kind') if isinstance(weights, dict) else weights!r}")
+    files = weights.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and isinstance(entries, dict)
+            and all(isinstance(t, str) and isinstance(e, dict) and e.get("dtype") in DTYPES for t, e in entries.items())
+            for name, entries in files.items()):
+        raise bad("its weights files are not described tensor by tensor")
+    if weights["kind"] == KEYFRAME:
+        return {"kind": KEYFRAME, "files": files}
+    base = weights.get("base_version")
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < manifest.version:
+        raise bad("a delta without a valid base version")
+    inherit = weights.get("inherit")
+    if not isinstance(inherit, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                                                and isinstance(f.get("sha256"), str) for f in inherit):
+        raise bad("a delta whose inherited files are not listed")
+    for f in inherit:
+        rel = PurePosixPath(safe_relpath(f["path"]))
+        if rel.name.endswith(WEIGHTS_SUFFIX) or not _is_policy_file(rel):
+            raise bad(f"a delta may not inherit {f['path']!r}")
+    return {"kind": DELTA, "base_version": base, "files": files, "inherit": inherit}
+
+
 def link_of(manifest: Manifest) -> Link:
-    """The chain link a manifest describes (a manifest without `weights` is a plain keyframe)."""
-    weights = manifest.extra.get("weights") or {"kind": KEYFRAME}
-    kind = weights.get("kind")
-    if kind not in (KEYFRAME, DELTA):
-        raise CorruptCheckpointError(f"manifest v{manifest.version} names an unknown weights kind {kind!r}")
+    """The chain link a manifest describes."""
+    description = weights_description(manifest)
     nbytes = sum(f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/"))
-    base = weights.get("base_version") if kind == DELTA else None
-    if kind == DELTA and (not isinstance(base, int) or base >= manifest.version):
-        raise CorruptCheckpointError(f"manifest v{manifest.version} is a delta without a valid base version")
-    return Link(manifest.version, kind, base, nbytes)
+    return Link(manifest.version, description["kind"], description.get("base_version"), nbytes)
 
 
 def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
                max_links: int = 1000) -> tuple[list[Link], dict[int, Manifest]]:
-    """The links from the keyframe `manifest`'s version rests on up to it (oldest first), and
-    their manifests. Raises CheckpointNotFound when a base version is gone."""
+    """The links from the keyframe `manifest`'s version rests on, or from `have` if the chain
+    passes through it, up to `manifest` (oldest first), and their manifests. Raises
+    CheckpointNotFound when a version on the way is gone."""
     manifests = {manifest.version: manifest}
     links = [link_of(manifest)]
-    while links[0].kind == DELTA:
+    while links[0].kind == DELTA and links[0].version != have:
         if len(links) > max_links:
             raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
         base = store.read_manifest(store.manifest_key(links[0].base_version))
@@ -253,25 +298,33 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     """Rebuild the version at `manifest_key` into `dest_dir` as a plain model directory.
 
     `have`: (version, directory) of a verified copy the caller holds, the base for its deltas.
-    Every tensor is checked against the signed sha256 before `dest_dir` appears; a path that
-    fails (a missing base, a delta that does not fit or was tampered with) is refused and
-    recorded in the report, and the keyframe path is tried; if that fails too,
-    CorruptCheckpointError (or CheckpointNotFound when the versions were pruned)."""
+    Every tensor is checked against the signed sha256 before `dest_dir` appears; a path from
+    `have` that fails (the copy is not what the chain says, a delta does not fit or was
+    tampered with) is recorded in the report, and the keyframe path is tried; if that fails
+    too, CorruptCheckpointError (or CheckpointNotFound when a version on the chain is gone)."""
     target = store.read_manifest(manifest_key)
     if expect_version is not None and target.version != expect_version:
         raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
                                      f"{manifest_key} is v{target.version}")
-    report = FetchReport()
-    links, manifests = read_chain(store, target)
-    work_dir = Path(work_dir or Path(dest_dir).parent)
+    dest_dir = Path(dest_dir)
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(work_dir or dest_dir.parent)
     work_dir.mkdir(parents=True, exist_ok=True)
+    report = FetchReport()
+    links, manifests = read_chain(store, target, have=have[0] if have else None)
     path = choose_path(links, have[0] if have else None)
     if have is not None and (not path or path[0].kind == DELTA):
         try:
-            rebuilt = _rebuild(store, path, manifests, Path(have[1]), read_weights(Path(have[1])), work_dir, report)
-            return _finish(rebuilt, dest_dir, target, report)
-        except (DeltaError, CorruptCheckpointError, CheckpointNotFound) as e:
+            origin = Path(have[1])
+            weights = _rebuild(store, path, manifests, origin, _read_local(origin), work_dir, report)
+            if not path:  # the caller holds the target itself: check it as if it had been downloaded
+                _check_tensors(target, weights)
+                _check_files(target, _other_files_of(target), origin)
+            return _finish(weights, origin, dest_dir, target), target, report
+        except (DeltaError, CorruptCheckpointError) as e:
             report.refused.append(f"from v{have[0]}: {e}")
+            if links[0].kind != KEYFRAME:
+                links, manifests = read_chain(store, target)
             path = links
     report.from_keyframe = True
     keyframe = path[0]
@@ -282,76 +335,94 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
         report.path.append(keyframe.version)
         report.bytes_downloaded += keyframe.nbytes
         weights = read_weights(origin_dir)
-        _check_keyframe(manifests[keyframe.version], weights)
+        _check_tensors(manifests[keyframe.version], weights)
         if len(path) == 1:  # the version is this keyframe: its verified files are the result
-            dest_dir = Path(dest_dir)
             if dest_dir.exists():
                 shutil.rmtree(dest_dir)
-            origin_dir.rename(dest_dir)
+            shutil.move(str(origin_dir), str(dest_dir))
             return dest_dir, target, report
-        rebuilt = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report)
-        return _finish(rebuilt, dest_dir, target, report)
+        weights = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report)
+        return _finish(weights, origin_dir, dest_dir, target), target, report
     except DeltaError as e:
         raise CorruptCheckpointError(f"refused policy v{target.version}: {e}") from None
     finally:
         shutil.rmtree(origin, ignore_errors=True)
 
 
-def _check_keyframe(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor]]) -> None:
-    description = (manifest.extra.get("weights") or {}).get("files")
-    if description is None:
+def _read_local(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The caller's own copy; one that cannot be read is a copy that does not fit (DeltaError)."""
+    try:
+        return read_weights(model_dir)
+    except (OSError, SafetensorError, ValueError) as e:
+        raise DeltaError(f"the local copy in {model_dir} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _check_tensors(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Every tensor as the manifest describes it: the same files and names, dtype, shape, sha256."""
+    files = weights_description(manifest)["files"]
+    if files is None:
         return  # a plain checkpoint: its files' sha256 were checked by the download
-    if set(description) != set(weights):
-        raise DeltaError(f"keyframe v{manifest.version} holds weights files {sorted(weights)}, its manifest "
-                         f"names {sorted(description)}")
+    if set(files) != set(weights):
+        raise DeltaError(f"v{manifest.version} holds weights files {sorted(files)}, the copy {sorted(weights)}")
     for name, tensors in weights.items():
-        for tensor, entry in description[name].items():
-            if tensor not in tensors or tensor_sha256(tensors[tensor]) != entry.get("sha256"):
-                raise DeltaError(f"keyframe v{manifest.version}: tensor {tensor!r} does not match its manifest")
+        if set(files[name]) != set(tensors):
+            raise DeltaError(f"v{manifest.version}: {name} does not hold the tensors its manifest names")
+        for tensor, entry in files[name].items():
+            got = describe(tensors[tensor])
+            if any(got[k] != entry.get(k) for k in ("dtype", "shape", "sha256")):
+                raise DeltaError(f"v{manifest.version}: tensor {tensor!r} does not match its manifest")
 
 
 def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
              weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport):
-    """Apply `deltas` in order to `weights` (read from `origin_dir`); returns (weights, directory
-    holding the non-weight files the result inherits)."""
+    """Apply `deltas` in order to `weights` (read from `origin_dir`, which must hold each delta's
+    inherited files); returns the rebuilt weights."""
     for link in deltas:
         manifest = manifests[link.version]
-        files = manifest.extra["weights"].get("files") or {}
+        description = weights_description(manifest)
         scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
         try:
             delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version)
             report.path.append(link.version)
             report.bytes_downloaded += link.nbytes
             payload = _payload_bytes(delta_dir / DELTA_FILE)
+        except SafetensorError as e:
+            raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        files = description["files"]
         if set(files) != set(weights):
             raise DeltaError(f"delta v{link.version} is for weights files {sorted(files)}, its base holds "
                              f"{sorted(weights)}")
         weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
                    for name, entries in files.items()}
-        _check_inherited(manifest, origin_dir)
-    return weights, origin_dir
+        _check_files(manifest, description["inherit"], origin_dir)
+    return weights
 
 
-def _check_inherited(manifest: Manifest, origin_dir: Path) -> None:
-    for f in (manifest.extra["weights"].get("inherit") or []):
-        path = origin_dir / f["path"]
+def _other_files_of(manifest: Manifest) -> list[dict]:
+    """The non-weight files a version's directory holds, with their sha256."""
+    description = weights_description(manifest)
+    if description["kind"] == DELTA:
+        return description["inherit"]
+    return [f for f in manifest.files if not f["path"].endswith(WEIGHTS_SUFFIX)
+            and _is_policy_file(PurePosixPath(f["path"]))]
+
+
+def _check_files(manifest: Manifest, files: list[dict], origin_dir: Path) -> None:
+    for f in files:
+        path = origin_dir / safe_relpath(f["path"])
         if not path.is_file() or sha256_file(path) != f["sha256"]:
-            raise DeltaError(f"delta v{manifest.version} inherits {f['path']} with sha256 {f['sha256'][:12]}…, "
-                             "which its base does not hold")
+            raise DeltaError(f"v{manifest.version} takes {f['path']} with sha256 {f['sha256'][:12]}…, which "
+                             f"{origin_dir} does not hold")
 
 
-def _finish(rebuilt, dest_dir: Path, target: Manifest, report: FetchReport) -> tuple[Path, Manifest, FetchReport]:
-    weights, origin_dir = rebuilt
-    dest_dir = Path(dest_dir)
+def _finish(weights, origin_dir: Path, dest_dir: Path, target: Manifest) -> Path:
+    """Write the verified weights and the target's other files (from `origin_dir`) to `dest_dir`."""
     staging = Path(tempfile.mkdtemp(prefix=".rebuilding-", dir=dest_dir.parent))
     try:
-        description = target.extra.get("weights") or {}
-        inherited = [f["path"] for f in description.get("inherit", [])] if description.get("kind") == DELTA else [
-            p.relative_to(origin_dir).as_posix() for p in origin_dir.rglob("*")
-            if p.is_file() and not p.name.endswith(WEIGHTS_SUFFIX)]
-        for rel in inherited:
+        for f in _other_files_of(target):
+            rel = safe_relpath(f["path"])
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(origin_dir / rel, staging / rel)
         _write_weights(weights, staging)
@@ -361,7 +432,7 @@ def _finish(rebuilt, dest_dir: Path, target: Manifest, report: FetchReport) -> t
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return dest_dir, target, report
+    return dest_dir
 
 
 # --- any version, by its address ----------------------------------------------------------------

@@ -169,3 +169,64 @@ def test_weights_fetch_takes_a_version_home_and_names_a_bad_address(local_stack,
     err = capsys.readouterr().err
     assert status == 2 and "no checkpoint manifest at" in err and "policy-cli/v9" in err, err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_what_only_a_keyframe_can_carry_and_a_copy_of_the_target_itself(local_stack, versions, tmp_path):
+    """A changed config, a version number not above the last, or nothing changed at all; a
+    pickle-based file never travels; a sampler holding the target gets it checked, not trusted."""
+    store = _store(local_stack, "policy-edges")
+    publisher = PolicyPublisher(store, KeyframeRule(10))
+    publisher.publish(0, versions[0])
+    same = shutil.copytree(versions[0], tmp_path / "same")
+    (same / "training_args.bin").write_bytes(b"\x80\x04pickled")  # never published, never inherited
+    publisher.publish(1, same)  # nothing changed: a delta of `same` tensors and an empty payload
+    configured = shutil.copytree(versions[1], tmp_path / "configured")
+    (configured / "generation_config.json").write_text('{"max_new_tokens": 7}')
+    publisher.publish(2, configured)
+    publisher.publish(3, versions[2])
+    publisher.publish(3, versions[3])  # republished under the same number
+    assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, KEYFRAME, KEYFRAME, KEYFRAME]
+    manifest = store.read_manifest(store.manifest_key(1))
+    assert {e["encoding"] for e in manifest.extra["weights"]["files"]["model.safetensors"].values()} == {"same"}
+    assert all(not f["path"].endswith(".bin") for f in manifest.extra["weights"]["inherit"])
+
+    rebuilt, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "v1")
+    assert report.path == [0, 1] and not (rebuilt / "training_args.bin").exists()
+    assert_same_weights(rebuilt, versions[0])
+    held, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "held", have=(1, rebuilt))
+    assert report.path == [] and report.refused == []
+    assert_same_weights(held, versions[0])
+    wrong = shutil.copytree(versions[4], tmp_path / "wrong")
+    _, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "again", have=(1, wrong))
+    assert report.refused and report.path == [0, 1]
+
+
+@pytest.mark.parametrize("path", ["../../outside.json", "/etc/hostname", "learner_state/optimizer.json",
+                                  "model-00002.safetensors"])
+def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versions, tmp_path, path):
+    """Without signatures nothing vouches for a manifest: its paths are checked all the same."""
+    store = _store(local_stack, f"policy-inherit-{abs(hash(path))}")
+    publisher = PolicyPublisher(store, KeyframeRule(10))
+    publisher.publish(0, versions[0])
+    publisher.publish(1, versions[1])
+    key = store.manifest_key(1)
+    raw = json.loads(store.client.get_object(store.bucket, key).read())
+    raw["extra"]["weights"]["inherit"].append({"path": path, "size": 1, "sha256": "0" * 64})
+    body = json.dumps(raw).encode()
+    store.client.put_object(store.bucket, key, io.BytesIO(body), len(body))
+    with pytest.raises(CorruptCheckpointError, match="unsafe path|may not inherit"):
+        fetch_policy(store, key, tmp_path / "v1", have=(0, versions[0]))
+    assert not (tmp_path / "v1").exists() and not (tmp_path.parent / "outside.json").exists()
+
+
+def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack, versions, tmp_path):
+    from pipeline.signing import SigningKey
+    from pipeline.weights.policy import fetch_published
+
+    publisher = PolicyPublisher(_store(local_stack, "policy-unsigned"), KeyframeRule(3))
+    for version, path in enumerate(versions[:2]):
+        publisher.publish(version, path)
+    with pytest.raises(CorruptCheckpointError, match="refused"):
+        fetch_published(publisher.store.client, f"s3://{local_stack.bucket}/policy-unsigned/v1/", tmp_path / "v1",
+                        trusted=SigningKey.generate().public)
+    assert not (tmp_path / "v1").exists()

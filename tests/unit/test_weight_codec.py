@@ -171,17 +171,27 @@ def test_a_wrong_shape_dtype_or_encoding_is_refused():
 
 def test_payloads_are_bounded_by_the_declared_size():
     """A forged payload that expands past the entry's size, or indices past the tensor's end, is refused."""
-    base = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    base = {"w": torch.zeros(100_000, dtype=torch.bfloat16)}
     new = {"w": base["w"].clone()}
-    new["w"][3] = 1.0
+    new["w"][torch.randperm(100_000, generator=torch.Generator().manual_seed(0))[:100]] = 1.0
     delta = encode_delta(base, new)
+    assert delta.entries["w"]["encoding"] == "sparse"
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)
     delta.payload[delta.entries["w"]["parts"]["values"]] = bomb
-    with pytest.raises(DeltaError, match="does not decompress|holds"):
+    with pytest.raises(DeltaError, match="declares 10000000 bytes, 200 expected"):  # refused before it expands
         apply_delta(base, delta)
+    undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 200)
+    delta.payload[delta.entries["w"]["parts"]["values"]] = undeclared
+    with pytest.raises(DeltaError, match="declares no size"):
+        apply_delta(base, delta)
+    for claimed in (0, 100_001):  # no changed element, or more than the tensor holds
+        lying = encode_delta(base, new)
+        lying.entries["w"]["changed"] = claimed
+        with pytest.raises(DeltaError, match=f"claims {claimed} changed elements of 100000"):
+            apply_delta(base, lying)
     forged = Delta(entries={"w": {**encode_delta(base, new).entries["w"]}}, payload=dict(encode_delta(base, new).payload))
     forged.payload[forged.entries["w"]["parts"]["indices"]] = zstandard.ZstdCompressor().compress(
-        np.array([5000], dtype=np.uint32).tobytes())
+        np.array([200_000] + [1] * 99, dtype=np.uint32).tobytes())
     with pytest.raises(DeltaError, match="outside the tensor"):
         apply_delta(base, forged)
 
