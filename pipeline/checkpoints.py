@@ -233,6 +233,15 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
+    def read_expected(self, manifest_key: str, expect_version: Optional[int]) -> Manifest:
+        """The manifest at `manifest_key`, refused if it is not of `expect_version` (the version the
+        caller was told this is: the policy pointer's), when given."""
+        manifest = self.read_manifest(manifest_key)
+        if expect_version is not None and manifest.version != expect_version:
+            raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
+                                         f"s3://{self.bucket}/{manifest_key} is v{manifest.version}")
+        return manifest
+
     def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
               network_retries: int = 8, expect_version: Optional[int] = None) -> tuple[Path, Manifest]:
         """Download a checkpoint into `dest_dir`, verifying every file; only the learner
@@ -244,10 +253,7 @@ class CheckpointStore:
         `expect_version`: the version the caller was told this is (the policy pointer's); a
         manifest of another version is refused.
         """
-        manifest = self.read_manifest(manifest_key)
-        if expect_version is not None and manifest.version != expect_version:
-            raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
-                                         f"s3://{self.bucket}/{manifest_key} is v{manifest.version}")
+        manifest = self.read_expected(manifest_key, expect_version)
         dest_dir = Path(dest_dir)
         dest_dir.parent.mkdir(parents=True, exist_ok=True)
         # Stable per manifest, so a later fetch of the same version resumes what is there.

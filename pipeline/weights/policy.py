@@ -302,10 +302,7 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     `have` that fails (the copy is not what the chain says, a delta does not fit or was
     tampered with) is recorded in the report, and the keyframe path is tried; if that fails
     too, CorruptCheckpointError (or CheckpointNotFound when a version on the chain is gone)."""
-    target = store.read_manifest(manifest_key)
-    if expect_version is not None and target.version != expect_version:
-        raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
-                                     f"{manifest_key} is v{target.version}")
+    target = store.read_expected(manifest_key, expect_version)
     dest_dir = Path(dest_dir)
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(work_dir or dest_dir.parent)

@@ -88,6 +88,9 @@ def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, ver
     fresh, manifest, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "fresh", expect_version=5)
     assert report.path == [3, 4, 5] and report.from_keyframe and manifest.extra["step"] == 5
     assert_same_weights(fresh, versions[5])
+    # A manifest other than the one the policy pointer announced is refused.
+    with pytest.raises(CorruptCheckpointError, match="the policy pointer says v4 but its manifest .* is v5"):
+        fetch_policy(reader, reader.manifest_key(5), tmp_path / "moved", expect_version=4)
     # A sampler left behind before the keyframe: v1 is not on v5's chain.
     _, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
     assert report.path == [3, 4, 5]
