@@ -3,10 +3,12 @@
 Run: `heterorl learner --config demo [--out RUN_DIR]` (exactly one per run).
 
 `Learner.run` is the loop, and each of its steps is a method:
-  - `resume`: start from the newest checkpoint in Redis/S3 (its weights, optimizer and
-    LR-schedule state, and the Kafka offsets stored with it), or publish the base model
-    as version 0; write a rewind marker to the update log (steps logged after that
-    checkpoint were lost with the learner that made them);
+  - `resume`: start from the newest recovery state in S3 (its weights, optimizer and
+    LR-schedule state, and the Kafka offsets stored with it), or from the base model; publish
+    those weights if they need a version (the base as v0; after a kill, a version above every
+    published one, since the versions published after the state were lost); write a rewind
+    marker to the update log (steps logged after that state were lost with the learner that
+    made them);
   - `take`: read the rollout topic by explicit partition assignment and `admit` each
     message (`pipeline.admission`: a poison message is dead-lettered to `<run>.dead` with
     its reason in a header, a second copy of a rollout id is ignored, staleness
@@ -14,10 +16,11 @@ Run: `heterorl learner --config demo [--out RUN_DIR]` (exactly one per run).
   - `train`: once `groups_per_step` whole groups are kept, one loss and one DeepSpeed step;
     the version is the number of steps taken; the step's entry goes to the update log
     (`<run>.updates` and RUN_DIR/updates.jsonl), which replay and the chaos audit read;
-  - `save_checkpoint`: every `sync_every` steps, the weights and, beside them, the learner
-    state go to the background publisher (S3 files → manifest with the consumed offsets →
-    version in Redis). A restarted learner resumes there, so every group is used in at
-    most one update;
+  - `save_checkpoint`: every `sync_every` steps the policy (a keyframe or a delta, in
+    `learner.policy_dtype`) and every `state_every_steps` steps or `state_every_s` seconds the
+    recovery state (weights, optimizer, the consumed offsets) go to the background publisher
+    (`pipeline.weights`: S3 files → signed manifest → version in Redis). A restarted learner
+    resumes from the newest recovery state, so every group is used in at most one update;
   - on SIGUSR1, once `drain_due` (the topic is read to its end): `drain` trains the last,
     smaller batch, publishes and the learner exits 0, so the chaos audit finds every
     message accounted for.
@@ -51,7 +54,7 @@ from kafka.errors import KafkaError
 from consumers.recorder import StepRecorder
 from consumers.screening import UNVERIFIABLE, GroupScreen, PastPolicies
 from pipeline.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
-from pipeline.checkpoints import LEARNER_STATE_DIR, BackgroundPublisher
+from pipeline.checkpoints import LEARNER_STATE_DIR
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
@@ -70,6 +73,9 @@ from pipeline.services import free_port
 from pipeline.update import optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
+from pipeline.weights.policy import KeyframeRule, PolicyPublisher
+from pipeline.weights.publisher import BackgroundPublisher, Snapshot
+from pipeline.weights.recovery import latest_state, recovery_store, resume_version
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
@@ -136,6 +142,10 @@ class Learner:
         self.run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
         self.topic = cfg.run.topic
         self.version = 0
+        """The policy version of the weights being trained (what staleness is measured against)."""
+        self.step = 0
+        """Optimizer steps behind those weights. Equal to the version unless a killed learner's
+        published versions were lost: the resumed one then skips their numbers."""
         self.next_offsets: dict[int, int] = {}
         self.last_record_at = self.last_wait_log = time.monotonic()
         self.clock = StageClock()
@@ -146,7 +156,7 @@ class Learner:
         """Train until `learner.max_steps` (or a drain); 3 if no rollout came for `learner.idle_timeout_s`."""
         self.resume()
         try:
-            while self.version < self.lcfg.max_steps:
+            while self.step < self.lcfg.max_steps:
                 records = self.source.poll(self.lcfg.poll_timeout_s)
                 touch_heartbeat_file()
                 self.refresh_registry()
@@ -193,51 +203,63 @@ class Learner:
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
         self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
                       "on %s, %s, ZeRO stage %d", self.bootstrap, self.topic, self.lcfg.loss_type,
-                      self.lcfg.max_delay_steps, self.lcfg.max_steps - self.version, self.ranks.world_size,
+                      self.lcfg.max_delay_steps, self.lcfg.max_steps - self.step, self.ranks.world_size,
                       self.device, self.lcfg.precision, self.lcfg.zero_stage)
 
     def _load_policy(self) -> None:
-        version, manifest_key = self.state.policy()
-        base_model = resolve_base_model(self.cfg) if version is None else None
-        if version is None:
-            model_dir, self.version, offsets = base_model, 0, {}
+        """Start from the newest recovery state (or the base model), under a version never published before."""
+        store = self.handles.store
+        self.states = recovery_store(store)
+        state = latest_state(self.states)
+        if state is None:
+            model_dir, state_version, offsets = resolve_base_model(self.cfg), 0, {}
         else:
-            model_dir, manifest = self.handles.store.fetch(manifest_key, self.work_dir / f"resume-v{version}",
-                                                           learner_state=True, expect_version=version)
-            self.version, offsets = version, {int(p): int(o) for p, o in manifest.extra.get("offsets", {}).items()}
-            self.log.info("resuming from policy v%d at offsets %s", version, offsets)
+            model_dir, _ = self.states.fetch(state.key, self.work_dir / f"resume-s{state.version}", learner_state=True)
+            self.step, state_version = state.version, int(state.extra["policy_version"])
+            offsets = {int(p): int(o) for p, o in state.extra.get("offsets", {}).items()}
+            self.log.info("resuming from the recovery state of step %d (policy v%d) at offsets %s", self.step,
+                          state_version, offsets)
+        pointer, _ = self.state.policy()
+        self.version, must_publish = resume_version(state_version, store.list_versions() + [-1 if pointer is None
+                                                                                              else pointer])
         if self.link is not None:  # the other ranks start from the same weights and state
-            self.link.send(START, {"base": None if base_model is None else str(base_model),
-                                   "manifest_key": manifest_key if base_model is None else None})
+            self.link.send(START, {"base": None if state is not None else str(model_dir),
+                                   "manifest_key": state.key if state is not None else None})
         self.engine, self.tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log,
-                                                   resuming=base_model is None)
+                                                   resuming=state is not None)
         model = self.engine.module
         self.limits = RolloutLimits(
             vocab_size=model.get_input_embeddings().num_embeddings, temperature=self.cfg.sampler.temperature,
             max_new_tokens=self.cfg.sampler.max_new_tokens,
             max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
             eos_ids=tuple(generation_eos_ids(model_dir, self.tokenizer)))
-        if base_model is not None:
+        dtype = None if self.lcfg.policy_dtype == "auto" else DTYPES[self.lcfg.policy_dtype]
+        self.policies = PolicyPublisher(store, KeyframeRule(self.lcfg.keyframe_every),
+                                        dtype=dtype or DTYPES[self.lcfg.precision])
+        if must_publish:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.
-            self.state.publish_policy(0, self.handles.store.publish(0, base_model, extra={"offsets": {}, "step": 0}),
-                                      signer=self.handles.store.signer)
-            self.log.info("published base model %s as policy v0", base_model)
-        self.base_model = base_model
-        self.start_version = self.saved_version = self.version
+            self.state.publish_policy(self.version, self.policies.publish(
+                self.version, model_dir, {"offsets": offsets, "step": self.step, "policy_version": self.version},
+                parent_version=None if state is None else state_version), signer=store.signer)
+            self.log.info("published %s as policy v%d", "the base model" if state is None else
+                          f"the weights of step {self.step} (v{state_version})", self.version)
+        self.start_dir, self.resumed = model_dir, state is not None
+        self.start_version = self.published_version = self.version
+        self.state_saved_at = (self.step, time.monotonic())
         self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets, security=self.kafka_security)
         self.next_offsets = self.source.positions()
 
     def _open_logs(self) -> None:
-        self.publisher = BackgroundPublisher(self.handles.store, self.state, self.lcfg.keep_checkpoints)
-        self.publisher.last_version = self.version
+        self.publisher = BackgroundPublisher(self.policies, self.state, recovery=self.states,
+                                             keep_last=self.lcfg.keep_checkpoints, keep_within=self.reach_steps())
         self.update_log = RolloutSink(self.bootstrap, updates_topic(self.topic), security=self.kafka_security)
         self.dead_letters = RolloutSink(self.bootstrap, dead_letter_topic(self.topic), security=self.kafka_security)
-        judged = (judged_rollout_ids(self.bootstrap, self.topic, self.version, self.kafka_security)
-                  if self.version > 0 else set())
+        judged = (judged_rollout_ids(self.bootstrap, self.topic, self.step, self.kafka_security)
+                  if self.step > 0 else set())
         attempt = uuid.uuid4().hex[:12]
         # Steps logged after the checkpoint we start from were lost with the learner that made them.
-        self.publish_entry(rewind_entry(self.version, self.lcfg.loss_type, attempt, self.topic))
+        self.publish_entry(rewind_entry(self.step, self.lcfg.loss_type, attempt, self.topic, self.version))
         self.admission = Admission(self.lcfg, self.limits, judged)
         self.metrics = MetricsWriter(self.run_dir)
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
@@ -264,13 +286,18 @@ class Learner:
         self.refresh_registry()
         self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
         # Room for every published version a group within the max delay can claim.
-        versions_in_reach = self.lcfg.max_delay_steps // self.lcfg.sync_every + 1
+        versions_in_reach = self.reach_steps() // self.lcfg.sync_every + 1
         self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
                                   (lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
                                   PastPolicies(self.handles.store, self.work_dir, capacity=versions_in_reach,
                                                dtype=DTYPES[self.lcfg.precision]))
-        if self.base_model is not None:
-            self.screen.remember(0, self.base_model)  # v0's stale groups: checked without a download
+        # The starting version's stale groups: checked without a download.
+        self.screen.remember(self.version, self.start_dir, None if self.ranks_share_weights else self.engine.module)
+
+    def reach_steps(self) -> int:
+        """How many versions back a group may be and still be used (and so be re-scored)."""
+        extra = (self.lcfg.reweight_max_extra_steps or 0) if self.lcfg.stale_policy == "reweight" else 0
+        return self.lcfg.max_delay_steps + extra
 
     def refresh_registry(self) -> None:
         """Re-read the signed key registry every `security.registry_refresh_s`: a revoked key's
@@ -314,7 +341,7 @@ class Learner:
             if batch:
                 self.train(batch)
                 self.state.report_learner_offsets(self.next_offsets)
-            if self.version >= self.lcfg.max_steps:
+            if self.step >= self.lcfg.max_steps:
                 break
         self.state.report_learner_offsets(self.next_offsets)
 
@@ -400,33 +427,55 @@ class Learner:
                                           temperature=self.cfg.sampler.temperature,
                                           max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
         self.version += 1
-        values = self.recorder.record(self.version, batch, {**step_metrics, **self.clock.take()})
-        self.state.report_learner({"step": self.version, **self.admission.counters.as_dict()})
-        self.log.info("step %d loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.version,
-                      values["loss"], values["reward_mean"], values["staleness_mean"], values["staleness_max"],
+        self.step += 1
+        values = self.recorder.record(self.version, batch, {**step_metrics, **self.clock.take()}, step=self.step)
+        self.state.report_learner({"step": self.step, "policy_version": self.version,
+                                   **self.admission.counters.as_dict()})
+        self.log.info("step %d (v%d) loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.step,
+                      self.version, values["loss"], values["reward_mean"], values["staleness_mean"], values["staleness_max"],
                       values["groups_used"], values["groups_dropped"])
-        if self.version % self.lcfg.sync_every == 0 or self.version >= self.lcfg.max_steps:
-            self.save_checkpoint()
+        final = self.step >= self.lcfg.max_steps
+        if final or self.step % self.lcfg.sync_every == 0 or self.state_due():
+            self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0,
+                                 state=final or self.state_due())
 
     # ---- save a checkpoint ----------------------------------------------------------
-    def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None) -> None:
-        """Snapshot the weights and learner state and hand them to the background publisher."""
+    def state_due(self) -> bool:
+        """Whether the recovery state is due (`learner.state_every_steps` / `state_every_s`)."""
+        step, at = self.state_saved_at
+        every_steps, every_s = self.lcfg.state_every_steps, self.lcfg.state_every_s
+        return (every_steps > 0 and self.step - step >= every_steps) or \
+            (every_s is not None and self.step > step and time.monotonic() - at >= every_s)
+
+    def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None, *, policy: bool = True,
+                        state: bool = True) -> None:
+        """Snapshot the weights (and, for a recovery state, the learner state) and hand them to
+        the background publisher: the policy as the current version, the state as this step's."""
         # A fresh directory each time: the publisher may still be uploading (then deleting)
         # an earlier snapshot of this same version.
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{self.version}-", dir=self.work_dir))
+        policy = policy and self.published_version != self.version
         if self.link is not None:  # gathering the weights and the optimizer state takes every rank
-            self.link.send(SAVE)
+            self.link.send(SAVE, {"state": state})
         with self.clock.stage("snapshot"):
             save_weights(self.engine, self.tokenizer, snapshot)
-            save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
-        with self.clock.stage("screen"):  # stale groups of this version: checked without a download
-            self.screen.remember(self.version, snapshot, None if self.ranks_share_weights else self.engine.module)
-        extra = {"offsets": dict(self.next_offsets), "step": self.version, "loss_type": self.lcfg.loss_type}
+            if state:
+                save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
+        if policy:
+            with self.clock.stage("screen"):  # stale groups of this version: checked without a download
+                self.screen.remember(self.version, snapshot, None if self.ranks_share_weights else self.engine.module)
+        extra = {"offsets": dict(self.next_offsets), "step": self.step, "policy_version": self.version,
+                 "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
-            # Verdicts since the last step (no step logs them) travel with the final checkpoint.
+            # Verdicts since the last step (no step logs them) travel with the final recovery state.
             extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
-        self.publisher.submit(self.version, snapshot, extra)
-        self.saved_version = self.version
+        self.publisher.submit(Snapshot(snapshot, extra, version=self.version if policy else None,
+                                       parent_version=self.published_version,
+                                       state_step=self.step if state else None))
+        if policy:
+            self.published_version = self.version
+        if state:
+            self.state_saved_at = (self.step, time.monotonic())
 
     # ---- drain ----------------------------------------------------------------------
     def drain_due(self) -> bool:
@@ -439,7 +488,7 @@ class Learner:
         if batch:
             self.train(batch)
         tail = self.admission.take_verdicts()
-        if tail or self.saved_version != self.version:
+        if tail or self.published_version != self.version or self.state_saved_at[0] != self.step:
             self.save_checkpoint(tail)
         self.log.info("drained: every message of %s up to offsets %s is accounted for", self.topic,
                       self.next_offsets)
@@ -489,6 +538,7 @@ class Learner:
 
     def write_summary(self) -> None:
         summary = {"final_policy_version": self.version, "start_policy_version": self.start_version,
+                   "final_step": self.step, "publishing": self.publisher.upload_bytes,
                    "final_checkpoint": self.handles.store.uri(self.version), "rollout_topic": self.topic,
                    "offsets": {str(p): o for p, o in self.next_offsets.items()},
                    **self.admission.counters.as_dict(),
@@ -519,9 +569,9 @@ class LearnerRank:
         with tempfile.TemporaryDirectory(prefix=f".learner-r{self.ranks.rank}-") as work:
             if start["base"] is not None:
                 model_dir = Path(start["base"])
-            else:  # the checkpoint rank 0 resumes from, fetched and verified here too
-                model_dir, _ = connect_run(self.cfg).store.fetch(start["manifest_key"], Path(work) / "resume-v",
-                                                                 learner_state=True)
+            else:  # the recovery state rank 0 resumes from, fetched and verified here too
+                model_dir, _ = recovery_store(connect_run(self.cfg).store).fetch(
+                    start["manifest_key"], Path(work) / "resume", learner_state=True)
             engine, tokenizer = start_engine(self.cfg, model_dir, self.device, self.ranks, self.log,
                                              resuming=start["base"] is None)
             self.log.info("rank %d of %d ready on %s", self.ranks.rank, self.ranks.world_size, self.device)
@@ -533,7 +583,8 @@ class LearnerRank:
                                    max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
                 elif command == SAVE:
                     save_weights(engine, tokenizer, Path(work), leader=False)
-                    save_learner_state(engine, Path(work), leader=False)
+                    if payload["state"]:
+                        save_learner_state(engine, Path(work), leader=False)
                 elif command == STOP:
                     return 0
 

@@ -34,11 +34,14 @@ class StepRecorder:
         self._consumed_at_last_step = 0
         self._step_started = time.monotonic()
 
-    def record(self, version: int, batch: list[PendingGroup], step_metrics: dict) -> dict:
-        """Log step `version` (trained on `batch`); returns the metrics record's values."""
+    def record(self, version: int, batch: list[PendingGroup], step_metrics: dict, step: Optional[int] = None) -> dict:
+        """Log the step (trained on `batch`) that made policy `version`; `step`: the optimizer step's
+        number, when it is not the version (after a learner's rewind, versions skip the numbers
+        its lost steps had published); returns the metrics record's values."""
+        step = version if step is None else step
         self.admission.count_used(batch)
         verdicts = self.admission.take_verdicts()
-        entry = UpdateEntry(step=version, policy_version=version, loss_type=self.loss_type, time=time.time(),
+        entry = UpdateEntry(step=step, policy_version=version, loss_type=self.loss_type, time=time.time(),
                             used=[g.used() for g in batch], dropped=verdicts.dropped, malformed=verdicts.malformed,
                             duplicates=verdicts.duplicates, vocab_size=self.vocab_size,
                             tokenizer_sha=self.tokenizer_sha, attempt=self.attempt, topic=self.topic)
@@ -56,6 +59,6 @@ class StepRecorder:
             "groups_per_s": (counters.groups_consumed - self._consumed_at_last_step) / max(elapsed, 1e-9),
             "step_seconds": elapsed,
         }
-        self.metrics.write("learner", version, values)
+        self.metrics.write("learner", step, values)
         self._consumed_at_last_step, self._step_started = counters.groups_consumed, time.monotonic()
         return values

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from consumers.recorder import StepRecorder
 from pipeline.admission import Admission, PendingGroup
 from pipeline.archive import ArchiveError, read_archive
-from pipeline.checkpoints import (BackgroundPublisher, CheckpointNotFound, CheckpointStore,
+from pipeline.checkpoints import (CheckpointNotFound, CheckpointStore,
                                   CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import make_engine, resolve_device
@@ -50,13 +50,15 @@ from pipeline.errors import UserError
 from pipeline.kafka_io import read_topic, topic_partitions
 from pipeline.learner_state import save_weights
 from pipeline.metrics import MetricsWriter
-from pipeline.models import load_policy, tokenizer_fingerprint
+from pipeline.models import DTYPES, load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
 from pipeline.services import ServiceUnavailable, require_services
 from pipeline.update import optimizer_step
 from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
-from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
+from pipeline.weights.policy import (CheckpointUrlError, KeyframeRule, PolicyPublisher, fetch_published,
+                                     parse_checkpoint_url)
+from pipeline.weights.publisher import BackgroundPublisher, Snapshot
 
 
 class ReplayError(UserError, ValueError):
@@ -291,13 +293,17 @@ class CheckpointSink:
             if not client.bucket_exists(bucket):
                 client.make_bucket(bucket)
             self.store = CheckpointStore(client, bucket, prefix.strip("/"))
-            self.publisher = BackgroundPublisher(self.store, None, self.keep)
+            lcfg = cfg.learner
+            dtype = DTYPES[lcfg.precision if lcfg.policy_dtype == "auto" else lcfg.policy_dtype]
+            self.publisher = BackgroundPublisher(PolicyPublisher(self.store, KeyframeRule(lcfg.keyframe_every), dtype),
+                                                 keep_last=self.keep)
 
     def save(self, version: int, engine, tokenizer, work_dir: Path) -> None:
         if self.publisher is not None:
             snapshot = work_dir / f"v{version}"
             save_weights(engine, tokenizer, snapshot)
-            self.publisher.submit(version, snapshot, {"step": version, "replay": True})
+            self.publisher.submit(Snapshot(snapshot, {"step": version, "replay": True}, version=version,
+                                           parent_version=version - 1 if version > 0 else None))
             return
         target = self.local_root / f"v{version}"
         save_weights(engine, tokenizer, target)

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
+from pipeline.weights.policy import fetch_policy
 from pipeline.config import SecurityConfig
 from pipeline.models import completion_logprobs, decode_completion, load_policy
 from pipeline.rollout import Rollout
@@ -77,7 +78,7 @@ class PastPolicies:
             return self.models[version]
         target = self.work_dir / f"check-v{version}"
         try:
-            model_dir, _ = self.store.fetch(self.store.manifest_key(version), target)
+            model_dir, _, _ = fetch_policy(self.store, self.store.manifest_key(version), target, expect_version=version)
         except CheckpointNotFound:
             return None
         except CorruptCheckpointError as e:  # altered in S3 since the learner published it

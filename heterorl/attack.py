@@ -31,6 +31,7 @@ from heterorl.adversaries import SAMPLER_KINDS, ManifestTamperer, Replayer
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run
+from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.audit import audit_topic
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.keyring import init_keys, key_paths
@@ -95,10 +96,10 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
             tamperer.stopped.set()
             procs.stop()
         version, manifest_key = handles.state.policy()
-        manifest = handles.store.read_manifest(manifest_key)
+        final_state = latest_state(recovery_store(handles.store))  # the offsets and last verdicts the learner reached
         after = evaluate_published(cfg, handles.store, manifest_key, out / "final_policy", task)
         reports = handles.state.sampler_stats()
-        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, manifest.extra, reports,
+        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra if final_state else {}, reports,
                            honest_sampler_ids=set(honest_ids), forged_messages=frozenset(replayer.copies))
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports)
         audit.update(run=run_name, minutes=minutes, honest_samplers=honest, final_policy_version=version,

@@ -35,6 +35,7 @@ from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
+from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.audit import audit_topic
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig, dump_config
@@ -248,10 +249,10 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         if learner.returncode != 0:
             raise run.procs.failure("learner", f"learner exited with {learner.returncode} while draining")
         version, manifest_key = state.policy()
-        manifest = store.read_manifest(manifest_key)
+        final_state = latest_state(recovery_store(store))  # the offsets and last verdicts the learner reached
         after = evaluate_published(cfg, store, manifest_key, out / "final_policy", task)
         reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
-        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, manifest.extra, reports,
+        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, final_state.extra if final_state else {}, reports,
                             honest_sampler_ids=run.sampler_ids)
         proxy_stats = run.proxy.stats()
         audit = {

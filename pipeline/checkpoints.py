@@ -19,9 +19,11 @@ versions whose manifest is present, so a learner that dies mid-upload leaves not
 a sampler could load. Fetching checks size and sha256 of every file and refuses the
 checkpoint (CorruptCheckpointError) on any mismatch.
 
-Files under `learner_state/` (the optimizer moments, fp32 master weights and LR schedule
-as safetensors + JSON, see pipeline/learner_state.py, so a restarted learner continues
-exactly) sit beside the public weights; samplers and the evaluator never download them.
+Policy versions samplers read (`pipeline.weights.policy`: keyframes and deltas) and the
+learner's recovery states (`pipeline.weights.recovery`, under `<run>/state/s<step>/`, with
+`learner_state/`: optimizer moments, fp32 master weights and LR schedule as safetensors +
+JSON) are both published through this store; `fetch` leaves `learner_state/` out unless
+the learner asks for it.
 
 No pickle crosses the network: `publish` leaves out files that formats built on pickle
 use (`.pt`, `.pth`, `.bin`, `.pkl`, `.pickle`, `.ckpt`), for instance the PyTorch weights
@@ -39,9 +41,7 @@ import hashlib
 import io
 import json
 import logging
-import queue
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -138,6 +138,9 @@ class Manifest:
     files: list[dict]
     extra: dict
     key: str
+    parent_version: Optional[int] = None
+    """The version this one was trained from (after a learner's rewind: the version of the
+    recovery state it resumed from, not the number before it)."""
 
     @property
     def prefix(self) -> str:
@@ -148,17 +151,20 @@ class CheckpointStore:
     """publish / list_versions / fetch / prune for one run's checkpoints."""
 
     def __init__(self, client: Minio, bucket: str, run: str, *, signer: Optional[SigningKey] = None,
-                 trusted: Optional[PublicKey] = None):
+                 trusted: Optional[PublicKey] = None, label: str = "v"):
         """`signer`: the learner's key, which signs each manifest it publishes. `trusted`: the
-        learner public key a reader pins; then only manifests it signed are read."""
+        learner public key a reader pins; then only manifests it signed are read. `label`: the
+        letter before each number in the keys (`v` for policy versions; the learner's recovery
+        states use `s` for steps, under their own prefix)."""
         self.client = client
         self.bucket = bucket
         self.run = run
         self.signer = signer
         self.trusted = trusted
+        self.label = label
 
     def version_prefix(self, version: int) -> str:
-        return f"{self.run}/v{version}/"
+        return f"{self.run}/{self.label}{version}/"
 
     def manifest_key(self, version: int) -> str:
         return self.version_prefix(version) + MANIFEST_NAME
@@ -192,10 +198,11 @@ class CheckpointStore:
     def list_versions(self) -> list[int]:
         """Versions whose manifest exists (only those are visible), ascending."""
         versions = []
+        n = len(self.label)
         for obj in self.client.list_objects(self.bucket, prefix=f"{self.run}/", recursive=True):
-            parts = obj.object_name.split("/")
-            if len(parts) == 3 and parts[2] == MANIFEST_NAME and parts[1][:1] == "v" and parts[1][1:].isdigit():
-                versions.append(int(parts[1][1:]))
+            parts = obj.object_name[len(self.run) + 1:].split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST_NAME and parts[0][:n] == self.label and parts[0][n:].isdigit():
+                versions.append(int(parts[0][n:]))
         return sorted(versions)
 
     def read_manifest(self, key: str) -> Manifest:
@@ -229,7 +236,8 @@ class CheckpointStore:
                      for f in data["files"]]
             return Manifest(run=str(data["run"]), version=int(data["version"]),
                             created_at=float(data["created_at"]), files=files,
-                            extra=dict(data.get("extra") or {}), key=key)
+                            extra=dict(data.get("extra") or {}), key=key,
+                            parent_version=None if data.get("parent_version") is None else int(data["parent_version"]))
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
@@ -328,74 +336,11 @@ class CheckpointStore:
         versions = [v for v in self.list_versions() if 0 < v <= current]
         doomed = versions[:-keep_last] if keep_last > 0 else versions
         for v in doomed:
-            self.client.remove_object(self.bucket, self.manifest_key(v))
-            for obj in self.client.list_objects(self.bucket, prefix=self.version_prefix(v), recursive=True):
-                self.client.remove_object(self.bucket, obj.object_name)
+            self.delete(v)
         return doomed
 
-
-class BackgroundPublisher:
-    """Uploads checkpoints on a thread so training never waits on the network.
-
-    The commit protocol is kept: files, then manifest (in `CheckpointStore.publish`),
-    then the version in Redis, then pruning of old versions. Submissions are handled in
-    order; an upload error stops the publisher and is re-raised by the next `submit` or
-    by `close`, so a broken store is never silently ignored.
-    """
-
-    def __init__(self, store: "CheckpointStore", run_state, keep_last: int):
-        """`run_state` None: publish to S3 only (a replay announces no version in Redis)."""
-        self.store = store
-        self.run_state = run_state
-        self.keep_last = keep_last
-        # Each entry is a full snapshot on disk; a short queue makes training wait
-        # rather than pile them up when the store is slow.
-        self._queue: "queue.Queue" = queue.Queue(maxsize=2)
-        self._error: Optional[BaseException] = None
-        self.closed = False
-        self.published: list[int] = []
-        self.last_version: Optional[int] = None
-        """The version published last (the next manifest's parent_version)."""
-        self._thread = threading.Thread(target=self._work, name="checkpoint-publisher", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            version, model_dir, extra, cleanup = item
-            try:
-                started = time.perf_counter()
-                key = self.store.publish(version, model_dir, extra, parent_version=self.last_version)
-                if self.run_state is not None:
-                    self.run_state.publish_policy(version, key, signer=self.store.signer)
-                size = sum(p.stat().st_size for p in Path(model_dir).rglob("*") if p.is_file())
-                log.info("published v%d (%.0f MB) in %.1fs", version, size / 1e6, time.perf_counter() - started)
-                self.last_version = version
-                self.published.append(version)
-                self.store.prune(self.keep_last, current=version)
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                self._error = e
-                return
-            finally:
-                if cleanup:
-                    shutil.rmtree(model_dir, ignore_errors=True)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"checkpoint publishing failed: {self._error}") from self._error
-
-    def submit(self, version: int, model_dir: Path, extra: dict, cleanup: bool = True) -> None:
-        self._raise_if_failed()
-        self._queue.put((version, Path(model_dir), extra, cleanup))
-
-    def close(self, timeout_s: float = 300.0) -> None:
-        """Wait for every submitted checkpoint to be visible."""
-        self.closed = True
-        if self._thread.is_alive():
-            self._queue.put(None, timeout=timeout_s)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise RuntimeError(f"checkpoint publishing did not finish within {timeout_s:.0f}s")
-        self._raise_if_failed()
+    def delete(self, version: int) -> None:
+        """Remove one version: its manifest first, so it is never half-visible."""
+        self.client.remove_object(self.bucket, self.manifest_key(version))
+        for obj in self.client.list_objects(self.bucket, prefix=self.version_prefix(version), recursive=True):
+            self.client.remove_object(self.bucket, obj.object_name)

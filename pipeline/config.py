@@ -400,9 +400,25 @@ class LearnerConfig(_Strict):
     reweight_max_extra_steps: Optional[int] = Field(None, ge=0)
     """With stale_policy=reweight: still drop groups more than this many steps past the limit."""
     sync_every: int = Field(1, ge=1)
-    """Publish a checkpoint (and bump the version in Redis) every this many steps."""
+    """Publish a policy version (and bump the version in Redis) every this many steps."""
     keep_checkpoints: int = Field(3, ge=1)
-    """Newest checkpoints kept in S3 (older ones are deleted after a new one is visible)."""
+    """Newest policy versions kept in S3. Also kept: every version within the max delay of
+    the newest (the learner's stale checks re-score with them) and each kept delta's chain
+    back to its keyframe (docs/weights.md)."""
+    policy_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Dtype of the published policy samplers read; `auto`: the learner's precision (then
+    the learner's checks of fresh groups compare like with like)."""
+    keyframe_every: int = Field(10, ge=1)
+    """A full copy of the weights at least every this many published versions; the ones
+    between are deltas (1: every version is a full copy). A keyframe also comes early when
+    the deltas since the last one would outweigh it."""
+    state_every_steps: int = Field(10, ge=0)
+    """Write the recovery state (optimizer, fp32 master weights, RNG, Kafka offsets) every
+    this many steps (0: by time only), and always at the end. It is 12-16 bytes per
+    parameter against 2 for a bf16 policy delta's full copy, so it is not written every
+    step: a learner killed in between redoes at most this many steps from Kafka."""
+    state_every_s: Optional[float] = Field(600.0, gt=0)
+    """Also write it when this many seconds passed since the last one (None: by steps only)."""
     max_steps: int = Field(40, ge=1)
     """Optimizer steps, after which the learner publishes a final checkpoint and exits."""
     poll_timeout_s: float = Field(1.0, gt=0)

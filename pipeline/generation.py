@@ -33,6 +33,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
@@ -127,6 +128,30 @@ class HfEngine:
         self.model = None
 
 
+ENGINE_COPY_SUFFIX = ".engine"
+"""Suffix of the directory an engine that rewrites files loads from, beside the verified one."""
+
+
+def engine_copy(model_dir: Path) -> Path:
+    """`<model_dir>.engine`: the same files, weights hard-linked (copied where links fail), the
+    small JSON and tokenizer files copied, so the engine may rewrite any of them."""
+    target = model_dir.with_name(model_dir.name + ENGINE_COPY_SUFFIX)
+    if target.exists():
+        shutil.rmtree(target)
+    for path in sorted(model_dir.rglob("*")):
+        if not path.is_file():
+            continue
+        dest = target / path.relative_to(model_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if not path.name.endswith(".safetensors"):
+                raise OSError("copied")
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+    return target
+
+
 def untie_word_embeddings(model_dir: Path) -> bool:
     """Give a tied-embedding checkpoint its own `lm_head.weight` (a copy of the input embedding)
     and mark it untied. True if the directory was changed.
@@ -193,8 +218,11 @@ class VllmEngine:
         self.eos_ids: list[int] = []
 
     def prepare(self, model_dir: Path):
-        untie_word_embeddings(model_dir)
-        return model_dir, load_tokenizer(model_dir)
+        # vLLM loads a copy beside the verified directory, which stays as published: it is the
+        # base the next version's deltas are applied to (docs/weights.md).
+        engine_dir = engine_copy(Path(model_dir))
+        untie_word_embeddings(engine_dir)
+        return engine_dir, load_tokenizer(engine_dir)
 
     def install(self, prepared) -> None:
         model_dir, tokenizer = prepared

@@ -19,6 +19,7 @@ from typing import Optional
 from transformers.utils import logging as hf_logging
 
 from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.weights.policy import fetch_policy
 from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.keyring import key_paths, load_learner_public
@@ -116,7 +117,7 @@ def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: 
                        version: Optional[int] = None) -> dict:
     """Held-out accuracy of a published version: downloaded (every sha256 verified like a
     sampler's, and refused if its manifest is not of `version`), scored, and deleted again."""
-    model_dir, _ = store.fetch(manifest_key, work_dir, expect_version=version)
+    model_dir, _, _ = fetch_policy(store, manifest_key, work_dir, expect_version=version)
     try:
         return evaluate_checkpoint(cfg, model_dir, task)
     finally:

@@ -115,7 +115,7 @@ class UpdateEntry:
     tokenizer_sha: Optional[str] = None
     """pipeline.models.tokenizer_fingerprint of the learner's tokenizer."""
     kind: str = "step"
-    """"step", or "rewind": a learner (re)started at version `step`; entries of later steps
+    """"step", or "rewind": a learner (re)started after step `step`; entries of later steps
     written before it belong to updates that were lost with a crash and are void."""
     attempt: str = ""
     """Id of the learner process that wrote the entry: a rewind voids only entries of earlier
@@ -182,9 +182,11 @@ def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def rewind_entry(version: int, loss_type: str, attempt: str = "", topic: str = "") -> UpdateEntry:
-    return UpdateEntry(step=version, policy_version=version, loss_type=loss_type, time=time.time(), kind="rewind",
-                       attempt=attempt, topic=topic)
+def rewind_entry(step: int, loss_type: str, attempt: str = "", topic: str = "",
+                 policy_version: Optional[int] = None) -> UpdateEntry:
+    """A learner (re)starting after optimizer step `step`, with weights of `policy_version`."""
+    return UpdateEntry(step=step, policy_version=step if policy_version is None else policy_version,
+                       loss_type=loss_type, time=time.time(), kind="rewind", attempt=attempt, topic=topic)
 
 
 def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0,

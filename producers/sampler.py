@@ -55,7 +55,7 @@ from pipeline.delays import RefreshGate, transit_stream
 from pipeline.engine import resolve_device
 from pipeline.kafka_io import RolloutSink, ensure_topic
 from pipeline.keyring import key_paths, load_sampler_key
-from pipeline.generation import PolicyEngine, SamplingSettings, make_engine, pick_backend
+from pipeline.generation import ENGINE_COPY_SUFFIX, PolicyEngine, SamplingSettings, make_engine, pick_backend
 from pipeline.models import decode_completion
 from pipeline.pacing import Pacing
 from pipeline.redis_state import RunView
@@ -66,6 +66,7 @@ from pipeline.services import ServiceUnavailable
 from pipeline.signing import KeyFileError, SignatureError, SigningKey
 from pipeline.trust import verify_pointer
 from pipeline.spool import RolloutSpool
+from pipeline.weights.policy import fetch_policy
 
 
 def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
@@ -118,6 +119,9 @@ class PolicyHolder:
         self.last_load_s: Optional[float] = None
         """Seconds the newest version took from verified files to weights in use (`prepare` + `install`)."""
         self.refused: set[str] = set()
+        self.fallbacks = 0
+        """Delta paths refused (a tampered delta, a copy that does not fit) before the keyframe path worked."""
+        self.bytes_downloaded = 0
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
         self._ready: Optional[tuple] = None
@@ -131,14 +135,24 @@ class PolicyHolder:
         if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
             return
         self.downloading = version
-        self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced),
+        have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
+        self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
         self._thread.start()
 
-    def _download(self, version: int, manifest_key: str, forced: bool) -> None:
+    def _download(self, version: int, manifest_key: str, forced: bool, have: Optional[tuple[int, Path]]) -> None:
         try:
-            path, _ = self.store.fetch(manifest_key, self.work_dir / f"v{version}",  # every sha256 checked
-                                       expect_version=version)
+            started = time.perf_counter()
+            # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
+            path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
+                                           expect_version=version, work_dir=self.work_dir)
+            self.bytes_downloaded += report.bytes_downloaded
+            for reason in report.refused:
+                self.fallbacks += 1
+                self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
+            self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
+                          "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
+                          time.perf_counter() - started)
             started = time.perf_counter()
             prepared = self.engine.prepare(path)
             with self._lock:
@@ -172,6 +186,7 @@ class PolicyHolder:
         self.version, self.last_load_s = version, prepare_s + install_s
         if old is not None:
             shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
+            shutil.rmtree(self.work_dir / f"v{old}{ENGINE_COPY_SUFFIX}", ignore_errors=True)
         self.log.info("policy v%d loaded into the %s engine in %.3fs (%.3fs preparing, %.3fs swapping in; was v%s)",
                       version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
@@ -586,6 +601,7 @@ class Sampler:
                 "generate_s": round(self.generate_s, 1),
                 "verifier_errors": getattr(self.task, "verifier_errors", 0),
                 "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),
+                "refused_delta_paths": self.policy.fallbacks, "weights_bytes_downloaded": self.policy.bytes_downloaded,
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
                 "paused_s": round(sum(v for k, v in self.paused.items() if k.endswith("_s")), 1),
                 **{k: round(v, 1) for k, v in self.paused.items()}, **self.gate.stats}

@@ -28,6 +28,7 @@ it has been verified.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointStore, CorruptCheckpointError,
+from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
                                   Manifest, is_pickle_file, safe_relpath, sha256_file)
 from pipeline.errors import UserError
 from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
@@ -144,11 +145,18 @@ def _payload_bytes(path: Path) -> dict[str, bytes]:
 # --- the learner's side -----------------------------------------------------------------------
 
 class PolicyPublisher:
-    """Publishes each policy version as a keyframe or a delta against the one before it."""
+    """Publishes each policy version as a keyframe or a delta against the one before it.
 
-    def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule()):
+    Only what samplers read is published: the weights (cast to `dtype` when given) and the
+    model directory's other files; a `learner_state/` beside them is the recovery state's
+    (`pipeline.weights.recovery`), never the policy's."""
+
+    def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule(),
+                 dtype: Optional[torch.dtype] = None):
         self.store = store
         self.rule = rule
+        self.dtype = dtype
+        """The dtype samplers get (None: as saved, the learner's precision)."""
         self._last: Optional[tuple[int, dict[str, dict[str, torch.Tensor]], list[dict]]] = None
         """(version, weights, other files) published last: the base of the next delta."""
         self._keyframe_version: Optional[int] = None
@@ -159,26 +167,44 @@ class PolicyPublisher:
 
     def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
                 parent_version: Optional[int] = None) -> str:
-        """Upload `model_dir` (a saved model, optionally with `learner_state/`) as `version`;
-        returns the manifest key."""
+        """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key."""
         model_dir = Path(model_dir)
         weights = read_weights(model_dir)
         if not weights:
             raise CorruptCheckpointError(f"{model_dir} holds no *.safetensors weights to publish")
+        cast = self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype
+                                              for tensors in weights.values() for t in tensors.values())
+        if cast:
+            weights = {name: {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+                       for name, tensors in weights.items()}
         others = other_files(model_dir)
         full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
         delta = self._delta_against_last(version, weights, others)
         kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
                                                                sum(d.nbytes for d in delta.values()), full_bytes)
-        if kind == KEYFRAME:
-            key, nbytes = self._publish_keyframe(version, model_dir, weights, others, extra, parent_version)
-            self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
-        else:
-            key, nbytes = self._publish_delta(version, model_dir, delta, others, extra, parent_version)
+        with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=model_dir.parent) as tmp:
+            staged = Path(tmp)
+            for f in others:
+                _link_or_copy(model_dir / f["path"], staged / f["path"])
+            if kind == KEYFRAME:
+                if cast:
+                    _write_weights(weights, staged)
+                else:
+                    for name in weights:
+                        _link_or_copy(model_dir / name, staged / name)
+                description = {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
+                                                           for name, tensors in weights.items()}}
+                self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
+            else:
+                description = self._stage_delta(delta, staged, others)
+            key = self.store.publish(version, staged, {**(extra or {}), "weights": description}, parent_version)
+            nbytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+        if kind == DELTA:
             self._since_keyframe += 1
             self._chain_bytes += nbytes
         self._last = (version, weights, others)
-        self.published.append({"version": version, "kind": kind, "bytes": nbytes, "full_bytes": full_bytes})
+        self.published.append({"version": version, "kind": kind, "bytes": nbytes,
+                               "full_bytes": full_bytes + sum(f["size"] for f in others)})
         return key
 
     def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
@@ -192,13 +218,8 @@ class PolicyPublisher:
         except DeltaError:  # a different architecture or dtype: start a new chain
             return None
 
-    def _publish_keyframe(self, version, model_dir, weights, others, extra, parent_version) -> tuple[str, int]:
-        description = {"kind": KEYFRAME,
-                       "files": {name: {k: describe(t) for k, t in tensors.items()} for name, tensors in weights.items()}}
-        key = self.store.publish(version, model_dir, {**(extra or {}), "weights": description}, parent_version)
-        return key, sum((model_dir / name).stat().st_size for name in weights) + sum(f["size"] for f in others)
-
-    def _publish_delta(self, version, model_dir, delta, others, extra, parent_version) -> tuple[str, int]:
+    def _stage_delta(self, delta: dict[str, Delta], staged: Path, others: list[dict]) -> dict:
+        """Write `delta.safetensors` into `staged`; returns the manifest's description of the delta."""
         payload: dict[str, bytes] = {}
         files = {}
         for name, file_delta in delta.items():
@@ -208,15 +229,43 @@ class PolicyPublisher:
                     payload[f"{name}::{key}"] = file_delta.payload[key]
                 entries[tensor] = {**entry, "parts": {part: f"{name}::{key}" for part, key in entry["parts"].items()}}
             files[name] = entries
-        with tempfile.TemporaryDirectory(prefix=f"delta-v{version}-") as tmp:
-            staged = Path(tmp)
-            save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
-            if (model_dir / LEARNER_STATE_DIR).is_dir():
-                shutil.copytree(model_dir / LEARNER_STATE_DIR, staged / LEARNER_STATE_DIR)
-            description = {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
-                           "files": files, "inherit": others}
-            key = self.store.publish(version, staged, {**(extra or {}), "weights": description}, parent_version)
-            return key, (staged / DELTA_FILE).stat().st_size
+        # The other files travel by reference ("inherit"): a delta's directory holds only its payload.
+        for f in others:
+            (staged / f["path"]).unlink()
+        for d in sorted((p for p in staged.rglob("*") if p.is_dir()), reverse=True):
+            d.rmdir()
+        save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
+        return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
+                "files": files, "inherit": others}
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:
+    """Delete the versions below `keep_from` (and up to `current`) that no version from
+    `keep_from` on needs: a kept delta keeps its whole chain back to its keyframe. v0, the
+    base model, and versions above `current` (left by a crashed learner) stay. Returns
+    the deleted versions."""
+    versions = [v for v in store.list_versions() if v <= current]
+    kept = [v for v in versions if v >= keep_from]
+    if not kept:
+        return []
+    floor = kept[0]
+    try:
+        links, _ = read_chain(store, store.read_manifest(store.manifest_key(kept[0])))
+        floor = links[0].version
+    except (CheckpointNotFound, CorruptCheckpointError):
+        return []  # an unreadable chain: keep everything rather than guess
+    doomed = [v for v in versions if 0 < v < floor]
+    for v in doomed:
+        store.delete(v)
+    return doomed
 
 
 # --- the sampler's side -----------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""The learner's recovery state in S3: what only a restarted learner reads.
+
+A recovery state is the learner's model directory in its own precision (the weights as
+`transformers` saves them) with `learner_state/` beside it (fp32 master weights, AdamW's
+moments, RNG and LR schedule: `pipeline.learner_state`), and, in its signed manifest's
+`extra`, the Kafka offsets consumed, the optimizer step, the policy version the weights
+carry and the verdicts reached after the last step. It lives under its own prefix,
+`<run>/state/s<step>/`, apart from the policy versions samplers read (`<run>/v<version>/`),
+and is written every `learner.state_every_steps` steps or `learner.state_every_s` seconds,
+whichever comes first, and at the end of a run.
+
+A learner killed between two recovery states resumes from the newest complete one (a state
+without its manifest does not exist) and re-reads Kafka from its offsets. Policy versions it
+had published after that state are never reused: `resume_version` gives the resumed
+weights a version above every published one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, Manifest
+
+STATE_PREFIX = "state"
+STATE_LABEL = "s"
+KEEP_STATES = 2
+"""Recovery states kept: the newest, and the one before it while the newest is uploaded."""
+
+
+def recovery_store(policies: CheckpointStore) -> CheckpointStore:
+    """The store of a run's recovery states, beside its policy store (same client, keys and trust)."""
+    return CheckpointStore(policies.client, policies.bucket, f"{policies.run}/{STATE_PREFIX}",
+                           signer=policies.signer, trusted=policies.trusted, label=STATE_LABEL)
+
+
+def latest_state(store: CheckpointStore) -> Optional[Manifest]:
+    """The newest complete recovery state, or None (a run that never wrote one)."""
+    for step in reversed(store.list_versions()):
+        try:
+            return store.read_manifest(store.manifest_key(step))
+        except CheckpointNotFound:  # pruned between the listing and the read
+            continue
+    return None
+
+
+def resume_version(state_version: int, published: list[int]) -> tuple[int, bool]:
+    """The version a learner resuming with weights of `state_version` continues as, given the
+    versions already `published`, and whether it must publish its weights under it.
+
+    Every version is published once: when nothing newer than `state_version` was published,
+    the learner carries on as `state_version` (publishing it if it never was); when a killed
+    learner had published newer versions, their weights are lost, so the resumed weights get
+    the next unused number (their manifest names `state_version` as the parent)."""
+    newest = max(published, default=-1)
+    if newest == state_version:
+        return state_version, False
+    return max(newest + 1, state_version), True
+
+
+def save_recovery_state(store: CheckpointStore, step: int, snapshot: Path, extra: dict) -> str:
+    """Upload `snapshot` (weights + learner_state/) as the recovery state of `step`, then prune."""
+    key = store.publish(step, snapshot, extra)
+    store.prune(KEEP_STATES, current=step)
+    return key
