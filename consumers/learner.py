@@ -75,7 +75,7 @@ from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, r
                                  updates_topic)
 from pipeline.weights.policy import KeyframeRule, PolicyPublisher
 from pipeline.weights.publisher import BackgroundPublisher, Snapshot
-from pipeline.weights.recovery import latest_state, recovery_store, resume_version
+from pipeline.weights.recovery import RecoverySchedule, latest_state, recovery_store, resume_version
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
@@ -246,7 +246,8 @@ class Learner:
                           f"the weights of step {self.step} (v{state_version})", self.version)
         self.start_dir, self.resumed = model_dir, state is not None
         self.start_version = self.published_version = self.version
-        self.state_saved_at = (self.step, time.monotonic())
+        self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
+                                         time.monotonic())
         self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets, security=self.kafka_security)
         self.next_offsets = self.source.positions()
 
@@ -416,7 +417,7 @@ class Learner:
         self.log.warning("dead-lettered message at %s to %s: %s", where, dead_letter_topic(self.topic), reason)
 
     # ---- train a batch --------------------------------------------------------------
-    def train(self, batch: list[PendingGroup]) -> None:
+    def train(self, batch: list[PendingGroup], save: bool = True) -> None:
         """One optimizer step on whole groups (every rank its share), logged; a checkpoint
         every `sync_every` steps."""
         groups, weights = [g.rollout for g in batch], [g.decision.weight for g in batch]
@@ -435,22 +436,18 @@ class Learner:
                       self.version, values["loss"], values["reward_mean"], values["staleness_mean"], values["staleness_max"],
                       values["groups_used"], values["groups_dropped"])
         final = self.step >= self.lcfg.max_steps
-        if final or self.step % self.lcfg.sync_every == 0 or self.state_due():
-            self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0,
-                                 state=final or self.state_due())
+        if not save:
+            return
+        state_due = final or self.recovery.due(self.step, time.monotonic())
+        if state_due or self.step % self.lcfg.sync_every == 0:
+            self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0, state=state_due, final=final)
 
     # ---- save a checkpoint ----------------------------------------------------------
-    def state_due(self) -> bool:
-        """Whether the recovery state is due (`learner.state_every_steps` / `state_every_s`)."""
-        step, at = self.state_saved_at
-        every_steps, every_s = self.lcfg.state_every_steps, self.lcfg.state_every_s
-        return (every_steps > 0 and self.step - step >= every_steps) or \
-            (every_s is not None and self.step > step and time.monotonic() - at >= every_s)
-
     def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None, *, policy: bool = True,
-                        state: bool = True) -> None:
+                        state: bool = True, final: bool = False) -> None:
         """Snapshot the weights (and, for a recovery state, the learner state) and hand them to
-        the background publisher: the policy as the current version, the state as this step's."""
+        the background publisher: the policy as the current version, the state as this step's.
+        `final`: the run's last version, a keyframe (it stands alone: a user takes it home)."""
         # A fresh directory each time: the publisher may still be uploading (then deleting)
         # an earlier snapshot of this same version.
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{self.version}-", dir=self.work_dir))
@@ -471,11 +468,11 @@ class Learner:
             extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
         self.publisher.submit(Snapshot(snapshot, extra, version=self.version if policy else None,
                                        parent_version=self.published_version,
-                                       state_step=self.step if state else None))
+                                       state_step=self.step if state else None, keyframe=final))
         if policy:
             self.published_version = self.version
         if state:
-            self.state_saved_at = (self.step, time.monotonic())
+            self.recovery.written(self.step, time.monotonic())
 
     # ---- drain ----------------------------------------------------------------------
     def drain_due(self) -> bool:
@@ -486,10 +483,10 @@ class Learner:
         """Train the last, smaller batch and publish, so every message read is accounted for."""
         batch = self.admission.take_batch(time.time(), last=True)  # rechecked: time passed while winding down
         if batch:
-            self.train(batch)
+            self.train(batch, save=False)  # saved below, as the run's last version: a keyframe
         tail = self.admission.take_verdicts()
-        if tail or self.published_version != self.version or self.state_saved_at[0] != self.step:
-            self.save_checkpoint(tail)
+        if tail or self.published_version != self.version or self.recovery.last_step != self.step:
+            self.save_checkpoint(tail, final=True)
         self.log.info("drained: every message of %s up to offsets %s is accounted for", self.topic,
                       self.next_offsets)
 

@@ -147,9 +147,14 @@ class ManifestTamperer(threading.Thread):
        changed to match (the learner's signature no longer holds);
     2. publishes a checkpoint of its own as the next version, signed with its own key, and
        points the policy pointer at it;
-    3. puts back an old policy pointer the learner really signed (a rollback).
+    3. puts back an old policy pointer the learner really signed (a rollback);
+    4. alters the payload of the newest delta and leaves its signed manifest alone (the
+       object no longer matches its sha256; every version chained on it is unreachable
+       until the next keyframe);
+    5. points the newest delta at another base version in its manifest, keeping the
+       learner's signature (which no longer holds).
 
-    Samplers must refuse all three and keep their weights."""
+    Samplers must refuse all five and keep their weights."""
 
     def __init__(self, store: CheckpointStore, state, every_s: float = 10.0):
         super().__init__(name="tamperer", daemon=True)
@@ -161,7 +166,8 @@ class ManifestTamperer(threading.Thread):
         self.old_pointer: Optional[dict] = None
 
     def run(self) -> None:
-        attacks = (self.tamper_in_place, self.forge_next_version, self.roll_back)
+        attacks = (self.tamper_in_place, self.forge_next_version, self.roll_back, self.corrupt_delta_payload,
+                   self.rebase_delta)
         while not self.stopped.wait(self.every_s):
             try:
                 done = attacks[len(self.actions) % len(attacks)]()
@@ -216,6 +222,34 @@ class ManifestTamperer(threading.Thread):
         self._put(self.store.manifest_key(forged), json.dumps(manifest).encode())
         self.state.publish_policy(forged, self.store.manifest_key(forged), signer=self.key)
         return f"v{forged} forged and pointed to"
+
+    def _newest_delta(self) -> Optional[tuple[int, str, dict]]:
+        version, key = self.state.policy()
+        if not version:
+            return None
+        manifest = json.loads(self._get(key))
+        if (manifest.get("extra", {}).get("weights") or {}).get("kind") != "delta":
+            return None
+        return version, key, manifest
+
+    def corrupt_delta_payload(self) -> Optional[str]:
+        newest = self._newest_delta()
+        if newest is None:
+            return None
+        version, _, manifest = newest
+        target, data = self._altered_weights(version, manifest)
+        self._put(self.store.version_prefix(version) + target["path"], data)
+        return f"v{version}'s delta payload altered"
+
+    def rebase_delta(self) -> Optional[str]:
+        newest = self._newest_delta()
+        if newest is None:
+            return None
+        version, key, manifest = newest
+        weights = manifest["extra"]["weights"]
+        weights["base_version"] = max(0, int(weights["base_version"]) - 1)
+        self._put(key, json.dumps(manifest).encode())
+        return f"v{version}'s delta pointed at base v{weights['base_version']}"
 
     def roll_back(self) -> Optional[str]:
         if not self.old_pointer:

@@ -31,11 +31,10 @@ from heterorl.adversaries import SAMPLER_KINDS, ManifestTamperer, Replayer
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run
-from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.audit import audit_topic
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.keyring import init_keys, key_paths
-from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
+from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 
 QUARANTINE_WITHIN = 20
@@ -95,11 +94,12 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
             replayer.stopped.set()
             tamperer.stopped.set()
             procs.stop()
-        version, manifest_key = handles.state.policy()
-        final_state = latest_state(recovery_store(handles.store))  # the offsets and last verdicts the learner reached
-        after = evaluate_published(cfg, handles.store, manifest_key, out / "final_policy", task)
+        version, _ = handles.state.policy()
+        # The learner's last weights (and the offsets and verdicts it reached), from its final
+        # recovery state: whole, whatever an attacker did to the chain of deltas before them.
+        after, final_state = evaluate_final_state(cfg, handles.store, out / "final_weights", task)
         reports = handles.state.sampler_stats()
-        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra if final_state else {}, reports,
+        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
                            honest_sampler_ids=set(honest_ids), forged_messages=frozenset(replayer.copies))
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports)
         audit.update(run=run_name, minutes=minutes, honest_samplers=honest, final_policy_version=version,
@@ -161,7 +161,9 @@ def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: 
                              "target_met": bool(replayer.copies) and data["copies_used_in_updates"] == 0}
     refusals = sum(int(r.get("refused_checkpoints", 0)) + int(r.get("refused_pointers", 0))
                    for sid, r in reports.items() if sid in honest_ids)
+    delta_paths = sum(int(r.get("refused_delta_paths", 0)) for sid, r in reports.items() if sid in honest_ids)
     adversaries["tampered_manifest"] = {"attacks": tamperer.actions, "honest_sampler_refusals": refusals,
+                                        "honest_delta_paths_refused": delta_paths,
                                         "target_met": bool(tamperer.actions) and refusals > 0}
     honest_quarantined = sorted(s for s in quarantined_by_sampler if s in honest_ids)
     counts = {k: v for k, v in data.items() if k != "by_sampler"}

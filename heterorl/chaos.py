@@ -8,7 +8,10 @@
   3. a seeded schedule (`chaos_schedule`): latency, jitter and connection resets on the
      samplers' links all along; samplers killed (SIGKILL) and restarted, added and
      removed; the learner killed once and restarted; the broker restarted once; the
-     samplers cut off from everything for `partition_s` seconds;
+     samplers cut off from everything for `partition_s` seconds; the newest delta
+     object corrupted in S3; a sampler killed while it downloads weights (its S3 link
+     slowed to 20 kB/s until it is); the learner killed once it has published versions
+     after its last recovery state (those are lost, never reused);
   4. at the end: samplers stopped (they flush their spools), the learner drained
      (SIGUSR1: read to the end of the log, train the rest, publish), held-out accuracy of
      the final checkpoint, and the audit (`pipeline.audit`) written to OUT/audit.json.
@@ -18,6 +21,7 @@ Exit status 1 if the audit finds a lost or twice-used rollout.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import random
@@ -35,16 +39,19 @@ from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
-from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.audit import audit_topic
-from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
+from pipeline.kafka_io import read_topic
 from pipeline.keyring import init_keys, key_paths
 from pipeline.redis_state import RunState, connect_redis
-from pipeline.runtime import (evaluate_checkpoint, evaluate_published, make_task_from_config, resolve_base_model,
+from pipeline.runtime import (evaluate_checkpoint, evaluate_final_state, make_task_from_config, resolve_base_model,
                               setup_logging)
 from pipeline.services import LOOPBACK, Services, free_port
+from pipeline.update_log import UpdateEntry, updates_topic
+from pipeline.weights.policy import DELTA_FILE
+from pipeline.weights.recovery import latest_state, recovery_store
 
 SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
 """Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""
@@ -54,7 +61,8 @@ SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability
 class ChaosEvent:
     at_s: float
     kind: str
-    """kill_sampler | add_sampler | remove_sampler | kill_learner | restart_broker | partition"""
+    """kill_sampler | add_sampler | remove_sampler | kill_learner | restart_broker | partition |
+    corrupt_delta | kill_sampler_mid_download"""
 
 
 def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> list[ChaosEvent]:
@@ -63,7 +71,9 @@ def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> l
     rng = random.Random(seed)
     events = [ChaosEvent(0.20 * duration_s, "partition"),
               ChaosEvent(0.20 * duration_s + partition_s + 0.10 * duration_s, "kill_learner"),
-              ChaosEvent(0.70 * duration_s, "restart_broker")]
+              ChaosEvent(0.62 * duration_s, "corrupt_delta"),
+              ChaosEvent(0.70 * duration_s, "restart_broker"),
+              ChaosEvent(0.88 * duration_s, "kill_sampler_mid_download")]
     # One of each churn kind in its own stretch of the run (so a removal always finds a
     # sampler to remove), then more at random times.
     for kind, (lo, hi) in (("add_sampler", (0.05, 0.18)), ("kill_sampler", (0.45, 0.55)),
@@ -103,6 +113,12 @@ class ChaosRun:
         self.sampler_env = child_env(self._services(
             redis=sampler_redis.replace(f"{LOOPBACK}:{self.stack.port('redis')}", self.proxy.address("redis")),
             s3=f"http://{self.proxy.address('s3')}"))
+        admin = stack_services(self.stack)
+        self.policies = CheckpointStore(connect_s3(admin), admin.bucket, cfg.run.name)
+        self.states = recovery_store(self.policies)
+        self.run_state = RunState(self.admin_redis, cfg.run.name)
+        self.learner_kills: list[dict] = []
+        self.corrupted: list[int] = []
         self.config_path = out / "config.yaml"
         self.config_path.write_text(dump_config(cfg))
         self.slots = list(range(samplers))  # sampler slots alive; each has a stable spool
@@ -143,9 +159,13 @@ class ChaosRun:
         if event.kind == "partition":
             self.proxy.blackhole(self.partition_s, routes=["kafka", "redis", "s3"])
         elif event.kind == "kill_learner":
-            self.procs.kill("learner")
-            time.sleep(2.0)
-            self.start_learner()
+            self.kill_learner_between_states()
+        elif event.kind == "corrupt_delta":
+            if not self.corrupt_newest_delta():
+                return
+        elif event.kind == "kill_sampler_mid_download":
+            if not self.kill_sampler_mid_download():
+                return
         elif event.kind == "restart_broker":
             restart_service(self.data_dir, "kafka")
         elif event.kind == "kill_sampler":
@@ -169,10 +189,85 @@ class ChaosRun:
             self.slots.remove(slot)
         self.count(event.kind)
 
+    def kill_learner_between_states(self, wait_s: float = 60.0) -> None:
+        """SIGKILL the learner once it has published a version after its newest recovery state
+        (or after `wait_s`), then restart it; the newest version published before is recorded."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            state = latest_state(self.states)
+            newest = max(self.policies.list_versions(), default=0)
+            if state is not None and newest > int(state.extra.get("policy_version", 0)):
+                break
+            time.sleep(0.5)
+        self.procs.kill("learner")
+        self.learner_kills.append({"newest_published": max(self.policies.list_versions(), default=0),
+                                   "state_step": None if state is None else state.version})
+        time.sleep(2.0)
+        self.start_learner()
+
+    def corrupt_newest_delta(self) -> bool:
+        """Overwrite the payload of the newest delta in S3 with other bytes (its signed manifest
+        stays): samplers must refuse it and never load what it would rebuild."""
+        for version in reversed(self.policies.list_versions()):
+            try:
+                manifest = self.policies.read_manifest(self.policies.manifest_key(version))
+            except (CheckpointNotFound, CorruptCheckpointError):
+                continue
+            if (manifest.extra.get("weights") or {}).get("kind") == "delta":
+                key = self.policies.version_prefix(version) + DELTA_FILE
+                junk = random.Random(version).randbytes(next(f["size"] for f in manifest.files
+                                                             if f["path"] == DELTA_FILE))
+                self.policies.client.put_object(self.policies.bucket, key, io.BytesIO(junk), len(junk))
+                self.corrupted.append(version)
+                return True
+        self.log.warning("chaos: no delta to corrupt (every version is a keyframe)")
+        return False
+
+    def kill_sampler_mid_download(self, wait_s: float = 40.0) -> bool:
+        """Slow the samplers' S3 link to 20 kB/s, SIGKILL the first sampler seen downloading,
+        restore the link and restart it (a fresh process: nothing half-downloaded is loaded)."""
+        self.proxy.set_spec(replace(self.sampler_spec, bandwidth_bytes_per_s=20_000), routes=["s3"])
+        try:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                for sampler_id, info in self.run_state.live_samplers().items():
+                    slot = int(sampler_id.rsplit("-s", 1)[1].split("-r")[0])
+                    if info.get("downloading") is not None and slot in self.slots and self.sampler_alive(slot):
+                        self.procs.kill(f"sampler-{slot}")
+                        self.log.info("chaos: killed %s while it downloaded v%s", sampler_id, info["downloading"])
+                        self.proxy.set_spec(self.sampler_spec, routes=["s3"])
+                        self.start_sampler(slot)
+                        return True
+                time.sleep(0.25)
+            self.log.warning("chaos: no sampler was seen downloading within %.0fs", wait_s)
+            return False
+        finally:
+            self.proxy.set_spec(self.sampler_spec, routes=["s3"])
+
     def stop(self) -> None:
         self.procs.stop()
         self.proxy.stop()
         stop_stack(self.data_dir)
+
+
+def weight_path_audit(bootstrap: str, topic: str, learner_kills: list[dict], corrupted: list[int],
+                      reports: dict) -> dict:
+    """What the weight path went through: each learner kill beside the version its successor
+    resumed as (the update log's rewind markers, in order; the first is the run's start), and
+    what the samplers refused."""
+    rewinds = [e for e in (UpdateEntry.from_json(r.value) for r in read_topic(bootstrap, updates_topic(topic),
+                                                                             timeout_s=30.0)) if e.kind == "rewind"]
+    kills = [{**kill, "resumed_at_step": r.step, "resumed_as_version": r.policy_version}
+             for kill, r in zip(learner_kills, rewinds[1:])]
+    return {
+        "learner_kills": kills,
+        "versions_reused": sum(k["resumed_as_version"] <= k["newest_published"] for k in kills)
+        + max(0, len(learner_kills) - len(rewinds[1:])),  # a kill without a rewind is not accounted for
+        "corrupted_deltas": corrupted,
+        "sampler_refused_checkpoints": sum(int(r.get("refused_checkpoints", 0)) for r in reports.values()),
+        "sampler_refused_delta_paths": sum(int(r.get("refused_delta_paths", 0)) for r in reports.values()),
+        "sampler_weights_bytes": sum(int(r.get("weights_bytes_downloaded", 0)) for r in reports.values()),
+    }
 
 
 def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, partition_s: float = 30.0,
@@ -248,12 +343,14 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
                          state.policy_version())
         if learner.returncode != 0:
             raise run.procs.failure("learner", f"learner exited with {learner.returncode} while draining")
-        version, manifest_key = state.policy()
-        final_state = latest_state(recovery_store(store))  # the offsets and last verdicts the learner reached
-        after = evaluate_published(cfg, store, manifest_key, out / "final_policy", task)
+        version, _ = state.policy()
+        # The learner's last weights (and the offsets and verdicts it reached), from its final
+        # recovery state: whole, whatever an attacker did to the chain of deltas before them.
+        after, final_state = evaluate_final_state(cfg, store, out / "final_weights", task)
         reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
-        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, final_state.extra if final_state else {}, reports,
+        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
                             honest_sampler_ids=run.sampler_ids)
+        weights = weight_path_audit(s.kafka_bootstrap, cfg.run.topic, run.learner_kills, run.corrupted, reports)
         proxy_stats = run.proxy.stats()
         audit = {
             "run": run_name, "minutes": minutes, "samplers": samplers, "seed": cfg.run.seed,
@@ -261,6 +358,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
                        "blackholed_windows": max(r["blackholed_windows"] for r in proxy_stats.values())},
             **audit,
             "claims": state.claim_stats(),
+            "weight_path": weights,
             "final_policy_version": version,
             "eval_accuracy_before": before["accuracy_sampled"], "eval_accuracy_after": after["accuracy_sampled"],
             "eval_greedy_before": before["accuracy_greedy"], "eval_greedy_after": after["accuracy_greedy"],
@@ -269,13 +367,14 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         }
         (out / "audit.json").write_text(json.dumps(audit, indent=2))
         ok = (audit["lost"] == 0 and audit["used_twice"] == 0 and audit["unaccounted_count"] == 0
-              and audit["forged_used_in_updates"] == 0)
+              and audit["forged_used_in_updates"] == 0 and weights["versions_reused"] == 0)
         print(f"\nchaos {run_name}: {sum(run.faults.values())} scheduled faults {run.faults}, "
               f"{audit['faults']['connection_resets']} connection resets; produced {audit['produced']}, "
               f"used {audit['used_in_updates']}, dropped {audit['dropped_stale']}, dead-lettered "
               f"{audit['dead_lettered']}, duplicates {audit['duplicates_ignored']}, pending {audit['pending_at_end']}"
               f" -> lost {audit['lost']}, used twice {audit['used_twice']}, forged used "
-              f"{audit['forged_used_in_updates']}; policy v{version}; held-out accuracy "
+              f"{audit['forged_used_in_updates']}, versions reused {weights['versions_reused']}, delta paths "
+              f"refused {weights['sampler_refused_delta_paths']}; policy v{version}; held-out accuracy "
               f"{before['accuracy_sampled']:.3f} -> {after['accuracy_sampled']:.3f}\naudit: {out}/audit.json")
         return 0 if ok else 1
     finally:

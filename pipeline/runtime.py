@@ -18,8 +18,9 @@ from typing import Optional
 
 from transformers.utils import logging as hf_logging
 
-from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, Manifest, connect_s3
 from pipeline.weights.policy import fetch_policy
+from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.keyring import key_paths, load_learner_public
@@ -120,6 +121,21 @@ def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: 
     model_dir, _, _ = fetch_policy(store, manifest_key, work_dir, expect_version=version)
     try:
         return evaluate_checkpoint(cfg, model_dir, task)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def evaluate_final_state(cfg: HeteroConfig, store: CheckpointStore, work_dir: Path, task) -> tuple[dict, Manifest]:
+    """Held-out accuracy of the learner's newest recovery state (its own weights, whole: no
+    chain of deltas to rebuild) and that state's manifest (the offsets and last verdicts an
+    audit needs). CheckpointNotFound if the run wrote none."""
+    states = recovery_store(store)
+    state = latest_state(states)
+    if state is None:
+        raise CheckpointNotFound(f"run {store.run} has no recovery state in s3://{store.bucket}/{states.run}/")
+    model_dir, _ = states.fetch(state.key, work_dir)
+    try:
+        return evaluate_checkpoint(cfg, model_dir, task), state
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
 

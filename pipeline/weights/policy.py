@@ -166,8 +166,9 @@ class PolicyPublisher:
         """Per version: version, kind, bytes a sampler downloads, full bytes."""
 
     def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
-                parent_version: Optional[int] = None) -> str:
-        """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key."""
+                parent_version: Optional[int] = None, keyframe: bool = False) -> str:
+        """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key.
+        `keyframe`: a full copy whatever the rule says (the last version of a run: it stands alone)."""
         model_dir = Path(model_dir)
         weights = read_weights(model_dir)
         if not weights:
@@ -179,7 +180,7 @@ class PolicyPublisher:
                        for name, tensors in weights.items()}
         others = other_files(model_dir)
         full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
-        delta = self._delta_against_last(version, weights, others)
+        delta = None if keyframe else self._delta_against_last(version, weights, others)
         kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
                                                                sum(d.nbytes for d in delta.values()), full_bytes)
         with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=model_dir.parent) as tmp:

@@ -41,6 +41,8 @@ class Snapshot:
     parent_version: Optional[int] = None
     state_step: Optional[int] = None
     """Write the recovery state of this step (None: not this time)."""
+    keyframe: bool = False
+    """Publish the policy as a full copy whatever the keyframe rule says."""
     cleanup: bool = True
 
 
@@ -90,7 +92,8 @@ class BackgroundPublisher:
         sent = {"step": item.extra.get("step"), "policy_bytes": 0, "state_bytes": 0}
         if item.version is not None:
             started = time.perf_counter()
-            key = self.policies.publish(item.version, item.directory, item.extra, parent_version=item.parent_version)
+            key = self.policies.publish(item.version, item.directory, item.extra, parent_version=item.parent_version,
+                                       keyframe=item.keyframe)
             if self.run_state is not None:
                 self.run_state.publish_policy(item.version, key, signer=self.store.signer)
             last = self.policies.published[-1]

@@ -17,6 +17,7 @@ weights a version above every published one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +57,27 @@ def resume_version(state_version: int, published: list[int]) -> tuple[int, bool]
     if newest == state_version:
         return state_version, False
     return max(newest + 1, state_version), True
+
+
+@dataclass
+class RecoverySchedule:
+    """When the learner writes its recovery state: every `every_steps` steps (0: never by
+    steps) or `every_s` seconds (None: never by time), whichever comes first, counted from
+    the last one written; never twice for one step."""
+
+    every_steps: int
+    every_s: Optional[float]
+    last_step: int = 0
+    last_at: float = 0.0
+
+    def due(self, step: int, now: float) -> bool:
+        if step <= self.last_step:
+            return False
+        return (self.every_steps > 0 and step - self.last_step >= self.every_steps) or \
+            (self.every_s is not None and now - self.last_at >= self.every_s)
+
+    def written(self, step: int, now: float) -> None:
+        self.last_step, self.last_at = step, now
 
 
 def save_recovery_state(store: CheckpointStore, step: int, snapshot: Path, extra: dict) -> str:

@@ -24,7 +24,8 @@ def test_two_minute_chaos_run_loses_nothing_and_uses_nothing_twice(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     audit = json.loads((out / "audit.json").read_text())
     # every scheduled fault happened
-    for kind in ("partition", "kill_learner", "restart_broker", "kill_sampler", "add_sampler", "remove_sampler"):
+    for kind in ("partition", "kill_learner", "restart_broker", "kill_sampler", "add_sampler", "remove_sampler",
+                 "corrupt_delta", "kill_sampler_mid_download"):
         assert audit["faults"].get(kind, 0) >= 1, (kind, audit["faults"])
     assert audit["faults"]["blackholed_windows"] >= 1
     # the books balance, from independent sources
@@ -34,3 +35,9 @@ def test_two_minute_chaos_run_loses_nothing_and_uses_nothing_twice(tmp_path):
     assert audit["produced"] == (audit["used_in_updates"] + audit["dropped_stale"] + audit["dead_lettered"]
                                  + audit["duplicates_ignored"])
     assert audit["final_policy_version"] > 0
+    # the weight path: the learner killed after publishing past its last recovery state resumed
+    # under a new version; the corrupted delta was refused, never loaded
+    weights = audit["weight_path"]
+    kill, = weights["learner_kills"]
+    assert kill["resumed_as_version"] > kill["newest_published"] and weights["versions_reused"] == 0
+    assert weights["corrupted_deltas"] and weights["sampler_refused_checkpoints"] >= 1

@@ -57,14 +57,19 @@ def _train_inspect_and_stop(tmp_path):
     # The version advanced in Redis and checkpoints with valid manifests exist in S3.
     cfg = with_local_stack(load_config(builtin_config("smoke"), [f"run.name={summary['run']}",
                                                                  f"services.data_dir={data}"], env={}))
+    from pipeline.weights.policy import fetch_policy
     handles = connect_run(cfg)
     version, _ = handles.state.policy()
     assert version == 4
     versions = handles.store.list_versions()
-    # the newest keep_checkpoints, plus the base v0 that replays start from
-    assert versions[0] == 0 and versions[-1] == 4 and len(versions) == cfg.learner.keep_checkpoints + 1
-    for v in versions:
-        handles.store.fetch(handles.store.manifest_key(v), tmp_path / f"check-v{v}")  # verifies every sha256
+    # the base v0 that replays start from, and every version a group within the max delay may
+    # claim (the learner's stale checks re-score with them), each rebuildable from its chain
+    reach = max(cfg.learner.keep_checkpoints, cfg.learner.max_delay_steps)
+    assert versions[0] == 0 and versions[-1] == 4 and set(range(max(1, 4 - reach), 5)) <= set(versions)
+    for v in versions:  # every tensor checked against its manifest's sha256
+        fetch_policy(handles.store, handles.store.manifest_key(v), tmp_path / f"check-v{v}", expect_version=v)
+    from pipeline.weights.recovery import recovery_store
+    assert recovery_store(handles.store).list_versions() == [4]  # the final recovery state
 
     steps = read_metrics(out / "metrics.jsonl", "learner")
     assert [s["step"] for s in steps] == [1, 2, 3, 4]

@@ -233,3 +233,45 @@ def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack,
         fetch_published(publisher.store.client, f"s3://{local_stack.bucket}/policy-unsigned/v1/", tmp_path / "v1",
                         trusted=SigningKey.generate().public)
     assert not (tmp_path / "v1").exists()
+
+
+def test_pruning_keeps_every_chain_a_kept_version_needs(local_stack, versions, tmp_path):
+    """Keyframes every 3 versions: v0 K, v1 D, v2 D, v3 K, v4 D, v5 D. Keeping v4 on keeps v3
+    (its keyframe); v1 and v2 go; v0, the base model, stays; everything kept still rebuilds."""
+    from pipeline.weights.policy import prune_policies
+
+    publisher, writer, reader = _published(local_stack, "policy-prune", versions)
+    assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]
+    assert prune_policies(writer, current=5, keep_from=2) == []  # v2 rests on v0's chain: nothing can go
+    assert prune_policies(writer, current=5, keep_from=4) == [1, 2]
+    assert writer.list_versions() == [0, 3, 4, 5]
+    for version in (0, 3, 4, 5):
+        rebuilt, _, _ = fetch_policy(reader, reader.manifest_key(version), tmp_path / f"v{version}")
+        assert_same_weights(rebuilt, versions[version])
+    assert prune_policies(writer, current=4, keep_from=5) == []  # nothing above `current` is judged
+
+
+def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack, versions, tmp_path):
+    """The learner's snapshot holds fp32 weights and learner_state/: samplers get bf16 weights
+    only; a forced keyframe is a full copy whatever the rule says."""
+    snapshot = shutil.copytree(versions[1], tmp_path / "snapshot")
+    fp32 = {k: v.float() for k, v in load_file(str(snapshot / "model.safetensors")).items()}
+    fp32 = {k: v * (1 + 1e-4) for k, v in fp32.items()}  # well below half a bf16 step: lost in the cast
+    save_file(fp32, str(snapshot / "model.safetensors"), metadata={"format": "pt"})
+    (snapshot / "learner_state").mkdir()
+    (snapshot / "learner_state" / "state.json").write_text("{}")
+    store = _store(local_stack, "policy-dtype")
+    publisher = PolicyPublisher(store, KeyframeRule(10), dtype=torch.bfloat16)
+    publisher.publish(0, versions[1])
+    publisher.publish(1, snapshot)
+    publisher.publish(2, snapshot, keyframe=True)
+    assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, KEYFRAME]
+    for version in (1, 2):
+        manifest = store.read_manifest(store.manifest_key(version))
+        assert not [f for f in manifest.files if f["path"].startswith("learner_state")]
+        rebuilt, _, _ = fetch_policy(store, store.manifest_key(version), tmp_path / f"v{version}")
+        got = load_file(str(rebuilt / "model.safetensors"))
+        assert all(t.dtype == torch.bfloat16 for t in got.values())
+        assert all(np.array_equal(bits(got[k]), bits(fp32[k].to(torch.bfloat16))) for k in fp32)
+    delta = store.read_manifest(store.manifest_key(1)).extra["weights"]["files"]["model.safetensors"]
+    assert {e["encoding"] for e in delta.values()} == {"same"}  # the cast absorbed the tiny change
