@@ -173,6 +173,9 @@ def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> 
         step_s = time.perf_counter() - started
         new_bf16, new_fp32 = policy_weights(engine, tokenizer, work)
         steps.append({"step_s": step_s, "bf16": encode_measure(bf16, new_bf16), "fp32": encode_measure(fp32, new_fp32)})
+        print(f"  lr {lr:g} step {len(steps)}: {step_s:.1f}s; bf16 delta {steps[-1]['bf16']['bytes'] / 1e6:.2f} MB "
+              f"encoded in {steps[-1]['bf16']['encode_s']:.1f}s; fp32 delta {steps[-1]['fp32']['bytes'] / 1e6:.1f} MB",
+              flush=True)
         bf16, fp32 = new_bf16, new_fp32
         kept = kept or new_bf16
     del engine
@@ -277,7 +280,7 @@ def main(argv=None) -> int:
         work = Path(tmp)
         started = time.perf_counter()
         groups = rollouts(args.shape, model, tokenizer, args)
-        print(f"rollouts: {len(groups)} informative groups in {time.perf_counter() - started:.0f}s")
+        print(f"rollouts: {len(groups)} informative groups in {time.perf_counter() - started:.0f}s", flush=True)
         runs = [train_and_measure(model, tokenizer, groups, lr, args, work) for lr in lrs]
         full_bf16 = sum(t.numel() * 2 for tensors in runs[0]["first_bf16"].values() for t in tensors.values())
         full_fp32 = 2 * full_bf16

@@ -205,23 +205,48 @@ class ChaosRun:
         time.sleep(2.0)
         self.start_learner()
 
-    def corrupt_newest_delta(self) -> bool:
-        """Overwrite the payload of the newest delta in S3 with other bytes (its signed manifest
-        stays): samplers must refuse it and never load what it would rebuild."""
-        for version in reversed(self.policies.list_versions()):
-            try:
-                manifest = self.policies.read_manifest(self.policies.manifest_key(version))
-            except (CheckpointNotFound, CorruptCheckpointError):
-                continue
-            if (manifest.extra.get("weights") or {}).get("kind") == "delta":
-                key = self.policies.version_prefix(version) + DELTA_FILE
-                junk = random.Random(version).randbytes(next(f["size"] for f in manifest.files
-                                                             if f["path"] == DELTA_FILE))
-                self.policies.client.put_object(self.policies.bucket, key, io.BytesIO(junk), len(junk))
-                self.corrupted.append(version)
-                return True
-        self.log.warning("chaos: no delta to corrupt (every version is a keyframe)")
-        return False
+    def corrupt_newest_delta(self, tries: int = 20, wait_s: float = 30.0) -> bool:
+        """Freeze the learner (SIGSTOP) while the version the policy pointer names is a delta,
+        overwrite that delta's payload in S3 with other bytes (its signed manifest stays),
+        restart a sampler (a fresh one must rebuild that version from its keyframe), and wait
+        until a sampler reports the version refused; then let the learner go on."""
+        learner = self.procs.procs["learner"]
+        corrupted = None
+        try:
+            for _ in range(tries):
+                learner.send_signal(signal.SIGSTOP)
+                version, key = self.run_state.policy()
+                manifest = self.policies.read_manifest(key) if key else None
+                if manifest is not None and (manifest.extra.get("weights") or {}).get("kind") == "delta":
+                    junk = random.Random(version).randbytes(next(f["size"] for f in manifest.files
+                                                                 if f["path"] == DELTA_FILE))
+                    self.policies.client.put_object(self.policies.bucket, self.policies.version_prefix(version)
+                                                    + DELTA_FILE, io.BytesIO(junk), len(junk))
+                    corrupted = version
+                    break
+                learner.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 10.0
+                while self.run_state.policy()[0] == version and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            if corrupted is None:
+                self.log.warning("chaos: the learner published no delta to corrupt (every version a keyframe)")
+                return False
+            self.corrupted.append(corrupted)
+            alive = [slot for slot in self.slots if self.sampler_alive(slot)]
+            if alive:
+                self.procs.kill(f"sampler-{alive[0]}")
+                self.start_sampler(alive[0])
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if any(int(info.get("refused_checkpoints") or 0) for info in self.run_state.live_samplers().values()):
+                    break
+                time.sleep(0.5)
+            else:
+                self.log.warning("chaos: no sampler reported refusing the corrupted v%d within %.0fs", corrupted,
+                                 wait_s)
+            return True
+        finally:
+            learner.send_signal(signal.SIGCONT)
 
     def kill_sampler_mid_download(self, wait_s: float = 40.0) -> bool:
         """Slow the samplers' S3 link to 20 kB/s, SIGKILL the first sampler seen downloading,

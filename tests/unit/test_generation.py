@@ -93,9 +93,15 @@ def test_auto_is_hf_on_a_cpu_and_where_vllm_cannot_record_the_rule(monkeypatch):
 
 
 def test_untied_copy_computes_the_same_logits(models, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(models[0], copy)
+    from pipeline.checkpoints import sha256_file
+    from pipeline.generation import engine_copy
+
+    verified = shutil.copytree(models[0], tmp_path / "v3")
+    before = {p.name: sha256_file(p) for p in verified.iterdir()}
+    copy = engine_copy(verified)  # what the vllm engine loads: the verified copy stays as published
+    assert copy == tmp_path / "v3.engine"
     assert untie_word_embeddings(copy)
+    assert {p.name: sha256_file(p) for p in verified.iterdir()} == before  # the base of the next delta
     assert not untie_word_embeddings(copy)  # already untied: left alone
     tied, untied = load(models[0]), load(copy)
     assert not untied.config.tie_word_embeddings
