@@ -119,7 +119,7 @@ def rollouts(shape: str, model, tokenizer, args) -> list:
 
 def policy_weights(engine, tokenizer, work: Path) -> tuple[dict, dict]:
     """(bf16 weights as published, fp32 master weights) of the engine now."""
-    from pipeline.learner_state import _full, save_weights
+    from pipeline.weights.learner_state import _full, save_weights
     from pipeline.weights.policy import read_weights
 
     target = work / "snapshot"

@@ -59,7 +59,7 @@ from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
-from pipeline.learner_state import load_learner_state, save_learner_state, save_weights
+from pipeline.weights.learner_state import load_learner_state, save_learner_state, save_weights
 from pipeline.metrics import MetricsWriter, StageClock
 from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
 from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink

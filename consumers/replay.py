@@ -48,7 +48,7 @@ from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import make_engine, resolve_device
 from pipeline.errors import UserError
 from pipeline.kafka_io import read_topic, topic_partitions
-from pipeline.learner_state import save_weights
+from pipeline.weights.learner_state import save_weights
 from pipeline.metrics import MetricsWriter
 from pipeline.models import DTYPES, load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout

@@ -2,7 +2,7 @@
 
 A recovery state is the learner's model directory in its own precision (the weights as
 `transformers` saves them) with `learner_state/` beside it (fp32 master weights, AdamW's
-moments, RNG and LR schedule: `pipeline.learner_state`), and, in its signed manifest's
+moments, RNG and LR schedule: `pipeline.weights.learner_state`), and, in its signed manifest's
 `extra`, the Kafka offsets consumed, the optimizer step, the policy version the weights
 carry and the verdicts reached after the last step. It lives under its own prefix,
 `<run>/state/s<step>/`, apart from the policy versions samplers read (`<run>/v<version>/`),

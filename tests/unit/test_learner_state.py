@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import load_config
 from pipeline.engine import make_engine
-from pipeline.learner_state import META_FILE, TENSORS_FILE, load_learner_state, save_learner_state
+from pipeline.weights.learner_state import META_FILE, TENSORS_FILE, load_learner_state, save_learner_state
 
 CPU = torch.device("cpu")
 
@@ -93,7 +93,7 @@ def test_the_state_carries_over_from_one_zero_stage_to_another(tmp_path):
 def test_a_zero3_checkpoint_is_a_plain_hugging_face_directory(overrides, tmp_path):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from pipeline.learner_state import save_weights
+    from pipeline.weights.learner_state import save_weights
     from pipeline.models.tiny import build_tokenizer
 
     engine = engine_for(overrides)
