@@ -235,7 +235,7 @@ class Learner:
             eos_ids=tuple(generation_eos_ids(model_dir, self.tokenizer)))
         dtype = None if self.lcfg.policy_dtype == "auto" else DTYPES[self.lcfg.policy_dtype]
         self.policies = PolicyPublisher(store, KeyframeRule(self.lcfg.keyframe_every),
-                                        dtype=dtype or DTYPES[self.lcfg.precision])
+                                        dtype=dtype or DTYPES[self.lcfg.precision], work_dir=self.work_dir)
         if must_publish:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.

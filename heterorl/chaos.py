@@ -201,7 +201,8 @@ class ChaosRun:
             time.sleep(0.5)
         self.procs.kill("learner")
         self.learner_kills.append({"newest_published": max(self.policies.list_versions(), default=0),
-                                   "state_step": None if state is None else state.version})
+                                   "state_step": None if state is None else state.version,
+                                   "state_version": 0 if state is None else int(state.extra.get("policy_version", 0))})
         time.sleep(2.0)
         self.start_learner()
 
@@ -286,7 +287,11 @@ def weight_path_audit(bootstrap: str, topic: str, learner_kills: list[dict], cor
              for kill, r in zip(learner_kills, rewinds[1:])]
     return {
         "learner_kills": kills,
-        "versions_reused": sum(k["resumed_as_version"] <= k["newest_published"] for k in kills)
+        # Carrying on as the newest version is right only when that version is the state's own
+        # weights (nothing was published after the state); any other number at or below it is reused.
+        "versions_reused": sum(k["resumed_as_version"] < k["newest_published"]
+                               or (k["resumed_as_version"] == k["newest_published"] != k["state_version"])
+                               for k in kills)
         + max(0, len(learner_kills) - len(rewinds[1:])),  # a kill without a rewind is not accounted for
         "corrupted_deltas": corrupted,
         "sampler_refused_checkpoints": sum(int(r.get("refused_checkpoints", 0)) for r in reports.values()),

@@ -152,8 +152,11 @@ class PolicyPublisher:
     (`pipeline.weights.recovery`), never the policy's."""
 
     def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule(),
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None):
+        """`work_dir`: where each version is staged before upload (default: beside the model
+        directory published; the learner passes its own, so a read-only base model is fine)."""
         self.store = store
+        self.work_dir = work_dir
         self.rule = rule
         self.dtype = dtype
         """The dtype samplers get (None: as saved, the learner's precision)."""
@@ -183,7 +186,7 @@ class PolicyPublisher:
         delta = None if keyframe else self._delta_against_last(version, weights, others)
         kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
                                                                sum(d.nbytes for d in delta.values()), full_bytes)
-        with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=model_dir.parent) as tmp:
+        with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=self.work_dir or model_dir.parent) as tmp:
             staged = Path(tmp)
             for f in others:
                 _link_or_copy(model_dir / f["path"], staged / f["path"])
