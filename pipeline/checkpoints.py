@@ -41,6 +41,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -112,6 +113,16 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """`target` as a hard link to `source` (no bytes copied), or a copy where links fail
+    (another filesystem); its parent is created."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def safe_relpath(name: str) -> str:

@@ -40,6 +40,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from pipeline.checkpoints import link_or_copy
 from pipeline.config import ConfigError, vllm_logprobs_mode
 from pipeline.models import DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
 
@@ -142,12 +143,10 @@ def engine_copy(model_dir: Path) -> Path:
         if not path.is_file():
             continue
         dest = target / path.relative_to(model_dir)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            if not path.name.endswith(".safetensors"):
-                raise OSError("copied")
-            os.link(path, dest)
-        except OSError:
+        if path.name.endswith(".safetensors"):
+            link_or_copy(path, dest)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
     return target
 

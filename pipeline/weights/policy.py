@@ -28,7 +28,6 @@ it has been verified.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -41,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
+                                  link_or_copy,
                                   Manifest, is_pickle_file, safe_relpath, sha256_file)
 from pipeline.errors import UserError
 from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
@@ -189,13 +189,13 @@ class PolicyPublisher:
         with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=self.work_dir or model_dir.parent) as tmp:
             staged = Path(tmp)
             for f in others:
-                _link_or_copy(model_dir / f["path"], staged / f["path"])
+                link_or_copy(model_dir / f["path"], staged / f["path"])
             if kind == KEYFRAME:
                 if cast:
                     _write_weights(weights, staged)
                 else:
                     for name in weights:
-                        _link_or_copy(model_dir / name, staged / name)
+                        link_or_copy(model_dir / name, staged / name)
                 description = {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
                                                            for name, tensors in weights.items()}}
                 self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
@@ -241,14 +241,6 @@ class PolicyPublisher:
         save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
         return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
                 "files": files, "inherit": others}
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:
