@@ -341,10 +341,14 @@ class Learner:
             batch = self.admission.take_batch(time.time())
             if batch:
                 self.train(batch)
-                self.state.report_learner_offsets(self.next_offsets)
+                self.report_position()
             if self.step >= self.lcfg.max_steps:
                 break
-        self.state.report_learner_offsets(self.next_offsets)
+        self.report_position()
+
+    def report_position(self) -> None:
+        """What the learner has judged, and how much of the topic it has not (samplers pace on both)."""
+        self.state.report_learner_offsets(self.next_offsets, self.source.unread(self.next_offsets))
 
     def admit(self, record: RawRecord) -> None:
         """Check the seal, then admit; a kept group's content is checked before it may be used."""
@@ -424,9 +428,7 @@ class Learner:
         if self.link is not None:
             self.link.send(TRAIN, {"groups": [encode_rollout(r) for r in groups], "weights": weights})
         with self.clock.stage("train"):
-            step_metrics = optimizer_step(self.engine, groups, weights, self.lcfg,
-                                          temperature=self.cfg.sampler.temperature,
-                                          max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
+            step_metrics = self.optimize(groups, weights)
         self.version += 1
         self.step += 1
         values = self.recorder.record(self.version, batch, {**step_metrics, **self.clock.take()}, step=self.step)
@@ -441,6 +443,12 @@ class Learner:
         state_due = final or self.recovery.due(self.step, time.monotonic())
         if state_due or self.step % self.lcfg.sync_every == 0:
             self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0, state=state_due, final=final)
+
+    def optimize(self, groups: list[Rollout], weights: list[float]) -> dict:
+        """The optimizer step on this batch (every rank its share); its metrics. (`heterorl
+        loadtest` models it by its time: `heterorl.loadtest.learner`.)"""
+        return optimizer_step(self.engine, groups, weights, self.lcfg, temperature=self.cfg.sampler.temperature,
+                              max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
 
     # ---- save a checkpoint ----------------------------------------------------------
     def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None, *, policy: bool = True,
@@ -476,8 +484,16 @@ class Learner:
 
     # ---- drain ----------------------------------------------------------------------
     def drain_due(self) -> bool:
-        """Whether a drain was requested (SIGUSR1) and every message of the topic has been read."""
-        return self.drain_request.requested and self.source.lag() == 0
+        """Whether a drain was requested (SIGUSR1) and every message of the topic has been read
+        (a broker too busy to say is asked again at the next poll)."""
+        if not self.drain_request.requested:
+            return False
+        try:
+            return self.source.lag() == 0
+        except KafkaError as e:
+            self.log.warning("draining: Kafka at %s did not say where the topic ends (%s); asking again",
+                             self.bootstrap, type(e).__name__)
+            return False
 
     def drain(self) -> None:
         """Train the last, smaller batch and publish, so every message read is accounted for."""

@@ -37,6 +37,7 @@ examples:
   heterorl weights fetch s3://heterorl/demo/v100/ --out final-model  # a verified HF directory
   heterorl compare runs/demo runs/gspo
   heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
+  heterorl loadtest --samplers 1,4,16 --out runs/loadtest   # capacity rig: loadtest.json + PNG
   heterorl attack --config demo --minutes 3 --out runs/attack # adversaries + attack_audit.json
   heterorl down                                      # data is kept; --wipe deletes it
 """
@@ -256,6 +257,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "only locates the cached base model")
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
 
+    p = sub.add_parser("loadtest", help="how far one learner, Redis and broker scale: simulated samplers on modeled "
+                                        "hardware, async against lock-step",
+                       description="Starts a local stack in OUT/data and, for each fleet size, the product's learner "
+                                   "(its optimizer step and model-sized checks modeled by their time) and N simulated "
+                                   "samplers (the product's sampler code; generation modeled by each sampler's "
+                                   "tokens/s from the fleet profile), each behind its own fault-proxy link. Measures "
+                                   "loadtest.measure_s seconds per row, audits every group, then runs the lock-step "
+                                   "baseline on the same fleets. Writes OUT/loadtest.json and OUT/loadtest.png "
+                                   "(docs/loadtest.md). Exit status 1 if a group was lost or used twice.")
+    _add_config_args(p)
+    p.add_argument("--samplers", metavar="N,N,...", type=_sampler_counts,
+                   help="fleet sizes, one row each (default loadtest.samplers: 1,4,16,64,256)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory: loadtest.json, loadtest.png, each "
+                                                               "case's logs and measurements, the servers' data")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the async-against-lock-step comparison (loadtest.compare_fleets)")
+    p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
+
     p = sub.add_parser("weights", help="published policy weights: take any version home as a plain model directory")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = actions.add_parser("fetch", help="rebuild a published version (keyframe or delta) into a Hugging Face directory",
@@ -434,6 +453,24 @@ def _cmd_chaos(args) -> int:
                      keep_stack=args.keep_stack)
 
 
+def _sampler_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sampler counts like 1,4,16, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"expected sampler counts >= 1 like 1,4,16, got {text!r}")
+    return counts
+
+
+def _cmd_loadtest(args) -> int:
+    args.config = args.config or "loadtest"
+    cfg = _load(args, local_stack=False)
+    from heterorl.loadtest.rig import run_loadtest
+
+    return run_loadtest(cfg, Path(args.out), args.samplers, compare=not args.no_compare, keep_stack=args.keep_stack)
+
+
 def _cmd_weights(args) -> int:
     cfg = _load(args)
     from pipeline.checkpoints import connect_s3
@@ -470,10 +507,11 @@ def _cmd_train(args) -> int:
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
             "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
             "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
-            "chaos": _cmd_chaos, "keys": _cmd_keys, "weights": _cmd_weights, "attack": _cmd_attack, "adversary": _cmd_adversary}
+            "chaos": _cmd_chaos, "keys": _cmd_keys, "weights": _cmd_weights, "attack": _cmd_attack, "adversary": _cmd_adversary,
+            "loadtest": _cmd_loadtest}
 
 
-SUPERVISORS = ("train", "chaos", "attack", "study")
+SUPERVISORS = ("train", "chaos", "attack", "study", "loadtest")
 """Commands that start processes of their own (each in a session of its own)."""
 
 

@@ -645,7 +645,7 @@ REDIS_ACL_FILE = "users.acl"
 # Keys under heterorl:<run>: (pipeline/redis_state.py, pipeline/keyring.py) that a sampler
 # writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
-                  "prompt_cursor", "claim_stats", "meta")
+                  "prompt_cursor", "claim_stats", "claims_sweep", "meta")
 SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine")
 # Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
 # command (the categories cover them); scripts and MULTI/EXEC stay, the product needs both.

@@ -460,6 +460,95 @@ class StudyConfig(_Strict):
         return sorted(set(v))
 
 
+class GpuClassConfig(_Strict):
+    """One kind of sampler hardware in a `heterorl loadtest` fleet, and the WAN link its samplers sit behind."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+    """Label in the report (e.g. h100)."""
+    share: float = Field(gt=0)
+    """Its part of the fleet (shares are normalised over the fleet's classes)."""
+    tokens_per_s: float = Field(gt=0)
+    """Completion tokens one sampler of this class generates per second, all sequences of a batch
+    together (a batched vLLM engine's throughput on the model being trained)."""
+    weight_load_s: float = Field(1.0, ge=0)
+    """Seconds its engine needs to take verified new weights in (a vLLM reload), during which it
+    does not generate."""
+    latency_ms: float = Field(40.0, ge=0)
+    """One-way latency of its link to Redis and S3 (infra.fault_proxy), and of its groups' transit."""
+    jitter_ms: float = Field(10.0, ge=0)
+    """Extra one-way latency drawn uniformly from [0, jitter_ms] per chunk."""
+    bandwidth_mbit_s: Optional[float] = Field(100.0, gt=0)
+    """Its link's bandwidth per connection and direction (None: unlimited)."""
+    resets_per_hour: float = Field(0.0, ge=0)
+    """Connections of its link reset this often (a flaky WAN)."""
+
+
+def _default_fleets() -> dict[str, list[GpuClassConfig]]:
+    classes = {"h100": (5000.0, 40.0), "a100": (3000.0, 60.0), "l4": (1000.0, 90.0)}
+    hetero = [GpuClassConfig(name=n, share=1.0, tokens_per_s=t, latency_ms=lat) for n, (t, lat) in classes.items()]
+    return {"uniform": [GpuClassConfig(name="a100", share=1.0, tokens_per_s=3000.0, latency_ms=60.0)],
+            "heterogeneous": hetero}
+
+
+class LoadtestConfig(_Strict):
+    """`heterorl loadtest`: simulated samplers whose generation is modeled by their hardware's
+    speed, everything else the product's code (docs/loadtest.md). The learner, sampler and
+    security sections of the config apply to the rig's learner and samplers as to a run."""
+
+    samplers: list[int] = Field(default_factory=lambda: [1, 4, 16, 64, 256], min_length=1)
+    """Fleet sizes, one report row each (--samplers wins)."""
+    fleets: dict[str, list[GpuClassConfig]] = Field(default_factory=_default_fleets)
+    """Named fleet profiles: the classes each fleet is made of."""
+    fleet: str = "heterogeneous"
+    """The profile of the scaling rows."""
+    compare_fleets: list[str] = Field(default_factory=lambda: ["uniform", "heterogeneous"])
+    """Profiles on which async is measured against the lock-step baseline."""
+    compare_samplers: int = Field(16, ge=1)
+    """Fleet size of the async-against-sync comparison."""
+    warmup_s: float = Field(20.0, ge=0)
+    """Seconds after the first step before measuring (the fleet fills its pipeline)."""
+    measure_s: float = Field(60.0, gt=0)
+    """Seconds measured per row."""
+    samplers_per_process: int = Field(32, ge=1)
+    """Simulated samplers sharing one process (each keeps its own clients, key, spool and link)."""
+    prompt_tokens: int = Field(256, ge=1)
+    """Prompt length of the modeled groups."""
+    completion_tokens_median: float = Field(300.0, gt=0)
+    """Median completion length; lengths are log-normal, cut at `sampler.max_new_tokens`."""
+    completion_tokens_sigma: float = Field(0.8, ge=0)
+    """Log-normal sigma of completion lengths (0: every completion the median)."""
+    vocab_size: int = Field(49152, ge=2)
+    """Token ids of the modeled messages are drawn below this (SmolLM2's vocabulary)."""
+    reward_p: float = Field(0.5, ge=0, le=1)
+    """Chance a modeled completion is rewarded 1 (else 0)."""
+    learner_step_s: float = Field(4.0, gt=0)
+    """Modeled time of one optimizer step on `learner.groups_per_step` groups."""
+    reward_check_s_per_group: float = Field(0.005, ge=0)
+    """Modeled cost of the learner re-scoring one group's rewards (`security.rescore_rewards`)."""
+    logprob_check_s_per_group: float = Field(0.04, ge=0)
+    """Modeled cost of the learner re-scoring one group's log-probs (`security.check_logprobs`:
+    every group of staleness 0, a share of stale ones)."""
+    weight_change_share: float = Field(0.01, ge=0, le=1)
+    """Share of the weights each modeled step changes (the delta a real step makes, docs/weights.md)."""
+
+    @model_validator(mode="after")
+    def _fleets_named(self) -> "LoadtestConfig":
+        for name in [self.fleet, *self.compare_fleets]:
+            if name not in self.fleets:
+                raise ValueError(f"loadtest fleet {name!r} is not in loadtest.fleets ({', '.join(self.fleets)})")
+        for name, classes in self.fleets.items():
+            if not classes:
+                raise ValueError(f"loadtest.fleets.{name} has no classes")
+        return self
+
+    @field_validator("samplers")
+    @classmethod
+    def _positive_counts(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v):
+            raise ValueError("sampler counts are >= 1")
+        return v
+
+
 class EvalConfig(_Strict):
     n_samples: int = Field(4, ge=1)
     """Samples per held-out problem at the sampling temperature (sampled accuracy)."""
@@ -574,6 +663,8 @@ class HeteroConfig(_Strict):
     """Signatures, key files and the checks of samplers' data."""
     study: StudyConfig = StudyConfig()
     """The grid of `heterorl study delay` run on this config."""
+    loadtest: LoadtestConfig = LoadtestConfig()
+    """The capacity rig `heterorl loadtest` (docs/loadtest.md)."""
 
 
 # The environment variables that point every process at the servers (`heterorl env`

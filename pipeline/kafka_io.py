@@ -208,6 +208,14 @@ class RolloutSource:
                    for tp in sorted(batches, key=lambda t: t.partition) for r in batches[tp]]
         return records
 
+    def unread(self, judged: dict[int, int]) -> Optional[int]:
+        """Messages past `judged` (next offset per partition), by the high watermarks of the latest
+        fetches (no request: cheap enough for every poll); None until every partition was fetched."""
+        marks = {tp.partition: self.consumer.highwater(tp) for tp in self.partitions}
+        if any(mark is None for mark in marks.values()):
+            return None
+        return sum(max(0, mark - judged.get(p, 0)) for p, mark in marks.items())
+
     def positions(self) -> dict[int, int]:
         """Next offset to read per partition (what a checkpoint stores to resume)."""
         return {tp.partition: self.consumer.position(tp, timeout_ms=30000) for tp in self.partitions}

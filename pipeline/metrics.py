@@ -17,24 +17,30 @@ from typing import Iterator, Optional
 
 
 class StageClock:
-    """Wall seconds a process spent in each named stage since the last `take()`: where a
-    learner step's time went (`time_train_s`, `time_screen_s`, ... in its metrics record)."""
+    """Wall and CPU seconds a process spent in each named stage since the last `take()`: where a
+    learner step's time went (`time_train_s`, `time_screen_s`, ... in its metrics record) and how
+    much of it was computation on this thread (`cpu_train_s`, ...; waiting, sleeping and other
+    threads' work are not)."""
 
     def __init__(self):
         self._seconds: Counter = Counter()
+        self._cpu_seconds: Counter = Counter()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self._seconds[name] += time.perf_counter() - started
+            self._cpu_seconds[name] += time.thread_time() - cpu_started
 
     def take(self) -> dict[str, float]:
-        """`{"time_<stage>_s": seconds}` since the last call, and start again."""
+        """`{"time_<stage>_s": wall seconds, "cpu_<stage>_s": CPU seconds}` since the last call, and start again."""
         out = {f"time_{name}_s": seconds for name, seconds in sorted(self._seconds.items())}
+        out |= {f"cpu_{name}_s": seconds for name, seconds in sorted(self._cpu_seconds.items())}
         self._seconds.clear()
+        self._cpu_seconds.clear()
         return out
 
 

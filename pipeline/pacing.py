@@ -9,6 +9,8 @@ make now could not be used or has nowhere to go:
   the groups already queued ahead will take, that a new group would arrive past the
   learner's max delay and be dropped (`too_far_behind`);
 - `backlog`: the learner has more than `sampler.max_backlog_groups` groups to read.
+The backlog is the fleet's: groups being generated (claimed prompts), spooled here, and in
+the topic but not yet judged by the learner.
 
 The sampler reads what this needs from Redis once (`pipeline.redis_state.RunView`), and
 each check here is a plain function of those numbers, so it is tested without servers.
@@ -45,10 +47,20 @@ class Pacing:
         self.max_backlog_groups = max_backlog_groups
 
     @staticmethod
-    def backlog(waiting_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int]) -> int:
-        """Groups the learner has not read yet: those still here (in transit or spooled), plus
-        those in the topic up to what the broker acknowledged to us, past the learner's position."""
-        return waiting_here + sum(max(0, end - learner_offsets.get(p, 0)) for p, end in acked_up_to.items())
+    def backlog(spooled_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int],
+                learner_unread: Optional[int] = None, in_flight: int = 0) -> int:
+        """Groups ahead of the next one this sampler would make: those the fleet is still
+        generating or holding in transit (`in_flight`: prompts claimed and not yet spooled,
+        this sampler's included), those spooled here, and those in the topic the learner has
+        not judged yet: `learner_unread` as the learner reports it, or at least what the broker
+        acknowledged to us past the learner's position.
+
+        Counting the whole fleet matters: each sampler alone sees only its own groups, so with
+        many samplers the groups in flight and those acknowledged to others went uncounted,
+        the queue grew past the max delay and most of it was dropped (`heterorl loadtest`,
+        docs/loadtest.md)."""
+        ours = sum(max(0, end - learner_offsets.get(p, 0)) for p, end in acked_up_to.items())
+        return in_flight + spooled_here + max(ours, learner_unread or 0)
 
     def behind(self, newest: Optional[int], current: Optional[int], backlog: int) -> bool:
         return too_far_behind(newest, current, backlog, self.groups_per_step, self.max_delay_steps)

@@ -342,6 +342,13 @@ class RunState:
                 reissued += self._reissue_claims_of(owner, sorted(by_owner[owner]))
         return sorted(reissued)
 
+    def claim_sweep_due(self, every_s: float) -> bool:
+        """Whether this caller should run `reissue_expired_claims` now: True for one caller per
+        `every_s` seconds across the whole fleet (a token, SET NX PX). The sweep costs one
+        command per claim owner, so with every sampler sweeping at every heartbeat Redis's work
+        grew with the square of the fleet (`heterorl loadtest`, docs/loadtest.md)."""
+        return bool(self.client.set(self.prefix + "claims_sweep", "1", nx=True, px=max(1, int(every_s * 1000))))
+
     def _claims_by_owner(self) -> dict[str, list[int]]:
         by_owner: dict[str, list[int]] = {}
         for index, owner in self.client.hscan_iter(self.prefix + "claims", count=1000):
@@ -385,9 +392,13 @@ class RunState:
     def learner_progress(self) -> dict:
         return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "learner").items()}
 
-    def report_learner_offsets(self, offsets: dict[int, int]) -> None:
-        """Next offset the learner will read, per partition (samplers derive their backlog)."""
-        self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}})
+    def report_learner_offsets(self, offsets: dict[int, int], unread: Optional[int] = None) -> None:
+        """Next offset the learner will judge, per partition, and how many messages of the topic it
+        has not judged yet (samplers pace themselves on these)."""
+        progress = {"offsets": {str(p): o for p, o in offsets.items()}}
+        if unread is not None:
+            progress["unread"] = unread
+        self.report_learner(progress)
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")
@@ -397,14 +408,18 @@ class RunState:
         """What a sampler paces itself on, in one round trip: the learner's position and (unless
         not `with_policy`: then None) the newest policy."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.hget(self.prefix + "learner", "offsets")
+        pipe.hmget(self.prefix + "learner", ["offsets", "unread"])
+        pipe.hlen(self.prefix + "claims")
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
-        offsets, *policy = pipe.execute()
+        (offsets, unread), in_flight, *policy = pipe.execute()
+        position = dict(learner_offsets=_offsets(offsets), learner_unread=None if unread is None else int(unread),
+                        in_flight=int(in_flight))
         if not policy or not policy[0]:
-            return RunView(None, None, _offsets(offsets))
+            return RunView(None, None, **position)
         p = policy[0]
-        return RunView(int(p["version"]), p["manifest_key"], _offsets(offsets), p.get("updated_at"), p.get("signature"))
+        return RunView(int(p["version"]), p["manifest_key"], updated_at=p.get("updated_at"),
+                       signature=p.get("signature"), **position)
 
 
 @dataclass(frozen=True)
@@ -420,6 +435,10 @@ class RunView:
     updated_at: Optional[str] = None
     signature: Optional[str] = None
     """The learner's signature over (run, version, manifest_key, updated_at), if any."""
+    learner_unread: Optional[int] = None
+    """Messages in the topic the learner has not judged yet, as it last reported (None: not known)."""
+    in_flight: int = 0
+    """Prompts claimed by the fleet whose groups are not spooled yet (being generated or in transit)."""
 
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:

@@ -305,7 +305,9 @@ PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s"
                "redis": "paused_redis_s"}
 """Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
 PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2}
-"""How long one pause of each kind sleeps before the next turn looks again."""
+"""How long the first pause of each kind sleeps before the next turn looks again."""
+PAUSE_MAX_S = 1.0
+"""Pauses of the same kind in a row double up to this long."""
 
 
 class Sampler:
@@ -330,6 +332,8 @@ class Sampler:
         """Seconds spent in the engine's sample() (the rest of a sampler's time: pauses, loads, I/O)."""
         self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
         self.stalled = False
+        self.last_pause: Optional[str] = None
+        self.pause_streak = 0
         self.verifier_errors_logged = 0
         self.refused_pointer: Optional[tuple] = None
         self.refused_pointers = 0
@@ -376,6 +380,7 @@ class Sampler:
             self.pause(reason)
             return True
         self.stalled = False
+        self.last_pause = None
         self.generate()
         if self.scfg.max_groups is not None and self.generated >= self.scfg.max_groups:
             self.log.info("generated %d groups (sampler.max_groups); stopping", self.generated)
@@ -385,14 +390,7 @@ class Sampler:
     # ---- start ----------------------------------------------------------------------
     def start(self) -> None:
         """Connect (waiting out an outage), recover the spool, announce the sampler."""
-        torch.set_num_threads(self.scfg.torch_threads)
-        device = resolve_device(self.cfg.model.device)
-        sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
-        backend = pick_backend(self.scfg.backend, device, sampling)
-        engine = make_engine(backend, sampling, device, precision=self.scfg.precision,  # a missing engine fails
-                             kv_cache_gib=self.scfg.vllm_kv_cache_gib,  # here, before any server is waited for
-                             max_model_len=self.scfg.vllm_max_model_len,
-                             gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
+        engine = self.make_policy_engine()  # a missing engine fails here, before any server is waited for
         self.signer = self._signing_key()
         self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
         self.handles = self._connect()
@@ -414,11 +412,26 @@ class Sampler:
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
-        self.stop = StopRequest()  # from here on, a stop sends what it can and releases the lease
+        self.stop = self.make_stop_request()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
-                      self.sampler_id, backend, self.scfg.precision, device, self.cfg.run.topic, self.seed,
+                      self.sampler_id, engine.backend, self.scfg.precision, engine.device, self.cfg.run.topic, self.seed,
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
+
+    def make_policy_engine(self) -> PolicyEngine:
+        """The generation engine of `sampler.backend` on `model.device` (`heterorl loadtest` models
+        one by its hardware's speed: `heterorl.loadtest.fleet`)."""
+        torch.set_num_threads(self.scfg.torch_threads)
+        device = resolve_device(self.cfg.model.device)
+        sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
+        return make_engine(pick_backend(self.scfg.backend, device, sampling), sampling, device,
+                           precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
+                           max_model_len=self.scfg.vllm_max_model_len,
+                           gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
+
+    def make_stop_request(self):
+        """What `run()` checks to stop (`.requested`): SIGTERM/SIGINT, for a sampler that is a process."""
+        return StopRequest()
 
     def _signing_key(self) -> Optional[SigningKey]:
         """This sampler's key (HETERORL_SAMPLER_KEY, security.sampler_key or the keys folder);
@@ -464,7 +477,8 @@ class Sampler:
             "backend": self.policy.engine.backend, "weight_load_s": self.policy.last_load_s,
             "held_in_transit": len(self.outbox.held), **self.totals(),
         }, self.scfg.lease_ttl_s)
-        self.state.reissue_expired_claims()  # any live sampler hands back the claims of dead ones
+        if self.state.claim_sweep_due(self.scfg.heartbeat_interval_s):  # one live sampler per interval
+            self.state.reissue_expired_claims()  # hands back the claims of dead ones
         touch_heartbeat_file()
         self.last_heartbeat = now  # only once it succeeded: after a Redis error the next turn tries again
 
@@ -540,7 +554,11 @@ class Sampler:
             self.stalled = True
         elif reason == "backlog":
             self.stalled = False
-        seconds = PAUSE_SECONDS[reason]
+        # The same pause again and again backs off (up to PAUSE_MAX_S): a paused sampler's Redis
+        # reads would otherwise grow the fleet's load with its size (docs/loadtest.md).
+        self.pause_streak = self.pause_streak + 1 if reason == self.last_pause else 0
+        self.last_pause = reason
+        seconds = min(PAUSE_SECONDS[reason] * 2 ** self.pause_streak, max(PAUSE_MAX_S, PAUSE_SECONDS[reason]))
         time.sleep(seconds)
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
@@ -585,7 +603,8 @@ class Sampler:
             self.verifier_errors_logged = errors
 
     def backlog(self, view: RunView) -> int:
-        return self.pacing.backlog(self.outbox.waiting(), self.outbox.acked_up_to, view.learner_offsets)
+        return self.pacing.backlog(self.outbox.spool.pending(), self.outbox.acked_up_to, view.learner_offsets,
+                                   view.learner_unread, view.in_flight)
 
     def confirm_claims(self) -> None:
         """Prompts whose groups are safely on disk are done: nobody needs to redo them."""

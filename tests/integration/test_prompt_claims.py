@@ -216,3 +216,24 @@ def test_joins_and_leaves_neither_skip_nor_duplicate_work(state):
     assert s["reissued"] > 0 and s["late_completions"] > 0  # the session did exercise both paths
     assert sorted(done) == list(range(s["cursor"]))  # nothing skipped
     assert set(done.values()) == {1}  # nothing counted done twice
+
+
+def test_one_sampler_per_interval_sweeps_for_the_whole_fleet(state):
+    # 32 samplers' heartbeats at once: exactly one wins the sweep; after the interval, one again.
+    winners = in_threads(32, lambda _: state.claim_sweep_due(0.5))
+    assert winners.count(True) == 1
+    assert not state.claim_sweep_due(0.5)
+    time.sleep(0.6)
+    assert state.claim_sweep_due(0.5)
+
+
+def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_count(state):
+    view = state.sampler_view()
+    assert view.in_flight == 0 and view.learner_unread is None and view.newest_version is None
+    state.claim_prompts("a", 3)
+    state.claim_prompts("b", 2)
+    state.report_learner_offsets({0: 17}, unread=40)
+    view = state.sampler_view(with_policy=False)
+    assert view.in_flight == 5 and view.learner_unread == 40 and view.learner_offsets == {0: 17}
+    state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight
+    assert state.sampler_view().in_flight == 2

@@ -14,9 +14,22 @@ def test_too_far_behind_counts_versions_behind_and_queued_steps():
 
 
 def test_backlog_counts_what_is_here_and_what_the_learner_has_not_read():
-    # 3 waiting here; partition 0 acknowledged up to 100, learner at 90; partition 1 not read at all.
+    # 3 spooled here; partition 0 acknowledged up to 100, learner at 90; partition 1 not read at all.
     assert Pacing.backlog(3, {0: 100, 1: 5}, {0: 90}) == 3 + 10 + 5
     assert Pacing.backlog(0, {0: 100}, {0: 120}) == 0  # the learner is past what we know of
+
+
+def test_backlog_is_the_fleets_not_this_samplers():
+    # The learner says 40 messages are unread, more than we have seen acknowledged (15): 40 count.
+    assert Pacing.backlog(3, {0: 100, 1: 5}, {0: 90}, learner_unread=40) == 3 + 40
+    # A stale report (the learner read on since) never hides what the broker acknowledged to us.
+    assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2) == 10
+    # Groups being generated anywhere in the fleet (claimed prompts not yet spooled) are ahead too.
+    assert Pacing.backlog(0, {}, {}, learner_unread=0, in_flight=48) == 48
+    # 64 samplers each with a batch in flight fill the learner's max delay before any reaches the topic.
+    p = Pacing(groups_per_step=32, max_delay_steps=4, max_backlog_groups=None)
+    assert p.pause_reason(has_policy=True, spool_has_room=True, newest=7, current=7,
+                          backlog=Pacing.backlog(0, {}, {}, learner_unread=0, in_flight=64 * 4)) == "behind"
 
 
 def test_each_pause_reason_in_the_order_it_is_checked():

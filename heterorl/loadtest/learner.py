@@ -1,0 +1,94 @@
+"""The rig's learner: `consumers.learner.Learner` with what scales with the model modeled.
+
+Real: reading the topic, decoding, the signature check against the key registry,
+admission (staleness, duplicates, limits), strikes, the update log, the metrics, and the
+weight path (the policy snapshot of the configured model, a keyframe or a delta, uploaded,
+signed and announced in Redis by the background publisher; recovery states).
+
+Modeled by their time (`loadtest.*`), because on an LLM they run on the learner's GPUs:
+the optimizer step (`learner_step_s`, then `weight_change_share` of the weights changed so
+the deltas have a real step's size), re-scoring a group's rewards (its text would have to
+be decoded and verified) and its log-probs (a forward pass). Run by the rig as
+`python -m heterorl.loadtest.learner CONFIG.json RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from consumers.learner import Learner
+from consumers.screening import GroupScreen
+from pipeline.admission import RolloutLimits
+from pipeline.config import HeteroConfig, LoadtestConfig, SecurityConfig
+from pipeline.rollout import Rollout
+
+
+class ModeledScreen(GroupScreen):
+    """`GroupScreen`'s choice of which groups are checked, each check costing its modeled time
+    and passing (the rig's samplers are honest; the attack rig tests the real checks)."""
+
+    def __init__(self, security: SecurityConfig, lt: LoadtestConfig):
+        super().__init__(security, task=None, tokenizer=None, temperature=1.0, current_policy=lambda: None, past=None)
+        self.lt = lt
+
+    def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
+        time.sleep(self.lt.reward_check_s_per_group)
+        self.counts["rewards_rescored"] += 1
+        return []
+
+    def _logprobs(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
+        if not self.security.check_logprobs:
+            return []
+        who = rollout.key_id or rollout.sampler_id
+        on_probation = self.checked[who] < self.security.probation_groups
+        if staleness == 0 or on_probation or self.draw.random() < self.security.stale_logprob_check_fraction:
+            self.checked[who] += 1
+            time.sleep(self.lt.logprob_check_s_per_group)
+            self.counts["logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale"] += 1
+        return []
+
+    def remember(self, version, model_dir, module=None) -> None:
+        pass
+
+
+class ModeledLearner(Learner):
+    """The product's learner whose optimizer step and model-sized checks take their modeled time."""
+
+    def _load_policy(self) -> None:
+        super()._load_policy()
+        lt, scfg = self.cfg.loadtest, self.cfg.sampler
+        # The modeled groups are an LLM's: its vocabulary and lengths, not the small model's.
+        self.limits = RolloutLimits(vocab_size=lt.vocab_size, temperature=scfg.temperature,
+                                    max_new_tokens=scfg.max_new_tokens,
+                                    max_positions=lt.prompt_tokens + scfg.max_new_tokens)
+        self.changes = torch.Generator().manual_seed(self.cfg.run.seed)
+
+    def _open_trust(self) -> None:
+        super()._open_trust()
+        self.screen = ModeledScreen(self.cfg.security, self.cfg.loadtest)
+
+    def optimize(self, groups: list[Rollout], weights: list[float]) -> dict:
+        lt = self.cfg.loadtest
+        time.sleep(lt.learner_step_s)
+        with torch.no_grad():  # a step's worth of changed weights, so the deltas are a real step's size
+            for param in self.engine.module.parameters():
+                changed = torch.rand(param.shape, generator=self.changes) < lt.weight_change_share
+                param.add_(changed * torch.randn(param.shape, generator=self.changes).to(param.dtype) * 1e-3)
+        rewards = [x for g in groups for x in g.rewards]
+        return {"loss": 0.0, "reward_mean": sum(rewards) / max(1, len(rewards)),
+                "sequences": sum(g.group_size for g in groups),
+                "completion_tokens": float(sum(len(c) for g in groups for c in g.completion_ids)),
+                "lr": self.lcfg.lr}
+
+
+def main(argv: list[str]) -> int:
+    config, run_dir = argv
+    return ModeledLearner(HeteroConfig.model_validate_json(Path(config).read_text()), Path(run_dir)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,333 @@
+"""`heterorl loadtest`: one local stack, then one measured case per row.
+
+A case (N samplers of a fleet profile, asynchronous or lock-step) is a fresh run on the
+shared stack: its own topic, Redis keys, S3 prefix and sampler keys. The rig starts the
+modeled learner (`heterorl.loadtest.learner`) and N simulated samplers in worker processes
+(`heterorl.loadtest.worker`), waits for the first step and `loadtest.warmup_s`, measures
+for `loadtest.measure_s` (snapshots of Redis, the broker's link, the workers' links and the
+learner's records at both ends, a Redis latency probe in between), then stops the samplers
+(they flush their spools), drains the learner and audits the topic (`pipeline.audit`):
+every group produced is used, dropped or pending, none used twice.
+
+Every process reaches the broker through one pass-through proxy route (the broker
+advertises one address), which counts the broker's bytes; the samplers reach Redis and S3
+through their own links, the learner directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from heterorl.keys import provision_local
+from heterorl.processes import RunFailed
+from heterorl.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_quotas
+from heterorl.loadtest.report import case_row, failed_row, write_report
+from infra.fault_proxy import FaultProxy, FaultSpec, Route
+from infra.local_stack import stack_services, start_stack, stop_stack
+from pipeline.audit import audit_topic
+from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.config import HeteroConfig
+from pipeline.errors import UserError
+from pipeline.redis_state import RunState, connect_redis
+from pipeline.runtime import resolve_base_model, setup_logging
+from pipeline.services import Services, free_port
+from pipeline.update_log import read_entries_file
+from pipeline.weights.recovery import latest_state, recovery_store
+
+FIRST_STEP_TIMEOUT_S = 600.0
+PROBE_EVERY_S = 0.02
+
+
+@dataclass(frozen=True)
+class Case:
+    samplers: int
+    fleet: str
+    mode: str  # "async" | "sync"
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}-{self.fleet}-n{self.samplers}"
+
+
+def services_update(services: Services) -> dict:
+    """ServicesConfig fields that point a role process at `services`."""
+    return {"kafka_bootstrap": services.kafka_bootstrap, "redis_url": services.redis_url,
+            "s3_endpoint": services.s3_endpoint, "s3_access_key": services.s3_access_key,
+            "s3_secret_key": services.s3_secret_key, "s3_region": services.s3_region, "bucket": services.bucket}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of this machine since boot (/proc/stat)."""
+    values = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]
+    return float(sum(values) - idle), float(sum(values))
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class RedisProbe:
+    """Round trips of one PING, every PROBE_EVERY_S, from a direct client: Redis's latency under load."""
+
+    def __init__(self, url: str):
+        self.client = connect_redis(url)
+        self.latencies: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(PROBE_EVERY_S):
+            started = time.perf_counter()
+            try:
+                self.client.ping()
+            except Exception:  # noqa: BLE001 - a failed probe is a very slow one
+                self.latencies.append(float("inf"))
+                continue
+            self.latencies.append(time.perf_counter() - started)
+
+    def __enter__(self) -> "RedisProbe":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class Rig:
+    """The local stack behind the broker's proxy route, and the cases run on it."""
+
+    def __init__(self, cfg: HeteroConfig, out: Path, log):
+        self.cfg, self.out, self.log = cfg, out, log
+        self.data_dir = out / "data"
+        taken: set[int] = set()
+        ports = {name: free_port(taken) for name in ("kafka", "redis", "s3", "proxy-kafka")}
+        self.proxy = FaultProxy([Route("kafka", ports["proxy-kafka"], "127.0.0.1", ports["kafka"])],
+                                FaultSpec()).start()
+        self.stack = start_stack(self.data_dir, kafka_port=ports["kafka"], redis_port=ports["redis"],
+                                 s3_port=ports["s3"], kafka_advertised=self.proxy.address("kafka"))
+        self.admin = stack_services(self.stack)
+        self.admin_redis = connect_redis(self.stack.redis_url)
+        self.s3 = connect_s3(self.admin)
+        self.bootstrap = self.proxy.address("kafka")
+
+    def close(self, keep_stack: bool = False) -> None:
+        if not keep_stack:
+            stop_stack(self.data_dir)
+        self.proxy.stop()
+
+    def role_config(self, cfg: HeteroConfig, role: str) -> HeteroConfig:
+        services = stack_services(self.stack, role)
+        return cfg.model_copy(update={"services": cfg.services.model_copy(update={
+            **services_update(services), "kafka_bootstrap": self.bootstrap})})
+
+    # ---- one case --------------------------------------------------------------------
+    def run_case(self, case: Case) -> dict:
+        lt = self.cfg.loadtest
+        case_dir = self.out / case.label
+        case_dir.mkdir(parents=True, exist_ok=False)
+        name = f"{self.cfg.run.name}-{case.label}-{time.strftime('%H%M%S')}"
+        learner_update = {"max_steps": 10**9, "idle_timeout_s": max(600.0, self.cfg.learner.idle_timeout_s)}
+        if case.mode == "sync":
+            learner_update["max_delay_steps"] = 0  # lock-step: every group is of the current version
+        cfg = self.cfg.model_copy(update={
+            "run": self.cfg.run.model_copy(update={"name": name, "rollout_topic": None}),
+            "learner": self.cfg.learner.model_copy(update=learner_update)})
+        ids = [f"{case.mode[0]}{case.samplers}-{i:04d}" for i in range(case.samplers)]
+        classes = assign_classes(lt.fleets[case.fleet], case.samplers)
+        quotas = lockstep_quotas(cfg.learner.groups_per_step, case.samplers)
+        provision_local(cfg, self.admin_redis, ids)
+
+        learner_cfg = case_dir / "learner.json"
+        learner_cfg.write_text(self.role_config(cfg, "learner").model_dump_json())
+        procs: dict[str, subprocess.Popen] = {}
+        logs = case_dir / "logs"
+        logs.mkdir()
+
+        def start(proc_name: str, module: str, *args: str) -> None:
+            with open(logs / f"{proc_name}.log", "ab") as f:
+                procs[proc_name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=f,
+                                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+        state = RunState(self.admin_redis, name)
+        try:
+            start("learner", "heterorl.loadtest.learner", str(learner_cfg), str(case_dir))
+            sampler_cfg = json.loads(self.role_config(cfg, "sampler").model_dump_json())
+            workers = []
+            per = lt.samplers_per_process
+            for w, first in enumerate(range(0, case.samplers, per)):
+                spec = {"config": sampler_cfg, "mode": case.mode, "seed": cfg.run.seed + w,
+                        "stats_path": str(case_dir / f"worker{w}.stats.json"),
+                        "samplers": [{"id": ids[i], "class": classes[i].model_dump(), "quota": quotas[i]}
+                                     for i in range(first, min(first + per, case.samplers))]}
+                (case_dir / f"worker{w}.json").write_text(json.dumps(spec))
+                start(f"worker{w}", "heterorl.loadtest.worker", str(case_dir / f"worker{w}.json"))
+                workers.append(f"worker{w}")
+            self._wait_first_step(case_dir, procs)
+            self._sleep(lt.warmup_s, procs, f"{case.label} warm-up")
+            before = self._snapshot(case_dir, procs, workers, state)
+            with RedisProbe(self.stack.redis_url) as probe:
+                self._sleep(lt.measure_s, procs, f"{case.label} measuring")
+            after = self._snapshot(case_dir, procs, workers, state)
+            latencies = list(probe.latencies)
+            ended = self._stop(procs, workers)
+            store = CheckpointStore(self.s3, self.admin.bucket, name)
+            final = latest_state(recovery_store(store))
+            audit = audit_topic(self.bootstrap, cfg.run.topic, final.extra if final else {},
+                                {**state.expired_samplers(within_s=10**9), **state.sampler_stats()})
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+        measurement = {"case": {"samplers": case.samplers, "fleet": case.fleet, "mode": case.mode, "run": name},
+                       "before": before, "after": after, "redis_probe_s": latencies, "audit": audit,
+                       "exit_codes": ended,
+                       "updates": [asdict(e) for e in read_entries_file(case_dir / "updates.jsonl")],
+                       "metrics": [json.loads(line) for line in (case_dir / "metrics.jsonl").read_text().splitlines()
+                                   if line.strip()],
+                       "supply_groups_per_s": expected_groups_per_s(lt.fleets[case.fleet], case.samplers, lt,
+                                                                     cfg.sampler.group_size),
+                       "classes": [c.name for c in classes]}
+        (case_dir / "measurement.json").write_text(json.dumps(measurement))
+        row = case_row(measurement, cfg)
+        (case_dir / "row.json").write_text(json.dumps(row, indent=1))
+        return row
+
+    def _wait_first_step(self, case_dir: Path, procs: dict) -> None:
+        deadline = time.monotonic() + FIRST_STEP_TIMEOUT_S
+        metrics = case_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"kind": "learner"' in metrics.read_text()):
+            self._check_alive(procs)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"no learner step within {FIRST_STEP_TIMEOUT_S:.0f}s (logs in {case_dir / 'logs'})")
+            time.sleep(0.5)
+
+    def _sleep(self, seconds: float, procs: dict, what: str) -> None:
+        end = time.monotonic() + seconds
+        with tqdm(total=int(seconds), desc=what, unit="s", file=sys.stderr, disable=None, leave=False) as bar:
+            while (left := end - time.monotonic()) > 0:
+                self._check_alive(procs)
+                time.sleep(min(1.0, left))
+                bar.n = int(seconds - max(0.0, end - time.monotonic()))
+                bar.refresh()
+
+    @staticmethod
+    def _check_alive(procs: dict) -> None:
+        for proc_name, p in procs.items():
+            if p.poll() is not None:
+                raise RunFailed(f"{proc_name} exited with {p.returncode} during the case (see its log)")
+
+    def _snapshot(self, case_dir: Path, procs: dict, workers: list[str], state: RunState) -> dict:
+        info = self.admin_redis.info("stats")
+        commands = {k.removeprefix("cmdstat_"): v["calls"] for k, v in self.admin_redis.info("commandstats").items()}
+        workers_stats = {}
+        for w in workers:
+            path = case_dir / f"{w}.stats.json"
+            workers_stats[w] = json.loads(path.read_text()) if path.exists() else {}
+        busy, total = machine_busy()
+        return {"time": time.time(), "redis_commands": info["total_commands_processed"], "redis_by_command": commands,
+                "kafka_link": self.proxy.stats()["kafka"], "workers": workers_stats,
+                "policy_version": state.policy_version(),
+                "learner_offsets": sum(state.learner_offsets().values()),
+                "cpu_s": {n: cpu_seconds(p.pid) for n, p in procs.items()},
+                "rss_mb": {n: rss_mb(p.pid) for n, p in procs.items()},
+                "machine_busy": busy, "machine_total": total}
+
+    def _stop(self, procs: dict, workers: list[str]) -> dict:
+        """Samplers first (they flush their spools), then the learner's drain."""
+        for w in workers:
+            procs[w].send_signal(signal.SIGTERM)
+        codes = {}
+        for w in workers:
+            try:
+                codes[w] = procs[w].wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                procs[w].kill()
+                codes[w] = "killed"
+        procs["learner"].send_signal(signal.SIGUSR1)
+        try:
+            codes["learner"] = procs["learner"].wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            procs["learner"].kill()
+            codes["learner"] = "killed"
+        return codes
+
+
+def run_loadtest(cfg: HeteroConfig, out: Path, samplers: Optional[list[int]] = None, compare: bool = True,
+                 keep_stack: bool = False) -> int:
+    log = setup_logging("loadtest")
+    logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)
+    out = Path(out)
+    if (out / "loadtest.json").exists():
+        raise UserError(f"{out} already holds a load test (loadtest.json); choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    lt = cfg.loadtest
+    counts = samplers or lt.samplers
+    base = resolve_base_model(cfg).resolve()  # the weights published: this model's, from the usual cache
+    cfg = cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"base": str(base)}),
+        "services": cfg.services.model_copy(update={"data_dir": str(out / "data")})})
+    cases = [Case(n, lt.fleet, "async") for n in counts]
+    if compare:
+        for fleet in lt.compare_fleets:
+            for mode in ("async", "sync"):
+                case = Case(lt.compare_samplers, fleet, mode)
+                if case not in cases:
+                    cases.append(case)
+    rig = Rig(cfg, out, log)
+    rows: dict[Case, dict] = {}
+    try:
+        for case in cases:
+            log.info("case %s: %d samplers of the %s fleet, %s", case.label, case.samplers, case.fleet, case.mode)
+            started = machine_busy()
+            try:
+                rows[case] = rig.run_case(case)
+            except RunFailed as e:  # this machine could not hold the case: a row that says why
+                log.error("case %s failed: %s", case.label, e)
+                rows[case] = failed_row(case, str(e), started, machine_busy())
+                continue
+            r = rows[case]
+            log.info("case %s: %.2f groups/s, %.1f steps/min, learner utilization %.2f, staleness p50/p95/max "
+                     "%s/%s/%s, dropped %.3f, Redis %.1f commands/sampler/s; lost %d, used twice %d; bottleneck: %s",
+                     case.label, r["groups_per_s"], r["steps_per_min"], r["learner_utilization"],
+                     r["staleness_p50"], r["staleness_p95"], r["staleness_max"], r["dropped_share"],
+                     r["redis_commands_per_sampler_per_s"], r["lost"], r["used_twice"], r["bottleneck"])
+    finally:
+        rig.close(keep_stack)
+    report = write_report(out, cfg, [rows[c] for c in cases if c.mode == "async" and c.fleet == lt.fleet
+                                     and c.samplers in counts],
+                          {c: rows[c] for c in cases if c.samplers == lt.compare_samplers and c.fleet in lt.compare_fleets}
+                          if compare else {})
+    print(report["table"])
+    print(f"wrote {out / 'loadtest.json'} and {out / 'loadtest.png'}")
+    bad = [r for r in report["rows"] if r.get("lost") or r.get("used_twice")]
+    return 1 if bad else 0
