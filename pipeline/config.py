@@ -305,9 +305,9 @@ class SamplerConfig(_Strict):
     weight_poll_interval_s: float = Field(0.25, gt=0)
     """How often the sampler asks Redis for a newer policy version."""
     max_backlog_groups: Optional[int] = Field(512, ge=1)
-    """Pause generating while more than this many groups in the topic are still not taken in
-    (read and judged) by the learner (None: never pause), so samplers do not run far ahead of
-    the learner."""
+    """Pause generating while the fleet's backlog holds more than this many groups (None: never
+    pause): prompts claimed and not yet spooled, groups spooled here, and groups in the topic not
+    yet judged by the learner, so samplers do not run far ahead of the learner."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
     """How often the sampler renews its lease in Redis."""
     lease_ttl_s: float = Field(10.0, gt=0)
@@ -505,10 +505,17 @@ class LoadtestConfig(_Strict):
     """Profiles on which async is measured against the lock-step baseline."""
     compare_samplers: int = Field(16, ge=1)
     """Fleet size of the async-against-sync comparison."""
+    warmup_steps: int = Field(10, ge=1)
+    """Learner steps (waited for at most 90 s after the first) before the warm-up seconds start:
+    a fleet that starts together first sends a burst that takes the learner a few steps to clear."""
     warmup_s: float = Field(20.0, ge=0)
-    """Seconds after the first step before measuring (the fleet fills its pipeline)."""
+    """Seconds after `warmup_steps` steps before measuring."""
     measure_s: float = Field(60.0, gt=0)
     """Seconds measured per row."""
+    broker_storage: Literal["memory", "s3"] = "memory"
+    """Where the rig's local broker (Tansu) keeps the log: `memory`, or `s3` as `heterorl up` does
+    (there its log goes through the same single-threaded local S3 server as the weights, which
+    saturated first at 256 samplers: docs/loadtest.md)."""
     samplers_per_process: int = Field(32, ge=1)
     """Simulated samplers sharing one process (each keeps its own clients, key, spool and link)."""
     prompt_tokens: int = Field(256, ge=1)
@@ -523,7 +530,7 @@ class LoadtestConfig(_Strict):
     """Chance a modeled completion is rewarded 1 (else 0)."""
     learner_step_s: float = Field(4.0, gt=0)
     """Modeled time of one optimizer step on `learner.groups_per_step` groups."""
-    reward_check_s_per_group: float = Field(0.005, ge=0)
+    reward_check_s_per_group: float = Field(0.02, ge=0)
     """Modeled cost of the learner re-scoring one group's rewards (`security.rescore_rewards`)."""
     logprob_check_s_per_group: float = Field(0.04, ge=0)
     """Modeled cost of the learner re-scoring one group's log-probs (`security.check_logprobs`:

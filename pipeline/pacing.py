@@ -24,19 +24,50 @@ PauseReason = Literal["no_policy", "spool_full", "behind", "backlog"]
 
 
 def too_far_behind(newest_version: Optional[int], current_version: Optional[int], backlog_groups: int,
-                   groups_per_step: int, max_delay_steps: int) -> bool:
+                   groups_per_step: int, max_delay_steps: int, generating_steps: int = 0) -> bool:
     """Whether a group generated now would be past the learner's max delay when it is used.
 
-    Its staleness at use is about (newest − current) + floor(backlog / groups_per_step):
-    the versions the sampler is already behind, plus the steps the learner takes on the
-    groups queued ahead of it. Past max_delay_steps the learner drops it, so generating it
-    is wasted compute. (The learner's partly filled batch and versions not yet published
-    are unknown here, so this can under-estimate, never over-estimate.)
+    Its staleness at use is about (newest − current) + floor(backlog / groups_per_step) +
+    generating_steps: the versions the sampler is already behind, the steps the learner takes
+    on the groups queued ahead of it, and the steps it takes on other samplers' groups while
+    this one generates (a slow sampler is overtaken by fast ones). Past max_delay_steps the
+    learner drops it, so generating it is wasted compute. (The learner's partly filled batch
+    and versions not yet published are unknown here, so this can under-estimate, never
+    over-estimate.)
     """
     if newest_version is None or current_version is None:
         return False
     ahead_steps = backlog_groups // max(1, groups_per_step)
-    return (newest_version - current_version) + ahead_steps > max_delay_steps
+    return (newest_version - current_version) + ahead_steps + generating_steps > max_delay_steps
+
+
+class StepPeriod:
+    """How many learner steps pass while this sampler generates a batch, from when it first saw
+    each of the last `window` versions (no I/O: the caller gives the times)."""
+
+    def __init__(self, window: int = 8):
+        self.window = window
+        self.seen: list[tuple[int, float]] = []
+
+    def observe(self, version: Optional[int], now: float) -> None:
+        if version is not None and (not self.seen or version > self.seen[-1][0]):
+            self.seen = (self.seen + [(version, now)])[-self.window:]
+
+    def seconds_per_step(self, now: Optional[float] = None) -> Optional[float]:
+        """Seconds per version over the window; at least the time since the newest version was
+        first seen (a learner that slowed down or waits for data is not assumed to go on fast)."""
+        if len(self.seen) < 3:  # the first interval starts at an arbitrary moment: two needed
+            return None
+        (v0, t0), (v1, t1) = self.seen[1], self.seen[-1]
+        period = (t1 - t0) / (v1 - v0)
+        return period if now is None else max(period, now - t1)
+
+    def steps_during(self, seconds: Optional[float], now: Optional[float] = None) -> int:
+        """Whole learner steps in `seconds` (0 while unknown): never an over-estimate of the rate seen."""
+        period = self.seconds_per_step(now)
+        if not seconds or not period:
+            return 0
+        return int(seconds // period)
 
 
 class Pacing:
@@ -62,21 +93,31 @@ class Pacing:
         ours = sum(max(0, end - learner_offsets.get(p, 0)) for p, end in acked_up_to.items())
         return in_flight + spooled_here + max(ours, learner_unread or 0)
 
-    def behind(self, newest: Optional[int], current: Optional[int], backlog: int) -> bool:
-        return too_far_behind(newest, current, backlog, self.groups_per_step, self.max_delay_steps)
+    def in_flight_limit(self, newest: Optional[int], current: Optional[int], backlog_outside_claims: int,
+                        generating_steps: int = 0) -> Optional[int]:
+        """The most claims the fleet may hold so that the last group of a batch claimed now is
+        still within the max delay (`too_far_behind` solved for the claims; None: no limit yet).
+        `backlog_outside_claims`: the backlog without the fleet's claims (spooled here + unread)."""
+        if newest is None or current is None:
+            return None
+        steps = self.max_delay_steps - (newest - current) - generating_steps
+        return max(0, (steps + 1) * self.groups_per_step - backlog_outside_claims)
+
+    def behind(self, newest: Optional[int], current: Optional[int], backlog: int, generating_steps: int = 0) -> bool:
+        return too_far_behind(newest, current, backlog, self.groups_per_step, self.max_delay_steps, generating_steps)
 
     def too_stale(self, newest: Optional[int], rollout_version: int) -> bool:
         """A finished group the learner would drop already (judged with the newest version known)."""
         return newest is not None and newest - rollout_version > self.max_delay_steps
 
     def pause_reason(self, *, has_policy: bool, spool_has_room: bool, newest: Optional[int],
-                     current: Optional[int], backlog: int) -> Optional[PauseReason]:
+                     current: Optional[int], backlog: int, generating_steps: int = 0) -> Optional[PauseReason]:
         """Why not to generate now, in the order the reasons are checked; None: generate."""
         if not has_policy:
             return "no_policy"
         if not spool_has_room:
             return "spool_full"
-        if self.behind(newest, current, backlog):
+        if self.behind(newest, current, backlog, generating_steps):
             return "behind"
         if self.max_backlog_groups is not None and backlog > self.max_backlog_groups:
             return "backlog"

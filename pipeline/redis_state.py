@@ -105,6 +105,8 @@ def _describe_gone_sampler(last: dict) -> dict:
 _CLAIM_LUA = """
 local count = tonumber(ARGV[2])
 local out = {}
+if ARGV[3] ~= '' then count = math.min(count, tonumber(ARGV[3]) - redis.call('HLEN', KEYS[3])) end
+if count <= 0 then return out end
 while #out < count do
   local index = redis.call('LPOP', KEYS[1])
   if not index then break end
@@ -116,7 +118,7 @@ if fresh > 0 then
   for index = stop - fresh, stop - 1 do out[#out + 1] = string.format('%d', index) end
 end
 for _, index in ipairs(out) do redis.call('HSET', KEYS[3], index, ARGV[1]) end
-if count > 0 then redis.call('HINCRBY', KEYS[4], 'claimed', count) end
+redis.call('HINCRBY', KEYS[4], 'claimed', count)
 return out
 """
 
@@ -296,16 +298,21 @@ class RunState:
         return {sid: _describe_gone_sampler(json.loads(raw) if raw else {}) for sid, raw in zip(gone, raws)}
 
     # ---- prompt stream ---------------------------------------------------------------
-    def claim_prompts(self, sampler_id: str, count: int) -> list[int]:
+    def claim_prompts(self, sampler_id: str, count: int, in_flight_limit: Optional[int] = None) -> list[int]:
         """`count` indices of the task's train stream for `sampler_id` alone: re-issued
         ones first, then the next never-issued ones. Each stays claimed by this sampler
         until `complete_prompts`, or until its lease is gone and a sweep re-issues it, so
-        claim only while holding a lease (`renew_sampler_lease` first)."""
+        claim only while holding a lease (`renew_sampler_lease` first).
+
+        With `in_flight_limit`, at most as many as keep the fleet's claims within it (possibly
+        none): checked and claimed in one script, so samplers that decide at the same moment
+        cannot all claim (a fleet starting together overshot the learner's max delay)."""
         if count <= 0:
             return []
         self._record_epoch_size()
         keys = [self.prefix + k for k in ("reissue", "prompt_cursor", "claims", "claim_stats")]
-        return [int(i) for i in self._claim(keys=keys, args=[sampler_id, int(count)])]
+        limit = "" if in_flight_limit is None else str(int(in_flight_limit))
+        return [int(i) for i in self._claim(keys=keys, args=[sampler_id, int(count), limit])]
 
     def _record_epoch_size(self) -> None:
         """Once per RunState: lets `heterorl status` report epochs without being told the size."""
@@ -347,7 +354,10 @@ class RunState:
         `every_s` seconds across the whole fleet (a token, SET NX PX). The sweep costs one
         command per claim owner, so with every sampler sweeping at every heartbeat Redis's work
         grew with the square of the fleet (`heterorl loadtest`, docs/loadtest.md)."""
-        return bool(self.client.set(self.prefix + "claims_sweep", "1", nx=True, px=max(1, int(every_s * 1000))))
+        try:
+            return bool(self.client.set(self.prefix + "claims_sweep", "1", nx=True, px=max(1, int(every_s * 1000))))
+        except redis.exceptions.NoPermissionError:  # a Redis whose ACL predates the token: sweep as before
+            return True
 
     def _claims_by_owner(self) -> dict[str, list[int]]:
         by_owner: dict[str, list[int]] = {}
@@ -395,10 +405,7 @@ class RunState:
     def report_learner_offsets(self, offsets: dict[int, int], unread: Optional[int] = None) -> None:
         """Next offset the learner will judge, per partition, and how many messages of the topic it
         has not judged yet (samplers pace themselves on these)."""
-        progress = {"offsets": {str(p): o for p, o in offsets.items()}}
-        if unread is not None:
-            progress["unread"] = unread
-        self.report_learner(progress)
+        self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}, "unread": unread})
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")
@@ -413,8 +420,8 @@ class RunState:
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
         (offsets, unread), in_flight, *policy = pipe.execute()
-        position = dict(learner_offsets=_offsets(offsets), learner_unread=None if unread is None else int(unread),
-                        in_flight=int(in_flight))
+        unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
+        position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight))
         if not policy or not policy[0]:
             return RunView(None, None, **position)
         p = policy[0]

@@ -57,7 +57,7 @@ from pipeline.kafka_io import RolloutSink, ensure_topic
 from pipeline.keyring import key_paths, load_sampler_key
 from pipeline.generation import ENGINE_COPY_SUFFIX, PolicyEngine, SamplingSettings, make_engine, pick_backend
 from pipeline.models import decode_completion
-from pipeline.pacing import Pacing
+from pipeline.pacing import Pacing, StepPeriod
 from pipeline.redis_state import RunView
 from pipeline.retry import Backoff, retry_call
 from pipeline.rollout import Rollout
@@ -334,6 +334,9 @@ class Sampler:
         self.stalled = False
         self.last_pause: Optional[str] = None
         self.pause_streak = 0
+        self.step_period = StepPeriod()
+        self.last_batch_s: Optional[float] = None
+        """Seconds the last batch took to generate (a group generated now is overtaken for that long)."""
         self.verifier_errors_logged = 0
         self.refused_pointer: Optional[tuple] = None
         self.refused_pointers = 0
@@ -375,13 +378,16 @@ class Sampler:
         self.confirm_claims()
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.newest_version, current=self.policy.version,
-                                          backlog=self.backlog(view))
+                                          backlog=self.backlog(view),
+                                          generating_steps=self.step_period.steps_during(self.last_batch_s, time.monotonic()))
         if reason is not None:
             self.pause(reason)
             return True
+        if not self.generate(view):  # the fleet claimed the room first
+            self.pause("behind")
+            return True
         self.stalled = False
         self.last_pause = None
-        self.generate()
         if self.scfg.max_groups is not None and self.generated >= self.scfg.max_groups:
             self.log.info("generated %d groups (sampler.max_groups); stopping", self.generated)
             return False
@@ -491,6 +497,7 @@ class Sampler:
         view = self.state.sampler_view(with_policy=poll_policy)
         if poll_policy:
             self.policy_read_at = now
+            self.step_period.observe(view.newest_version, now)
         else:
             view = replace(view, newest_version=self.view.newest_version, manifest_key=self.view.manifest_key)
         self.view = view
@@ -556,27 +563,37 @@ class Sampler:
             self.stalled = False
         # The same pause again and again backs off (up to PAUSE_MAX_S): a paused sampler's Redis
         # reads would otherwise grow the fleet's load with its size (docs/loadtest.md).
-        self.pause_streak = self.pause_streak + 1 if reason == self.last_pause else 0
+        self.pause_streak = min(self.pause_streak + 1, 16) if reason == self.last_pause else 0
         self.last_pause = reason
         seconds = min(PAUSE_SECONDS[reason] * 2 ** self.pause_streak, max(PAUSE_MAX_S, PAUSE_SECONDS[reason]))
         time.sleep(seconds)
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
 
-    def generate(self) -> None:
-        """Claim prompts, sample G completions each, score them, hand the groups to the outbox."""
-        indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch)
+    def generate(self, view: Optional[RunView] = None) -> bool:
+        """Claim prompts, sample G completions each, score them, hand the groups to the outbox.
+        With `view`, claim only within the fleet's room under the max delay (False: no room)."""
+        limit = None
+        if view is not None:
+            outside = self.backlog(view) - view.in_flight
+            limit = self.pacing.in_flight_limit(view.newest_version, self.policy.version, outside,
+                                                self.step_period.steps_during(self.last_batch_s, time.monotonic()))
+        indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch, in_flight_limit=limit)
+        if not indices:
+            return False
         problems = [self.task.train_problem(i) for i in indices]
         engine = self.policy.engine
         started = time.perf_counter()
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
                                group_size=self.scfg.group_size, seed=self.seed + indices[0])
-        self.generate_s += time.perf_counter() - started
+        self.last_batch_s = time.perf_counter() - started
+        self.generate_s += self.last_batch_s
         rollouts = self.make_rollouts(problems, groups)
         self.note_verifier_errors()
         self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
         self.outbox.add(rollouts)
         self.generated += len(groups)
+        return True
 
     # ---- helpers --------------------------------------------------------------------
     def make_rollouts(self, problems, groups) -> list[Rollout]:

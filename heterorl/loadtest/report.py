@@ -8,7 +8,7 @@ Every rate is over the measured window [before, after] of a case (`rig.Rig._snap
 - staleness and `dropped_share`: the groups of the update-log entries written in the window;
 - Redis: the commands the samplers sent (counted by each sampler's client), per sampler
   per second, and the p50/p99 round trip of a probe client's PING (Redis's own latency);
-- the broker's MB/s in and out (its one proxy route), and the bytes each sampler's link
+- the broker's MB/s in (the messages appended to the topic in the window), and the bytes each sampler's link
   carried per published policy version (S3: the weights; Redis: everything else);
 - the learner's CPU seconds per group judged, by stage (`cpu_<stage>_s` of its records) and
   for its whole process (the background publisher included);
@@ -60,7 +60,7 @@ def name_bottleneck(row: dict) -> str:
     if row["learner_utilization"] + sum(shares.get(s, 0.0) for s in STAGES if s != "train") >= 0.9:
         stage = max((s for s in STAGES if s != "train"), key=lambda s: shares.get(s, 0.0))
         return f"learner: its {stage} stage"
-    if row["machine_cpu_busy"] >= 0.95:
+    if row["machine_cpu_busy"] >= 0.9:
         return "this machine's CPU (the rig itself: the servers, the samplers' processes and the learner)"
     if row["redis_p99_ms"] is not None and row["redis_p99_ms"] >= 50:
         return "Redis: p99 latency over 50 ms"
@@ -113,8 +113,6 @@ def case_row(m: dict, cfg: HeteroConfig) -> dict:
     machine = (after["machine_busy"] - before["machine_busy"]) / max(1.0, after["machine_total"] - before["machine_total"])
     paused = {k.removesuffix("_s"): delta(k) / (n * window) for k in ("paused_backlog_s", "stalled_behind_s",
                                                                          "paused_spool_full_s", "paused_redis_s")}
-    kafka_in = after["kafka_link"]["bytes_up"] - before["kafka_link"]["bytes_up"]
-    kafka_out = after["kafka_link"]["bytes_down"] - before["kafka_link"]["bytes_down"]
     audit = m["audit"]
     row = {
         "samplers": n, "fleet": m["case"]["fleet"], "mode": m["case"]["mode"], "window_s": round(window, 1),
@@ -132,7 +130,7 @@ def case_row(m: dict, cfg: HeteroConfig) -> dict:
         "redis_server_commands_per_s": (after["redis_commands"] - before["redis_commands"]) / window,
         "redis_p50_ms": 1000 * quantile(probe, 0.5) if probe else None,
         "redis_p99_ms": 1000 * quantile(probe, 0.99) if probe else None,
-        "broker_in_mb_per_s": kafka_in / window / 1e6, "broker_out_mb_per_s": kafka_out / window / 1e6,
+        "broker_in_mb_per_s": m["broker_bytes_in_window"] / window / 1e6,
         "policy_versions": versions,
         "link_bytes_per_sampler_per_version": ((delta("s3_bytes") + delta("redis_bytes")) / n / versions
                                                if versions else None),
@@ -162,7 +160,7 @@ def failed_row(case, reason: str, cpu_before: tuple[float, float], cpu_after: tu
     busy = (cpu_after[0] - cpu_before[0]) / max(1.0, cpu_after[1] - cpu_before[1])
     return {"samplers": case.samplers, "fleet": case.fleet, "mode": case.mode, "failed": reason,
             "machine_cpu_busy": busy, **{k: None for k in ROW_NUMBERS},
-            "bottleneck": f"failed: {reason}" + (" (this machine's CPU was saturated)" if busy >= 0.95 else "")}
+            "bottleneck": f"failed: {reason}" + (" (this machine's CPU was saturated)" if busy >= 0.9 else "")}
 
 
 ROW_NUMBERS = ("groups_per_s", "groups_used_per_s", "fleet_supply_groups_per_s", "steps_per_min",

@@ -3,15 +3,17 @@
 A case (N samplers of a fleet profile, asynchronous or lock-step) is a fresh run on the
 shared stack: its own topic, Redis keys, S3 prefix and sampler keys. The rig starts the
 modeled learner (`heterorl.loadtest.learner`) and N simulated samplers in worker processes
-(`heterorl.loadtest.worker`), waits for the first step and `loadtest.warmup_s`, measures
+(`heterorl.loadtest.worker`), waits for `loadtest.warmup_steps` steps and `loadtest.warmup_s`, measures
 for `loadtest.measure_s` (snapshots of Redis, the broker's link, the workers' links and the
 learner's records at both ends, a Redis latency probe in between), then stops the samplers
 (they flush their spools), drains the learner and audits the topic (`pipeline.audit`):
 every group produced is used, dropped or pending, none used twice.
 
-Every process reaches the broker through one pass-through proxy route (the broker
-advertises one address), which counts the broker's bytes; the samplers reach Redis and S3
-through their own links, the learner directly.
+The samplers reach Redis and S3 through their own links, the learner directly; every
+process reaches the broker directly (a Kafka client follows the one address the broker
+advertises, so a per-sampler Kafka link is not possible; one shared proxy route in front of
+the broker was tried and became the rig's own bottleneck at 256 samplers). The broker's
+MB/s are the sizes of the messages it received in the window, read back from the topic.
 """
 
 from __future__ import annotations
@@ -28,25 +30,29 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from kafka.errors import KafkaError
+from redis.exceptions import RedisError
 from tqdm import tqdm
 
 from heterorl.keys import provision_local
 from heterorl.processes import RunFailed
 from heterorl.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_quotas
 from heterorl.loadtest.report import case_row, failed_row, write_report
-from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import stack_services, start_stack, stop_stack
 from pipeline.audit import audit_topic
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig
 from pipeline.errors import UserError
+from pipeline.kafka_io import read_topic
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.runtime import resolve_base_model, setup_logging
-from pipeline.services import Services, free_port
+from pipeline.services import Services
 from pipeline.update_log import read_entries_file
 from pipeline.weights.recovery import latest_state, recovery_store
 
 FIRST_STEP_TIMEOUT_S = 600.0
+WARMUP_STEPS_WITHIN_S = 90.0
+"""A slow fleet (one sampler) makes no start-up burst: its warm-up steps are not waited for longer."""
 PROBE_EVERY_S = 0.02
 
 
@@ -94,6 +100,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def message_bytes(bootstrap: str, topic: str, t0: float, t1: float) -> int:
+    """Bytes (values and headers) of the messages the broker appended to `topic` in [t0, t1]."""
+    return sum(len(r.value) + sum(len(k) + len(v) for k, v in r.headers)
+               for r in read_topic(bootstrap, topic, timeout_s=120) if t0 * 1000 <= r.timestamp_ms <= t1 * 1000)
+
+
 class RedisProbe:
     """Round trips of one PING, every PROBE_EVERY_S, from a direct client: Redis's latency under load."""
 
@@ -123,26 +135,20 @@ class RedisProbe:
 
 
 class Rig:
-    """The local stack behind the broker's proxy route, and the cases run on it."""
+    """The local stack, and the cases run on it."""
 
     def __init__(self, cfg: HeteroConfig, out: Path, log):
         self.cfg, self.out, self.log = cfg, out, log
         self.data_dir = out / "data"
-        taken: set[int] = set()
-        ports = {name: free_port(taken) for name in ("kafka", "redis", "s3", "proxy-kafka")}
-        self.proxy = FaultProxy([Route("kafka", ports["proxy-kafka"], "127.0.0.1", ports["kafka"])],
-                                FaultSpec()).start()
-        self.stack = start_stack(self.data_dir, kafka_port=ports["kafka"], redis_port=ports["redis"],
-                                 s3_port=ports["s3"], kafka_advertised=self.proxy.address("kafka"))
+        self.stack = start_stack(self.data_dir, kafka_storage=cfg.loadtest.broker_storage)
         self.admin = stack_services(self.stack)
         self.admin_redis = connect_redis(self.stack.redis_url)
         self.s3 = connect_s3(self.admin)
-        self.bootstrap = self.proxy.address("kafka")
+        self.bootstrap = self.stack.kafka_bootstrap
 
     def close(self, keep_stack: bool = False) -> None:
         if not keep_stack:
             stop_stack(self.data_dir)
-        self.proxy.stop()
 
     def role_config(self, cfg: HeteroConfig, role: str) -> HeteroConfig:
         services = stack_services(self.stack, role)
@@ -192,7 +198,8 @@ class Rig:
                 (case_dir / f"worker{w}.json").write_text(json.dumps(spec))
                 start(f"worker{w}", "heterorl.loadtest.worker", str(case_dir / f"worker{w}.json"))
                 workers.append(f"worker{w}")
-            self._wait_first_step(case_dir, procs)
+            self._wait_for_steps(case_dir, procs, 1)
+            self._wait_for_steps(case_dir, procs, lt.warmup_steps, within_s=WARMUP_STEPS_WITHIN_S, required=False)
             self._sleep(lt.warmup_s, procs, f"{case.label} warm-up")
             before = self._snapshot(case_dir, procs, workers, state)
             with RedisProbe(self.stack.redis_url) as probe:
@@ -202,6 +209,7 @@ class Rig:
             ended = self._stop(procs, workers)
             store = CheckpointStore(self.s3, self.admin.bucket, name)
             final = latest_state(recovery_store(store))
+            produced_bytes = message_bytes(self.bootstrap, cfg.run.topic, before["time"], after["time"])
             audit = audit_topic(self.bootstrap, cfg.run.topic, final.extra if final else {},
                                 {**state.expired_samplers(within_s=10**9), **state.sampler_stats()})
         finally:
@@ -210,7 +218,7 @@ class Rig:
                     p.kill()
         measurement = {"case": {"samplers": case.samplers, "fleet": case.fleet, "mode": case.mode, "run": name},
                        "before": before, "after": after, "redis_probe_s": latencies, "audit": audit,
-                       "exit_codes": ended,
+                       "exit_codes": ended, "broker_bytes_in_window": produced_bytes,
                        "updates": [asdict(e) for e in read_entries_file(case_dir / "updates.jsonl")],
                        "metrics": [json.loads(line) for line in (case_dir / "metrics.jsonl").read_text().splitlines()
                                    if line.strip()],
@@ -222,13 +230,17 @@ class Rig:
         (case_dir / "row.json").write_text(json.dumps(row, indent=1))
         return row
 
-    def _wait_first_step(self, case_dir: Path, procs: dict) -> None:
-        deadline = time.monotonic() + FIRST_STEP_TIMEOUT_S
+    def _wait_for_steps(self, case_dir: Path, procs: dict, steps: int, within_s: float = FIRST_STEP_TIMEOUT_S,
+                        required: bool = True) -> None:
+        """Until the learner took `steps` steps; after `within_s`, a failure if `required`."""
+        deadline = time.monotonic() + within_s
         metrics = case_dir / "metrics.jsonl"
-        while not (metrics.exists() and '"kind": "learner"' in metrics.read_text()):
+        while not (metrics.exists() and metrics.read_text().count('"kind": "learner"') >= steps):
             self._check_alive(procs)
             if time.monotonic() > deadline:
-                raise RunFailed(f"no learner step within {FIRST_STEP_TIMEOUT_S:.0f}s (logs in {case_dir / 'logs'})")
+                if not required:
+                    return
+                raise RunFailed(f"fewer than {steps} learner steps within {within_s:.0f}s (logs in {case_dir / 'logs'})")
             time.sleep(0.5)
 
     def _sleep(self, seconds: float, procs: dict, what: str) -> None:
@@ -255,7 +267,7 @@ class Rig:
             workers_stats[w] = json.loads(path.read_text()) if path.exists() else {}
         busy, total = machine_busy()
         return {"time": time.time(), "redis_commands": info["total_commands_processed"], "redis_by_command": commands,
-                "kafka_link": self.proxy.stats()["kafka"], "workers": workers_stats,
+                "workers": workers_stats,
                 "policy_version": state.policy_version(),
                 "learner_offsets": sum(state.learner_offsets().values()),
                 "cpu_s": {n: cpu_seconds(p.pid) for n, p in procs.items()},
@@ -311,9 +323,9 @@ def run_loadtest(cfg: HeteroConfig, out: Path, samplers: Optional[list[int]] = N
             started = machine_busy()
             try:
                 rows[case] = rig.run_case(case)
-            except RunFailed as e:  # this machine could not hold the case: a row that says why
-                log.error("case %s failed: %s", case.label, e)
-                rows[case] = failed_row(case, str(e), started, machine_busy())
+            except (RunFailed, KafkaError, RedisError, TimeoutError) as e:  # this machine could not hold the case
+                log.error("case %s failed: %s: %s", case.label, type(e).__name__, e)
+                rows[case] = failed_row(case, f"{type(e).__name__}: {e}", started, machine_busy())
                 continue
             r = rows[case]
             log.info("case %s: %.2f groups/s, %.1f steps/min, learner utilization %.2f, staleness p50/p95/max "

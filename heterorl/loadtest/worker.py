@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from infra.fault_proxy import FaultProxy, FaultSpec, Route
+from infra.fault_proxy import CONTROL_TIMEOUT_S, FaultProxy, FaultSpec, Route
 from pipeline.config import GpuClassConfig, HeteroConfig
 from pipeline.delays import DelayDistributionConfig
 from pipeline.models import load_tokenizer
@@ -110,7 +110,12 @@ class Worker:
             traceback.print_exc()
 
     def write_stats(self, final: bool = False) -> None:
-        links = self.proxy.stats()
+        try:
+            links = self.proxy.stats()
+        except TimeoutError:  # the links' event loop is too busy to answer: the next write will do
+            logging.getLogger("loadtest-worker").warning("the links did not report their counts within %.0fs",
+                                                         CONTROL_TIMEOUT_S)
+            return
         samplers = {}
         for sampler_id, s in self.samplers.items():
             outbox = getattr(s, "outbox", None)

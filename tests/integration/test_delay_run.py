@@ -32,8 +32,9 @@ def test_delayed_samplers_never_feed_the_learner_past_its_max_delay(local_stack_
     assert summary["max_staleness_used"] <= 1
     steps = read_metrics(out / "metrics.jsonl", "learner")
     assert len(steps) == 8 and all(s["staleness_max"] <= 1 for s in steps)
-    # Everything read is accounted for: used, dropped (by reason) or malformed.
-    assert summary["groups_dropped"] > 0
+    # Everything read is accounted for: used, dropped (by reason) or malformed. (Since the samplers
+    # pace on the fleet's backlog and claim only within the max delay, this run drops little or
+    # nothing: the samplers stall or refresh instead, asserted below.)
     assert summary["groups_dropped"] == sum(summary["dropped_by_reason"].values())
     assert summary["groups_consumed"] == summary["groups_used"] + summary["groups_dropped"] + summary["malformed"]
     assert summary["groups_used"] == 8 * 2

@@ -237,3 +237,13 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     assert view.in_flight == 5 and view.learner_unread == 40 and view.learner_offsets == {0: 17}
     state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight
     assert state.sampler_view().in_flight == 2
+
+
+def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
+    # 16 samplers decide at the same moment that there is room; only 5 batches of 4 fit under 20.
+    got = in_threads(16, lambda k: state.claim_prompts(f"s{k}", 4, in_flight_limit=20))
+    assert sorted(len(g) for g in got) == [0] * 11 + [4] * 5
+    assert state.claim_stats()["outstanding"] == 20 and state.claim_prompts("late", 1, in_flight_limit=20) == []
+    assert len(state.claim_prompts("unlimited", 2)) == 2  # without a limit, as before
+    assert state.claim_prompts("partly", 4, in_flight_limit=24) == [] and len(state.claim_prompts(
+        "partly", 4, in_flight_limit=25)) == 3  # 22 held: room for 3 of the 4

@@ -34,7 +34,7 @@ def test_every_option_of_every_command_has_help_text():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
                                      "study", "replay", "export", "compare", "chaos", "keys", "attack", "adversary",
-                                     "weights"}
+                                     "weights", "loadtest"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     actions = next(a for a in commands.choices["keys"]._actions if isinstance(a, argparse._SubParsersAction))
     weights = next(a for a in commands.choices["weights"]._actions if isinstance(a, argparse._SubParsersAction))
@@ -79,7 +79,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_built_in_configs_are_found_from_any_directory(tmp_path):
-    assert "built-in config (dataset_example, demo, long_study, smoke, smollm2, study)" in " ".join(heterorl("train", "--help").stdout.split())
+    assert "built-in config (dataset_example, demo, loadtest, long_study, smoke, smollm2, study)" in " ".join(heterorl("train", "--help").stdout.split())
     env = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
            "AWS_ENDPOINT_URL": "http://127.0.0.1:3"}
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
@@ -89,7 +89,7 @@ def test_built_in_configs_are_found_from_any_directory(tmp_path):
     assert proc.returncode == 2 and f"invalid config {smoke}: learner.lr" in proc.stderr  # the config was found
     proc = subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "demoo"], cwd=tmp_path,
                           env=full_env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "config file not found: demoo (built-in configs: dataset_example, demo, long_study, smoke, smollm2, study)" in proc.stderr
+    assert proc.returncode == 2 and "config file not found: demoo (built-in configs: dataset_example, demo, loadtest, long_study, smoke, smollm2, study)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -89,7 +89,7 @@ def _row(**changes):
 def test_the_bottleneck_is_named_in_order():
     assert name_bottleneck(_row(learner_utilization=0.93)).startswith("learner: its optimizer step")
     assert name_bottleneck(_row(learner_wall_share={"intake": 0.3, "screen": 0.15})) == "learner: its intake stage"
-    assert name_bottleneck(_row(machine_cpu_busy=0.99)).startswith("this machine's CPU")
+    assert name_bottleneck(_row(machine_cpu_busy=0.92)).startswith("this machine's CPU")
     assert name_bottleneck(_row(redis_p99_ms=80.0)).startswith("Redis")
     assert name_bottleneck(_row()).startswith("fleet: too few samplers")
     assert name_bottleneck(_row(sampler_paused_share={"stalled_behind": 0.4, "paused_backlog": 0.1})) == \
@@ -105,8 +105,9 @@ def test_stage_clock_tells_computation_from_waiting():
         while time.perf_counter() < deadline:
             pass
     taken = clock.take()
-    assert taken["time_train_s"] >= 0.2 and taken["cpu_train_s"] < 0.05
-    assert taken["cpu_intake_s"] >= 0.05
+    assert taken["time_train_s"] >= 0.2 and taken["time_intake_s"] >= 0.1
+    assert taken["cpu_train_s"] < taken["cpu_intake_s"]  # sleeping is not computing (on a busy machine too)
+    assert taken["cpu_intake_s"] > 0.01
     assert clock.take() == {}
 
 

@@ -1,6 +1,6 @@
 """A sampler's pause rules, without servers: each named reason, in order, and the backlog."""
 
-from pipeline.pacing import Pacing, too_far_behind
+from pipeline.pacing import Pacing, StepPeriod, too_far_behind
 
 
 def test_too_far_behind_counts_versions_behind_and_queued_steps():
@@ -50,3 +50,32 @@ def test_a_group_is_too_stale_at_the_source_past_the_max_delay():
     p = Pacing(groups_per_step=4, max_delay_steps=2, max_backlog_groups=None)
     assert not p.too_stale(None, 0)
     assert not p.too_stale(7, 5) and p.too_stale(8, 5)
+
+
+def test_a_slow_sampler_counts_the_steps_it_is_overtaken_for():
+    period = StepPeriod()
+    assert period.steps_during(13.0) == 0  # nothing seen yet
+    for version, t in ((3, 0.7), (4, 2.0), (5, 6.0), (6, 10.0), (6, 11.0)):
+        period.observe(version, t)
+    assert period.seconds_per_step() == 4.0  # from the first whole interval on
+    assert period.steps_during(13.0) == 3 and period.steps_during(2.6) == 0
+    # no new version for 20 s: the learner slowed down (or waits for data): 13 s is no whole step
+    assert period.seconds_per_step(now=30.0) == 20.0 and period.steps_during(13.0, now=30.0) == 0
+    # a 13 s batch on the newest version with 1 step queued: 0 + 1 + 3 = 4, still usable; 2 queued: not
+    assert not too_far_behind(6, 6, 32, 32, 4, generating_steps=3)
+    assert too_far_behind(6, 6, 64, 32, 4, generating_steps=3)
+    p = Pacing(groups_per_step=32, max_delay_steps=4, max_backlog_groups=None)
+    assert p.pause_reason(has_policy=True, spool_has_room=True, newest=6, current=6, backlog=64,
+                          generating_steps=3) == "behind"
+
+
+def test_the_fleets_claims_are_limited_to_what_stays_within_the_max_delay():
+    p = Pacing(groups_per_step=32, max_delay_steps=4, max_backlog_groups=None)
+    assert p.in_flight_limit(None, None, 0) is None  # nothing published: no limit yet
+    assert p.in_flight_limit(7, 7, 0) == 5 * 32       # groups 0..159 are used within 4 steps
+    assert p.in_flight_limit(7, 6, 40, generating_steps=2) == 2 * 32 - 40
+    assert p.in_flight_limit(9, 3, 0) == 0            # already too far behind: nothing may be claimed
+    # the limit is the pause rule solved for the claims: one group more would be "behind"
+    limit = p.in_flight_limit(7, 6, 40, generating_steps=1)
+    assert not too_far_behind(7, 6, 40 + limit - 1, 32, 4, generating_steps=1)
+    assert too_far_behind(7, 6, 40 + limit, 32, 4, generating_steps=1)
