@@ -348,7 +348,8 @@ class Learner:
 
     def report_position(self) -> None:
         """What the learner has judged, and how much of the topic it has not (samplers pace on both)."""
-        self.state.report_learner_offsets(self.next_offsets, self.source.unread(self.next_offsets))
+        self.state.report_learner_offsets(self.next_offsets, self.source.unread(self.next_offsets),
+                                          len(self.admission.pending))
 
     def admit(self, record: RawRecord) -> None:
         """Check the seal, then admit; a kept group's content is checked before it may be used."""

@@ -79,19 +79,23 @@ class Pacing:
 
     @staticmethod
     def backlog(spooled_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int],
-                learner_unread: Optional[int] = None, in_flight: int = 0) -> int:
-        """Groups ahead of the next one this sampler would make: those the fleet is still
-        generating or holding in transit (`in_flight`: prompts claimed and not yet spooled,
-        this sampler's included), those spooled here, and those in the topic the learner has
-        not judged yet: `learner_unread` as the learner reports it, or at least what the broker
-        acknowledged to us past the learner's position.
+                learner_unread: Optional[int] = None, in_flight: int = 0, completed: Optional[int] = None,
+                learner_pending: int = 0) -> int:
+        """Groups ahead of the next one this sampler would make, the whole fleet's:
+        - `in_flight`: prompts claimed and not yet spooled (being generated or in transit);
+        - the groups spooled or sent but not yet judged by the learner: the most of what we know
+          (spooled here + acknowledged to us past the learner's position), the learner's own
+          `learner_unread` (as of its last report), and `completed` (prompts the fleet has
+          spooled) minus the messages the learner has judged (live: the learner reports only
+          between steps, and what arrives during a step would otherwise go unseen);
+        - `learner_pending`: groups the learner judged into its partly filled batch.
 
         Counting the whole fleet matters: each sampler alone sees only its own groups, so with
-        many samplers the groups in flight and those acknowledged to others went uncounted,
-        the queue grew past the max delay and most of it was dropped (`heterorl loadtest`,
-        docs/loadtest.md)."""
+        many samplers the groups in flight and those sent by others went uncounted, the queue
+        grew past the max delay and most of it was dropped (`heterorl loadtest`, docs/loadtest.md)."""
         ours = sum(max(0, end - learner_offsets.get(p, 0)) for p, end in acked_up_to.items())
-        return in_flight + spooled_here + max(ours, learner_unread or 0)
+        fleet = 0 if completed is None else completed - sum(learner_offsets.values())
+        return in_flight + max(spooled_here + max(ours, learner_unread or 0), fleet) + learner_pending
 
     def in_flight_limit(self, newest: Optional[int], current: Optional[int], backlog_outside_claims: int,
                         generating_steps: int = 0) -> Optional[int]:

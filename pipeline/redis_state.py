@@ -402,10 +402,12 @@ class RunState:
     def learner_progress(self) -> dict:
         return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "learner").items()}
 
-    def report_learner_offsets(self, offsets: dict[int, int], unread: Optional[int] = None) -> None:
-        """Next offset the learner will judge, per partition, and how many messages of the topic it
-        has not judged yet (samplers pace themselves on these)."""
-        self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}, "unread": unread})
+    def report_learner_offsets(self, offsets: dict[int, int], unread: Optional[int] = None, pending: int = 0) -> None:
+        """Next offset the learner will judge, per partition, how many messages of the topic it
+        has not judged yet, and how many judged groups wait in its partly filled batch (samplers
+        pace themselves on these)."""
+        self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}, "unread": unread,
+                             "pending": pending})
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")
@@ -415,13 +417,15 @@ class RunState:
         """What a sampler paces itself on, in one round trip: the learner's position and (unless
         not `with_policy`: then None) the newest policy."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self.prefix + "learner", ["offsets", "unread"])
+        pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending"])
         pipe.hlen(self.prefix + "claims")
+        pipe.hget(self.prefix + "claim_stats", "completed")
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
-        (offsets, unread), in_flight, *policy = pipe.execute()
+        (offsets, unread, pending), in_flight, completed, *policy = pipe.execute()
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
-        position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight))
+        position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
+                        completed=int(completed or 0), learner_pending=int(json.loads(pending or "0") or 0))
         if not policy or not policy[0]:
             return RunView(None, None, **position)
         p = policy[0]
@@ -446,6 +450,10 @@ class RunView:
     """Messages in the topic the learner has not judged yet, as it last reported (None: not known)."""
     in_flight: int = 0
     """Prompts claimed by the fleet whose groups are not spooled yet (being generated or in transit)."""
+    completed: Optional[int] = None
+    """Prompts whose groups the fleet has spooled, since the run began (`claim_stats.completed`)."""
+    learner_pending: int = 0
+    """Groups the learner judged into its partly filled batch, as it last reported."""
 
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:

@@ -621,7 +621,7 @@ class Sampler:
 
     def backlog(self, view: RunView) -> int:
         return self.pacing.backlog(self.outbox.spool.pending(), self.outbox.acked_up_to, view.learner_offsets,
-                                   view.learner_unread, view.in_flight)
+                                   view.learner_unread, view.in_flight, view.completed, view.learner_pending)
 
     def confirm_claims(self) -> None:
         """Prompts whose groups are safely on disk are done: nobody needs to redo them."""

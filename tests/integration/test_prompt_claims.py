@@ -235,8 +235,11 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     state.report_learner_offsets({0: 17}, unread=40)
     view = state.sampler_view(with_policy=False)
     assert view.in_flight == 5 and view.learner_unread == 40 and view.learner_offsets == {0: 17}
-    state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight
-    assert state.sampler_view().in_flight == 2
+    state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight, counted as completed
+    view = state.sampler_view()
+    assert view.in_flight == 2 and view.completed == 3 and view.learner_pending == 0
+    state.report_learner_offsets({0: 17}, unread=None, pending=5)
+    assert state.sampler_view().learner_unread is None and state.sampler_view().learner_pending == 5
 
 
 def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
@@ -245,5 +248,5 @@ def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
     assert sorted(len(g) for g in got) == [0] * 11 + [4] * 5
     assert state.claim_stats()["outstanding"] == 20 and state.claim_prompts("late", 1, in_flight_limit=20) == []
     assert len(state.claim_prompts("unlimited", 2)) == 2  # without a limit, as before
-    assert state.claim_prompts("partly", 4, in_flight_limit=24) == [] and len(state.claim_prompts(
+    assert state.claim_prompts("partly", 4, in_flight_limit=22) == [] and len(state.claim_prompts(
         "partly", 4, in_flight_limit=25)) == 3  # 22 held: room for 3 of the 4

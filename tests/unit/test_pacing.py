@@ -24,6 +24,9 @@ def test_backlog_is_the_fleets_not_this_samplers():
     assert Pacing.backlog(3, {0: 100, 1: 5}, {0: 90}, learner_unread=40) == 3 + 40
     # A stale report (the learner read on since) never hides what the broker acknowledged to us.
     assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2) == 10
+    # What the fleet spooled (live) minus what the learner judged: groups sent during a learner step,
+    # which its last report cannot know; and the groups waiting in its partly filled batch.
+    assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2, completed=150, learner_pending=20) == 60 + 20
     # Groups being generated anywhere in the fleet (claimed prompts not yet spooled) are ahead too.
     assert Pacing.backlog(0, {}, {}, learner_unread=0, in_flight=48) == 48
     # 64 samplers each with a batch in flight fill the learner's max delay before any reaches the topic.
