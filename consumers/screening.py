@@ -144,17 +144,21 @@ class GroupScreen:
                 return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
             return []
         self.checked[who] += 1
-        with torch.no_grad():
-            logps, mask = completion_logprobs(model, [rollout.prompt_ids] * rollout.group_size,
-                                              rollout.completion_ids, self.temperature)
-        ours = [row[: int(m.sum())].double().tolist() for row, m in zip(logps, mask)]
-        gap = logprob_gap(rollout.sampler_logps, ours)
+        gap = self._gap(rollout, model)
         self.gaps.setdefault(rollout.sampler_id, []).append(gap)
         self.counts["logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale"] += 1
         if gap > self.security.logprob_threshold:
             return [("logprob_mismatch", f"median exp(|Δ|)-1 = {gap:.3g} > {self.security.logprob_threshold:g} "
                                          f"at v{rollout.policy_version}")]
         return []
+
+    def _gap(self, rollout: Rollout, model: torch.nn.Module) -> float:
+        """The log-prob statistic of `rollout` against `model`'s own log-probs."""
+        with torch.no_grad():
+            logps, mask = completion_logprobs(model, [rollout.prompt_ids] * rollout.group_size,
+                                              rollout.completion_ids, self.temperature)
+        ours = [row[: int(m.sum())].double().tolist() for row, m in zip(logps, mask)]
+        return logprob_gap(rollout.sampler_logps, ours)
 
     def _model_for(self, rollout: Rollout, staleness: int, on_probation: bool) -> Optional[torch.nn.Module]:
         if staleness == 0:

@@ -27,12 +27,28 @@ from pipeline.config import HeteroConfig, LoadtestConfig, SecurityConfig
 from pipeline.rollout import Rollout
 
 
+MODELED_POLICY = "modeled policy"
+"""What the modeled screen 'scores' with: the learner's weights of any version, for the selection rule."""
+
+
+class ModeledPastPolicies:
+    """Every version is at hand (as `PastPolicies` for versions within the learner's reach)."""
+
+    def get(self, version: int):
+        return MODELED_POLICY
+
+    def remember(self, version, model_dir, module=None) -> None:
+        pass
+
+
 class ModeledScreen(GroupScreen):
-    """`GroupScreen`'s choice of which groups are checked, each check costing its modeled time
-    and passing (the rig's samplers are honest; the attack rig tests the real checks)."""
+    """`GroupScreen` itself (which groups are checked: every one of staleness 0, every one of a
+    key on probation, a drawn share of the rest), each check taking its modeled time and passing
+    (the rig's samplers are honest; `heterorl attack` tests the real checks)."""
 
     def __init__(self, security: SecurityConfig, lt: LoadtestConfig):
-        super().__init__(security, task=None, tokenizer=None, temperature=1.0, current_policy=lambda: None, past=None)
+        super().__init__(security, task=None, tokenizer=None, temperature=1.0,
+                         current_policy=lambda: MODELED_POLICY, past=ModeledPastPolicies())
         self.lt = lt
 
     def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
@@ -40,19 +56,9 @@ class ModeledScreen(GroupScreen):
         self.counts["rewards_rescored"] += 1
         return []
 
-    def _logprobs(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
-        if not self.security.check_logprobs:
-            return []
-        who = rollout.key_id or rollout.sampler_id
-        on_probation = self.checked[who] < self.security.probation_groups
-        if staleness == 0 or on_probation or self.draw.random() < self.security.stale_logprob_check_fraction:
-            self.checked[who] += 1
-            time.sleep(self.lt.logprob_check_s_per_group)
-            self.counts["logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale"] += 1
-        return []
-
-    def remember(self, version, model_dir, module=None) -> None:
-        pass
+    def _gap(self, rollout: Rollout, model) -> float:
+        time.sleep(self.lt.logprob_check_s_per_group)
+        return 0.0
 
 
 class ModeledLearner(Learner):

@@ -114,3 +114,18 @@ def test_stage_clock_tells_computation_from_waiting():
 def test_loadtest_config_names_an_unknown_fleet():
     with pytest.raises(ValueError, match="loadtest fleet 'tiny' is not in loadtest.fleets"):
         HeteroConfig.model_validate({"loadtest": {"fleet": "tiny"}})
+
+
+def test_the_modeled_screen_checks_the_groups_the_real_one_would():
+    from heterorl.loadtest.learner import ModeledScreen
+    from pipeline.config import SecurityConfig
+    from pipeline.rollout import Rollout
+
+    lt = LoadtestConfig(reward_check_s_per_group=0.0, logprob_check_s_per_group=0.0)
+    screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_logprob_check_fraction=0.0), lt)
+    group = Rollout(prompt_id="p", task="t", sampler_id="s", policy_version=3, prompt_ids=[1],
+                    completion_ids=[[2], [3]], sampler_logps=[[-1.0], [-1.0]], rewards=[0.0, 1.0], key_id="k")
+    assert screen.check(group, staleness=2) == []   # on probation: checked although stale
+    assert screen.check(group, staleness=2) == []   # probation over, none of the stale drawn
+    assert screen.check(group, staleness=0) == []   # fresh: always checked
+    assert screen.counts == {"rewards_rescored": 3, "logprobs_checked_stale": 1, "logprobs_checked_fresh": 1}
