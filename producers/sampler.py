@@ -376,14 +376,17 @@ class Sampler:
         self.swap_weights()
         spool_has_room = self.pump_outbox()
         self.confirm_claims()
+        backlog = self.backlog(view)
+        overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.newest_version, current=self.policy.version,
-                                          backlog=self.backlog(view),
-                                          generating_steps=self.step_period.steps_during(self.last_batch_s, time.monotonic()))
+                                          backlog=backlog, generating_steps=overtaken)
         if reason is not None:
             self.pause(reason)
             return True
-        if not self.generate(view):  # the fleet claimed the room first
+        limit = self.pacing.in_flight_limit(view.newest_version, self.policy.version, backlog - view.in_flight,
+                                            overtaken)
+        if not self.generate(limit):  # the fleet claimed the room first
             self.pause("behind")
             return True
         self.stalled = False
@@ -570,15 +573,11 @@ class Sampler:
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
 
-    def generate(self, view: Optional[RunView] = None) -> bool:
+    def generate(self, in_flight_limit: Optional[int] = None) -> bool:
         """Claim prompts, sample G completions each, score them, hand the groups to the outbox.
-        With `view`, claim only within the fleet's room under the max delay (False: no room)."""
-        limit = None
-        if view is not None:
-            outside = self.backlog(view) - view.in_flight
-            limit = self.pacing.in_flight_limit(view.newest_version, self.policy.version, outside,
-                                                self.step_period.steps_during(self.last_batch_s, time.monotonic()))
-        indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch, in_flight_limit=limit)
+        With `in_flight_limit`, claim only within the fleet's room under the max delay (False: no room)."""
+        indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch,
+                                           in_flight_limit=in_flight_limit)
         if not indices:
             return False
         problems = [self.task.train_problem(i) for i in indices]
