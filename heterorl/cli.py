@@ -15,11 +15,12 @@ import argparse
 import json
 import signal
 import sys
+import typing
 from pathlib import Path
 
 from heterorl.config_files import builtin_configs, config_path
 from heterorl.processes import RunFailed
-from pipeline.config import ConfigError, HeteroConfig, load_config, strip_password
+from pipeline.config import ConfigError, HeteroConfig, LossType, load_config, strip_password
 from pipeline.errors import UserError
 
 DEFAULT_DATA_DIR = ".heterorl"
@@ -179,15 +180,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--losses", help="comma-separated loss types (default: the config's study.losses; "
                                     "--quick: gepo,grpo)")
     p.add_argument("--max-delays", help="comma-separated max delays in steps (default: the config's "
-                                        "study.max_delays; --quick: 0,16)")
+                                        "study.max_delays; --quick: its smallest and largest)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the config's study.seeds)")
     p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
     p.add_argument("--quick", action="store_true",
-                   help="a small grid (gepo,grpo x 0,16; 50 steps) unless --losses/--max-delays are given")
+                   help="a small grid (gepo,grpo x the smallest and largest max delay; 50 steps) "
+                        "unless --losses/--max-delays are given")
     p.add_argument("--config", "-c", default="study", metavar="NAME|FILE",
                    help=f"base run config: {_config_help()} (default study)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of every cell (repeatable)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
+
+    p = studies.add_parser("pilot", help="learning-rate pilot: learning speed vs delayed KL, before a grid",
+                           description="For each --lrs rate, runs the delay study's max-delay-0 cell and its "
+                                       "largest-max-delay cell (one loss, one seed), then writes pilot.json, "
+                                       "pilot.md and pilot.png into --out: how fast each rate learns with fresh "
+                                       "data against the learner-sampler KL of delayed data, and the rate that "
+                                       "gives a KL around 1e-3 while gaining 10 points within 1000 steps, if any.")
+    p.add_argument("--lrs", required=True, help="comma-separated learning rates, e.g. 5e-4,1e-4,2e-5")
+    p.add_argument("--loss", default="gepo", choices=typing.get_args(LossType), help="loss of every pilot cell (default gepo)")
+    p.add_argument("--max-delay", type=int, metavar="STEPS",
+                   help="the delayed cells' max delay (default: the largest of the config's study.max_delays)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every pilot cell (default 0)")
+    p.add_argument("--out", required=True, metavar="DIR", help="pilot directory (finished cells are reused)")
+    p.add_argument("--config", "-c", default="seed_regime", metavar="NAME|FILE",
+                   help=f"base run config: {_config_help()} (default seed_regime)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of every cell (repeatable), e.g. learner.max_steps=200")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
 
     p = sub.add_parser("train", help="the main job: local stack + learner + samplers + evaluation + report",
@@ -406,14 +426,33 @@ def _cmd_study(args) -> int:
     from heterorl.study import QUICK, run_delay_study
 
     config = config_path(args.config)
+    if args.study == "pilot":
+        return _cmd_pilot(args, config)
     overrides = [*(QUICK["overrides"] if args.quick else []), *args.overrides]
     grid = load_config(config, overrides).study  # the design fixed in the config file
     losses = args.losses or (QUICK["losses"] if args.quick else ",".join(grid.losses))
-    delays = args.max_delays or (QUICK["max_delays"] if args.quick else ",".join(map(str, grid.max_delays)))
+    quick_delays = f"{min(grid.max_delays)},{max(grid.max_delays)}"
+    delays = args.max_delays or (quick_delays if args.quick else ",".join(map(str, grid.max_delays)))
     seeds = args.seeds or ",".join(map(str, grid.seeds))
     return run_delay_study(config, _comma_list(losses), sorted(set(_comma_list(delays, int))),
                            _comma_list(seeds, int), Path(args.out), overrides, args.data_dir,
                            "heterorl " + " ".join(sys.argv[1:]))
+
+
+def _cmd_pilot(args, config: Path) -> int:
+    from heterorl.lr_pilot import run_lr_pilot
+
+    try:
+        lrs = _comma_list(args.lrs, float)
+    except ConfigError:
+        raise ConfigError(f"--lrs takes comma-separated learning rates, got {args.lrs!r}") from None
+    if not lrs or any(lr <= 0 for lr in lrs):
+        raise ConfigError(f"--lrs takes positive learning rates, got {args.lrs!r}")
+    largest = args.max_delay if args.max_delay is not None else max(load_config(config, args.overrides).study.max_delays)
+    if largest <= 0:
+        raise ConfigError("--max-delay must be > 0: the pilot compares it with max delay 0")
+    return run_lr_pilot(config, lrs, args.loss, largest, args.seed, Path(args.out), args.overrides, args.data_dir,
+                        "heterorl " + " ".join(sys.argv[1:]))
 
 
 def _cmd_replay(args) -> int:

@@ -30,8 +30,8 @@ from heterorl.stack import services_for_run
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 
-QUICK = {"losses": "gepo,grpo", "max_delays": "0,16", "overrides": ["learner.max_steps=50", "eval.every=10"]}
-"""`--quick`: a small grid of shorter runs."""
+QUICK = {"losses": "gepo,grpo", "overrides": ["learner.max_steps=50", "eval.every=10"]}
+"""`--quick`: a small grid of shorter runs (max delays: the config's smallest and largest)."""
 
 
 def _same_cell(recorded: dict, spec: dict) -> bool:
@@ -65,6 +65,8 @@ def _cell_record(cell_dir: Path, loss: str, max_delay: int, seed: int) -> dict:
         "groups_used": learner["groups_used"], "groups_dropped": learner["groups_dropped"],
         "mean_learner_sampler_kl": _mean([s.get("kl") for s in steps]),
         "mean_iw_variance": _mean([s.get("iw_var") for s in steps]),
+        "mean_clip_fraction": _mean([s.get("clip_frac") for s in steps]),
+        "clip_fraction_per_step": [s.get("clip_frac") for s in steps],
         "kl_iw_var_per_step": [[s.get("kl"), s.get("iw_var")] for s in steps],
         # every step's batch under all three weight families (Theorem 1 like for like)
         "weight_variances_per_step": [[s.get("kl"), s.get("var_token_ratio"), s.get("var_sequence_ratio"),
@@ -148,10 +150,23 @@ def _smoothed(r: dict, window: int = SMOOTHING) -> dict:
     return {**r, "best_accuracy": max(averages), "last_accuracy": averages[-1]}
 
 
-def _median_kl(r: dict) -> str:
-    """The median over steps of the learner–sampler KL (the mean is ruled by a few spikes)."""
-    kls = [k for k, _ in r["kl_iw_var_per_step"] if k is not None]
-    return f"{statistics.median(kls):.2e}" if kls else "–"
+def kl_quantiles(r: dict) -> Optional[dict]:
+    """p50, p95 and max over a cell's steps of the per-token learner–sampler KL (its mean is
+    ruled by a few spikes); None for a cell without steps."""
+    kls = sorted(k for k, _ in r["kl_iw_var_per_step"] if k is not None)
+    if not kls:
+        return None
+    p95 = statistics.quantiles(kls, n=20, method="inclusive")[-1] if len(kls) > 1 else kls[0]
+    return {"p50": statistics.median(kls), "p95": p95, "max": kls[-1]}
+
+
+def _kl_columns(r: dict) -> str:
+    q = kl_quantiles(r)
+    return " | ".join(f"{q[k]:.2e}" for k in ("p50", "p95", "max")) if q else "– | – | –"
+
+
+def _fraction(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.3f}"
 
 
 def late_slope(r: dict, fraction: float = 0.25) -> Optional[float]:
@@ -216,16 +231,20 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
               "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo. "
               "Late slope: the least-squares slope of held-out accuracy over the last quarter of the run, in "
               "points per 100 steps (about 0: a plateau; clearly negative: a collapse).", "",
+              "KL: the per-token learner–sampler KL of each step's batch (k3), its median, 95th percentile and "
+              "maximum over the run's steps. Clip: the mean over steps of the fraction clipped (tokens for grpo, "
+              "sequences for gspo and gepo).", "",
               "| loss | max delay | seed | steps | max τ used | mean τ used | mean completion tokens | groups used "
-              "| dropped | generated | sampler stalls | forced refreshes | mean KL | median KL | mean IW var | late slope | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dropped | generated | sampler stalls | forced refreshes | KL p50 | KL p95 | KL max | clip | mean IW var "
+              "| late slope | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
         tokens = r.get("mean_completion_tokens")
         lines.append(f"| {r['loss']} | {r['max_delay']} | {r['seed']} | {r.get('steps', '–')} | "
                      f"{r['max_staleness_used']} | {r['mean_staleness_used']:.2f} | "
                      f"{'–' if tokens is None else f'{tokens:.1f}'} | {r['groups_used']} | {r['groups_dropped']} | "
                      f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
-                     f"{r['mean_learner_sampler_kl']:.2e} | {_median_kl(r)} | {r['mean_iw_variance']:.2e} | "
+                     f"{_kl_columns(r)} | {_fraction(r.get('mean_clip_fraction'))} | {r['mean_iw_variance']:.2e} | "
                      f"{'–' if (slope := late_slope(r)) is None else f'{slope:+.1f}'} | {r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
         first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0])]

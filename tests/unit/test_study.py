@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from heterorl.study import write_report
 
 
@@ -10,7 +12,8 @@ def record(loss, d, best, last):
             "best_accuracy": best, "last_accuracy": last, "eval_curve": [[0, 0.2], [50, best], [100, last]],
             "max_staleness_used": d, "mean_staleness_used": d / 2, "staleness_histogram": {"0": 5, str(d): 3},
             "groups_used": 6400, "groups_dropped": 10 * d, "mean_learner_sampler_kl": 1e-3 * (d + 1),
-            "mean_iw_variance": 1e-2 * (d + 1), "kl_iw_var_per_step": [[1e-3 * (d + 1), 1e-2 * (d + 1)]],
+            "mean_iw_variance": 1e-2 * (d + 1), "mean_clip_fraction": 0.05,
+            "kl_iw_var_per_step": [[1e-4 * (d + 1) * k, 1e-2 * (d + 1)] for k in range(1, 21)],
             "wall_seconds": 60.0, "eval_samples": 8, "eval_problems": 200, "groups_generated": 7000,
             "sampler_stalls": 3, "forced_refreshes": 2, "steps": 100, "mean_completion_tokens": 40.0,
             "weight_variances_per_step": [[1e-3 * (d + 1), 0.3, 0.2, 0.1], [2e-3 * (d + 1), 0.6, 0.4, 0.2]]}
@@ -34,7 +37,8 @@ def test_report_table_gap_and_degradation(tmp_path):
                 "weight_families_vs_kl.png"):
         assert (tmp_path / png).stat().st_size > 5000
     assert "8 samples per problem, 200 problems" in md
-    assert "| 1.00e-03 | 1.00e-03 | 1.00e-02 |" in md  # max delay 0: mean KL, median KL, IW variance
+    # max delay 0: KL p50, p95 (inclusive: 1.905e-3) and max over the steps' 1e-4..2e-3, clip fraction, IW variance
+    assert "| 1.05e-03 | 1.91e-03 | 2.00e-03 | 0.050 | 1.00e-02 |" in md
 
 
 def test_a_written_analysis_survives_regeneration(tmp_path):
@@ -118,3 +122,19 @@ def test_the_late_slope_tells_a_plateau_from_a_collapse():
     assert abs(late_slope(plateau)) < 1e-9
     assert abs(late_slope(collapse) - (-20.0)) < 1e-9   # 0.2 per 100 steps = 20 points
     assert late_slope({"eval_curve": [[0, 0.2], [400, 0.5]]}) is None  # too few evaluations to say
+
+
+@pytest.mark.parametrize("name, delays", [("seed_regime", [0, 32, 64]), ("smollm2_study", [0, 32])])
+def test_the_seed_regime_configs_carry_the_seed_systems_settings(name, delays):
+    """As HanlardResearch/Hetero-RL set them: T 0.6, top-p 0.95, top-k 20, 8 completions per
+    prompt, no std scaling, clip 0.2 for every loss, k3 penalty 0.005, max_diff_step 32."""
+    from heterorl.config_files import config_path
+    from pipeline.config import load_config
+
+    cfg = load_config(config_path(name))
+    s, learner = cfg.sampler, cfg.learner
+    assert (s.temperature, s.top_p, s.top_k, s.group_size) == (0.6, 0.95, 20, 8)
+    assert not learner.scale_adv_by_std and (learner.epsilon_low, learner.epsilon_high) == (0.2, 0.2)
+    assert learner.kl_coef == 0.005 and 32 in cfg.study.max_delays and cfg.study.max_delays == delays
+    assert learner.lr_warmup_steps == round(0.03 * learner.max_steps)   # the seed's 3 % warm-up
+    assert s.delays.refresh.kind == "lognormal" and cfg.study.losses == ["gepo", "gspo", "grpo"]
