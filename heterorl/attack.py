@@ -34,7 +34,7 @@ from heterorl.stack import as_role, services_for_run
 from pipeline.audit import audit_topic
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.keyring import init_keys, key_paths
-from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_final_state, make_task_from_config,
+from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 
 QUARANTINE_WITHIN = 20
@@ -67,7 +67,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
         honest_ids = [f"{run_name}-s{i}" for i in range(honest)]
         adversary_ids = {kind: f"{run_name}-adv-{kind}" for kind in SAMPLER_KINDS}
         provision_local(cfg, handles.state.client, honest_ids + list(adversary_ids.values()))
-        before = evaluate_checkpoint(cfg, base, task)
+        before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         config_file = out / "config.yaml"
         config_file.write_text(dump_config(cfg))

@@ -46,7 +46,7 @@ from pipeline.errors import UserError
 from pipeline.kafka_io import read_topic
 from pipeline.keyring import init_keys, key_paths
 from pipeline.redis_state import RunState, connect_redis
-from pipeline.runtime import (evaluate_checkpoint, evaluate_final_state, make_task_from_config, resolve_base_model,
+from pipeline.runtime import (evaluate_base, evaluate_final_state, make_task_from_config, resolve_base_model,
                               setup_logging)
 from pipeline.services import LOOPBACK, Services, free_port
 from pipeline.update_log import UpdateEntry, updates_topic
@@ -332,7 +332,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         state = RunState(connect_redis(s.redis_url), run_name)
         store = CheckpointStore(connect_s3(services), s.bucket, run_name)
         task = make_task_from_config(cfg)
-        before = evaluate_checkpoint(cfg, base, task)
+        before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         run.start_learner()
         for slot in run.slots:

@@ -35,7 +35,7 @@ from pipeline.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
-from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluate_published, make_task_from_config,
+from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, make_task_from_config,
                               resolve_base_model, setup_logging)
 
 
@@ -92,7 +92,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
-        before = evaluate_checkpoint(cfg, base, task)
+        before = evaluate_base(cfg, base, task)
         metrics.write("eval", 0, {"policy_version": 0, **before})
         log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
                  before["accuracy_sampled"], before["accuracy_greedy"])

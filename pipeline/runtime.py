@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -25,6 +27,7 @@ from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.keyring import key_paths, load_learner_public
 from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
+from pipeline.models.cache import is_complete
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
 from pipeline.signing import SigningKey
@@ -102,6 +105,34 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     finally:
         del model
         release_memory()
+
+
+def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
+    """evaluate_checkpoint for a run's base model, computed once and kept beside it.
+
+    A model from the model cache (`<data_dir>/models/<name>`, finished, named by what it was
+    made from) never changes, and evaluation is seeded (`run.seed`), so the same model, task,
+    evaluation and sampling settings and seed give the same numbers: they are stored in
+    `<data_dir>/models/evaluations/<model>-<key>.json` and reused, which spares each cell of a
+    study the same minutes-long evaluation of the same base model. Any other directory is
+    evaluated afresh."""
+    if not is_complete(model_dir):
+        return evaluate_checkpoint(cfg, model_dir, task)
+    s = cfg.sampler
+    key = hashlib.sha256(json.dumps({
+        "task": cfg.task.model_dump(mode="json"), "eval": cfg.eval.model_dump(mode="json", exclude={"every"}),
+        "sampling": [s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.precision], "seed": cfg.run.seed,
+        "device": cfg.model.device}, sort_keys=True).encode()).hexdigest()[:16]
+    stored = model_dir.parent / "evaluations" / f"{model_dir.name}-{key}.json"
+    if stored.is_file():
+        logging.getLogger("heterorl.runtime").info("held-out accuracy of %s: reused from %s", model_dir.name, stored)
+        return json.loads(stored.read_text())
+    result = evaluate_checkpoint(cfg, model_dir, task)
+    stored.parent.mkdir(exist_ok=True)
+    tmp = stored.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, stored)
+    return result
 
 
 def release_memory() -> None:

@@ -1,0 +1,48 @@
+"""The base model's held-out accuracy is computed once per model and settings, then reused."""
+
+import shutil
+
+import pytest
+import torch
+
+from pipeline import runtime
+from pipeline.config import HeteroConfig
+from pipeline.models.tiny import BaseModelSettings, ModelSize, ensure_base_model
+from pipeline.tasks import make_task
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers(tmp_path, monkeypatch):
+    settings = BaseModelSettings(task_settings={"digits": 1, "ops": "+", "eval_size": 5},
+                                 size=ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=32, max_positions=32),
+                                 warmup_steps=3, warmup_batch_size=8, warmup_target_accuracy=None, seed=0)
+    base = ensure_base_model(tmp_path / "models", settings)
+    cfg = HeteroConfig.model_validate({"task": {"digits": 1, "ops": "+", "eval_size": 5},
+                                       "eval": {"n_samples": 3}, "sampler": {"max_new_tokens": 3}})
+    task = make_task("arithmetic", digits=1, ops="+", eval_size=5)
+    fresh = runtime.evaluate_checkpoint(cfg, base, task)
+
+    calls = []
+    real = runtime.evaluate_checkpoint
+    monkeypatch.setattr(runtime, "evaluate_checkpoint", lambda *a: calls.append(a) or real(*a))
+    first = runtime.evaluate_base(cfg, base, task)
+    again = runtime.evaluate_base(cfg, base, task)
+    timeless = [{k: v for k, v in r.items() if k != "eval_seconds"} for r in (first, again, fresh)]
+    assert timeless[0] == timeless[1] == timeless[2] and len(calls) == 1  # seeded: the stored numbers are a fresh run's
+    assert first == again
+    assert [p.name for p in (tmp_path / "models" / "evaluations").iterdir()][0].startswith(base.name)
+
+    other_seed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 5})})
+    runtime.evaluate_base(other_seed, base, task)
+    other_temperature = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 0.5})})
+    runtime.evaluate_base(other_temperature, base, task)
+    assert len(calls) == 3                                  # other settings: evaluated afresh
+
+    own = shutil.copytree(base, tmp_path / "mine", ignore=shutil.ignore_patterns("heterorl_base.json"))
+    runtime.evaluate_base(cfg, own, task)
+    runtime.evaluate_base(cfg, own, task)
+    assert len(calls) == 5                                  # a user's directory may change: never reused
