@@ -32,6 +32,26 @@ def child_env(services: Services, **extra: str) -> dict:
     return {**inherited, **services_env(services), "PYTHONUNBUFFERED": "1", **extra}
 
 
+def run_supervisor(cmd: list[str], env: Optional[dict] = None, grace_s: float = 120.0) -> int:
+    """Run `cmd` (a command that starts processes of its own, like `heterorl train`) to its
+    end and return its exit status. It runs in a session of its own, so a Ctrl-C reaches
+    only this process; if this process is interrupted (Ctrl-C, or SIGTERM via the commands'
+    handler), the child gets one SIGTERM and `grace_s` to stop its processes and local stack,
+    and only then SIGKILL. Killing it at once would leave its learner and samplers running."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        raise
+
+
 class Processes:
     """The child processes of a run: started with their own logs, stopped on every exit path."""
 

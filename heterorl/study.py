@@ -19,13 +19,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
+from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
@@ -389,10 +389,10 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                        "--set", f"sampler.delays.seed={seed}", "--set", f"run.name=study-{loss}-d{d}-s{seed}"]
                 for o in overrides:
                     cmd += ["--set", o]
-                proc = subprocess.run(cmd, env=dict(os.environ))
+                returncode = run_supervisor(cmd, env=dict(os.environ))
                 (cell_dir / "cell.json").write_text(json.dumps(spec, indent=1))
-                if proc.returncode != 0:
-                    print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {proc.returncode}); "
+                if returncode != 0:
+                    print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {returncode}); "
                           f"logs in {cell_dir}/logs/", file=sys.stderr)
                     return 1
             records.append(_cell_record(cell_dir, loss, d, seed))

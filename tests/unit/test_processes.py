@@ -1,0 +1,66 @@
+"""A supervising command run by another (a study's cells) is stopped, not killed, on an interrupt."""
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from heterorl.processes import run_supervisor
+
+CHILD = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    # Like `heterorl train`: it starts a process of its own, in a session of its own.
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    open(sys.argv[1] + ".worker", "w").write(str(worker.pid))
+    def stop(*_):
+        if sys.argv[2] == "cleans-up":
+            worker.terminate(); worker.wait()
+            open(sys.argv[1], "w").write("stopped its worker")
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    time.sleep(600)
+""")
+
+
+def _interrupt_soon(path):
+    def fire():
+        while not os.path.exists(path):  # once the child has started its worker
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+
+def test_an_interrupted_supervisor_gets_sigterm_and_stops_its_own_processes(tmp_path):
+    marker = tmp_path / "marker"
+    _interrupt_soon(f"{marker}.worker")
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_supervisor([sys.executable, "-c", CHILD, str(marker), "cleans-up"], grace_s=30)
+    assert marker.read_text() == "stopped its worker" and time.monotonic() - started < 30
+    assert not _alive(int((tmp_path / "marker.worker").read_text()))
+
+
+def test_a_supervisor_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    marker = tmp_path / "marker"
+    _interrupt_soon(f"{marker}.worker")
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_supervisor([sys.executable, "-c", CHILD, str(marker), "ignores"], grace_s=1)
+    assert 1 <= time.monotonic() - started < 20 and not marker.exists()
+    os.kill(int((tmp_path / "marker.worker").read_text()), signal.SIGKILL)  # its own session: not ours to reap
+
+
+def test_the_exit_status_comes_back():
+    assert run_supervisor([sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
