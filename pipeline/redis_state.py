@@ -32,7 +32,9 @@ Keys (all under `heterorl:<run>:`):
 - `claim_stats`       hash of counters {claimed, completed, reissued, late_completions,
                       reissue_withdrawn}; invariants: claimed - reissued == completed +
                       HLEN claims, and cursor + reissued == claimed + LLEN reissue +
-                      reissue_withdrawn (a late completion takes its index off the queue).
+                      reissue_withdrawn (a late completion takes its index off the queue);
+                      and `discarded_at_source`: completed groups a sampler dropped from its
+                      spool as too stale to send (they never reach the learner).
 
 An epoch is `epoch_size` consecutive indices (epoch = index // epoch_size). Each index is
 issued once from the cursor and again only if its holder died, so within an epoch no
@@ -369,6 +371,13 @@ class RunState:
         keys = [self.prefix + "claims", self.prefix + "reissue", self.prefix + "claim_stats", self._lease_key(owner)]
         return [int(i) for i in self._reissue(keys=keys, args=[owner, *indices])]
 
+    def note_discarded_at_source(self, count: int) -> None:
+        """`count` completed groups were dropped from a spool as too stale to send: the fleet's
+        backlog must stop counting them, or at a small max delay the samplers would wait for
+        the learner to read groups that will never arrive (and the learner for new ones)."""
+        if count > 0:
+            self.client.hincrby(self.prefix + "claim_stats", "discarded_at_source", count)
+
     def claim_stats(self) -> dict:
         """Where the prompt stream stands: `cursor` (indices ever issued fresh),
         `outstanding` claims, `reissue_queue` length, counters `claimed`, `completed`,
@@ -419,13 +428,14 @@ class RunState:
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending"])
         pipe.hlen(self.prefix + "claims")
-        pipe.hget(self.prefix + "claim_stats", "completed")
+        pipe.hmget(self.prefix + "claim_stats", ["completed", "discarded_at_source"])
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
-        (offsets, unread, pending), in_flight, completed, *policy = pipe.execute()
+        (offsets, unread, pending), in_flight, (completed, discarded), *policy = pipe.execute()
+        completed = int(completed or 0) - int(discarded or 0)  # what can still reach the learner
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
         position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
-                        completed=int(completed or 0), learner_pending=int(json.loads(pending or "0") or 0))
+                        completed=completed, learner_pending=int(json.loads(pending or "0") or 0))
         if not policy or not policy[0]:
             return RunView(None, None, **position)
         p = policy[0]
@@ -451,7 +461,8 @@ class RunView:
     in_flight: int = 0
     """Prompts claimed by the fleet whose groups are not spooled yet (being generated or in transit)."""
     completed: Optional[int] = None
-    """Prompts whose groups the fleet has spooled, since the run began (`claim_stats.completed`)."""
+    """Prompts whose groups the fleet has spooled since the run began and not discarded as too
+    stale to send (`claim_stats.completed - claim_stats.discarded_at_source`)."""
     learner_pending: int = 0
     """Groups the learner judged into its partly filled batch, as it last reported."""
 

@@ -342,6 +342,8 @@ class Sampler:
         self.refused_pointers = 0
         self.claim_of: dict[str, int] = {}
         """Rollout id -> prompt index, until the prompt's claim is marked done."""
+        self.discards_reported = 0
+        """Of `outbox.discarded_at_source`, how many the fleet was told of (claim_stats)."""
 
     def run(self) -> int:
         """Generate until stopped (SIGTERM/SIGINT) or `sampler.max_groups`; Redis outages are waited out."""
@@ -623,7 +625,13 @@ class Sampler:
                                    view.learner_unread, view.in_flight, view.completed, view.learner_pending)
 
     def confirm_claims(self) -> None:
-        """Prompts whose groups are safely on disk are done: nobody needs to redo them."""
+        """Prompts whose groups are safely on disk are done: nobody needs to redo them. Groups
+        discarded from the spool since the last turn are reported, so the fleet's backlog
+        drops them."""
+        discarded = self.outbox.discarded_at_source - self.discards_reported
+        if discarded:
+            self.state.note_discarded_at_source(discarded)
+            self.discards_reported += discarded
         if self.outbox.spooled_ids:
             self.state.complete_prompts(self.sampler_id, [self.claim_of[r] for r in self.outbox.spooled_ids
                                                           if r in self.claim_of])

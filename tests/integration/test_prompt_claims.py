@@ -240,6 +240,10 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     assert view.in_flight == 2 and view.completed == 3 and view.learner_pending == 0
     state.report_learner_offsets({0: 17}, unread=None, pending=5)
     assert state.sampler_view().learner_unread is None and state.sampler_view().learner_pending == 5
+    state.note_discarded_at_source(2)  # spooled, then too stale to send: they will never reach the learner
+    assert state.sampler_view().completed == 1
+    stats = state.claim_stats()
+    assert stats["claimed"] - stats["reissued"] == stats["completed"] + stats["outstanding"]  # claims unaffected
 
 
 def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
