@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from heterorl.lr_pilot import PilotBar, choose, learning_per_100_steps, trade_off, write_pilot_report
+from heterorl.lr_pilot import PilotBar, choose, learning_per_100_steps, shortfalls, trade_off, write_pilot_report
 
 
 def cell(d, curve, kls, steps=200, wall=400.0):
@@ -42,6 +42,8 @@ def test_choose_needs_the_kl_near_the_target_and_affordable_learning():
     verdict = choose(rows, bar)
     assert verdict["qualifying_lrs"] == [5e-5, 1e-4] and verdict["chosen_lr"] == 1e-4
     assert choose([row(1e-4, 0.9, 1e-3), row(1e-3, -1.0, 1e-3), row(1e-5, None, 1e-3)], bar)["chosen_lr"] is None
+    assert shortfalls(rows[0], bar) == ["delayed KL above the target"]
+    assert shortfalls(rows[3], bar) == ["delayed KL below the target", "learns under 10 points in 1000 steps"]
 
 
 def test_the_report_says_when_no_rate_meets_the_bar(tmp_path):
@@ -52,6 +54,7 @@ def test_the_report_says_when_no_rate_meets_the_bar(tmp_path):
     assert verdict["chosen_lr"] is None
     md = (tmp_path / "pilot.md").read_text()
     assert "| 0.0005 | 200 | +1.0 | +2.0 | 1000 |" in md and "No rate meets both" in md
+    assert "| 2.0 | delayed KL above the target |" in md  # 1e-2; and 1000 steps for 10 points is affordable
     saved = json.loads((tmp_path / "pilot.json").read_text())
     assert saved["chosen_lr"] is None and saved["trade_off"][0]["kl_p50_delayed"] == pytest.approx(1e-2)
     assert (tmp_path / "pilot.png").stat().st_size > 5000
