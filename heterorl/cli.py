@@ -180,11 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--losses", help="comma-separated loss types (default: the config's study.losses; "
                                     "--quick: gepo,grpo)")
     p.add_argument("--max-delays", help="comma-separated max delays in steps (default: the config's "
-                                        "study.max_delays; --quick: its smallest and largest)")
-    p.add_argument("--seeds", help="comma-separated seeds (default: the config's study.seeds)")
+                                        "study.max_delays; --quick: its smallest, and its largest below 50)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the config's study.seeds; --quick: the first)")
     p.add_argument("--out", required=True, metavar="DIR", help="study directory (finished cells are reused)")
     p.add_argument("--quick", action="store_true",
-                   help="a small grid (gepo,grpo x the smallest and largest max delay; 50 steps) "
+                   help="a small grid (gepo,grpo x the config's smallest max delay and its largest one below "
+                        "the 50 steps each cell runs, first seed) "
                         "unless --losses/--max-delays are given")
     p.add_argument("--config", "-c", default="study", metavar="NAME|FILE",
                    help=f"base run config: {_config_help()} (default study)")
@@ -423,7 +424,7 @@ def _comma_list(text: str, kind=str) -> list:
 
 
 def _cmd_study(args) -> int:
-    from heterorl.study import QUICK, run_delay_study
+    from heterorl.study import QUICK, quick_max_delays, run_delay_study
 
     config = config_path(args.config)
     if args.study == "pilot":
@@ -431,9 +432,9 @@ def _cmd_study(args) -> int:
     overrides = [*(QUICK["overrides"] if args.quick else []), *args.overrides]
     grid = load_config(config, overrides).study  # the design fixed in the config file
     losses = args.losses or (QUICK["losses"] if args.quick else ",".join(grid.losses))
-    quick_delays = f"{min(grid.max_delays)},{max(grid.max_delays)}"
+    quick_delays = ",".join(map(str, quick_max_delays(grid.max_delays)))
     delays = args.max_delays or (quick_delays if args.quick else ",".join(map(str, grid.max_delays)))
-    seeds = args.seeds or ",".join(map(str, grid.seeds))
+    seeds = args.seeds or ",".join(map(str, grid.seeds[:1] if args.quick else grid.seeds))
     return run_delay_study(config, _comma_list(losses), sorted(set(_comma_list(delays, int))),
                            _comma_list(seeds, int), Path(args.out), overrides, args.data_dir,
                            "heterorl " + " ".join(sys.argv[1:]))
@@ -448,9 +449,11 @@ def _cmd_pilot(args, config: Path) -> int:
         raise ConfigError(f"--lrs takes comma-separated learning rates, got {args.lrs!r}") from None
     if not lrs or any(lr <= 0 for lr in lrs):
         raise ConfigError(f"--lrs takes positive learning rates, got {args.lrs!r}")
-    largest = args.max_delay if args.max_delay is not None else max(load_config(config, args.overrides).study.max_delays)
-    if largest <= 0:
+    if args.max_delay is not None and args.max_delay <= 0:
         raise ConfigError("--max-delay must be > 0: the pilot compares it with max delay 0")
+    largest = args.max_delay or max(load_config(config, args.overrides).study.max_delays)
+    if largest <= 0:
+        raise ConfigError(f"study.max_delays of {args.config} has no delay above 0: give --max-delay")
     return run_lr_pilot(config, lrs, args.loss, largest, args.seed, Path(args.out), args.overrides, args.data_dir,
                         "heterorl " + " ".join(sys.argv[1:]))
 
@@ -561,9 +564,10 @@ def _terminated(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in SUPERVISORS:
-        # `kill` (SIGTERM) ends them like Ctrl-C: they stop the processes and the local stack
+        # `kill` (SIGTERM) and a closed terminal (SIGHUP) end them like Ctrl-C: they stop the processes and the local stack
         # they started on the way out, instead of leaving them running.
         signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGHUP, _terminated)  # a closed terminal too
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

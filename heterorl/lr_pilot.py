@@ -16,12 +16,11 @@ measure the KL delayed data has. Then:
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from heterorl.study import kl_quantiles, run_delay_study
+from heterorl.study import kl_quantiles, run_delay_study, slope_per_100_steps
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,7 @@ class PilotBar:
 
 def learning_per_100_steps(curve: list[list[float]]) -> Optional[float]:
     """Least-squares slope of held-out accuracy over the whole run, in points per 100 steps."""
-    if len(curve) < 2:
-        return None
-    xs, ys = zip(*[(x, 100 * y) for x, y in curve])
-    return 100 * statistics.linear_regression(xs, ys).slope
+    return slope_per_100_steps(curve, min_points=2)
 
 
 def trade_off(lr: float, fresh: dict, delayed: dict) -> dict:
@@ -73,7 +69,9 @@ def shortfalls(row: dict, bar: PilotBar = PilotBar()) -> list[str]:
     low, high = bar.kl_target / bar.kl_tolerance, bar.kl_target * bar.kl_tolerance
     kl, steps = row["kl_p50_delayed"], _steps_to_gain(row, bar)
     out = []
-    if kl is None or kl > high:
+    if kl is None:
+        out.append("no delayed KL measured")
+    elif kl > high:
         out.append("delayed KL above the target")
     elif kl < low:
         out.append("delayed KL below the target")
@@ -85,9 +83,10 @@ def shortfalls(row: dict, bar: PilotBar = PilotBar()) -> list[str]:
 def choose(rows: list[dict], bar: PilotBar = PilotBar()) -> dict:
     """The verdict: the rates whose delayed KL is near the target and whose fresh runs gain
     `bar.gain_points` within `bar.affordable_steps` (projected from the measured slope), and
-    the largest such rate (it learns fastest), or None."""
-    fitting = [r["lr"] for r in rows if not shortfalls(r, bar)]
-    return {"bar": asdict(bar), "qualifying_lrs": sorted(fitting), "chosen_lr": max(fitting) if fitting else None}
+    of those the one that learned fastest with fresh data, or None."""
+    fitting = [r for r in rows if not shortfalls(r, bar)]
+    chosen = max(fitting, key=lambda r: r["learning_per_100_steps"])["lr"] if fitting else None
+    return {"bar": asdict(bar), "qualifying_lrs": sorted(r["lr"] for r in fitting), "chosen_lr": chosen}
 
 
 def _fmt(x, spec: str) -> str:
@@ -160,7 +159,7 @@ def run_lr_pilot(config: Path, lrs: list[float], loss: str, largest_delay: int, 
                  overrides: list[str], data_dir: str, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for lr in sorted(lrs, reverse=True):
+    for lr in sorted(set(lrs), reverse=True):
         cells = out / f"lr-{lr:g}"
         status = run_delay_study(config, [loss], [0, largest_delay], [seed], cells,
                                  [*overrides, f"learner.lr={lr:g}"], data_dir, command)

@@ -37,7 +37,8 @@ def run_supervisor(cmd: list[str], env: Optional[dict] = None, grace_s: float = 
     end and return its exit status. It runs in a session of its own, so a Ctrl-C reaches
     only this process; if this process is interrupted (Ctrl-C, or SIGTERM via the commands'
     handler), the child gets one SIGTERM and `grace_s` to stop its processes and local stack,
-    and only then SIGKILL. Killing it at once would leave its learner and samplers running."""
+    and only then (or at a second interrupt) SIGKILL. Killing it at once would leave its
+    learner and samplers running; a SIGKILL still does (they run in sessions of their own)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait()
@@ -46,7 +47,7 @@ def run_supervisor(cmd: list[str], env: Optional[dict] = None, grace_s: float = 
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
+            except BaseException:  # out of time, or interrupted again while waiting
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         raise

@@ -30,8 +30,15 @@ from heterorl.stack import services_for_run
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 
-QUICK = {"losses": "gepo,grpo", "overrides": ["learner.max_steps=50", "eval.every=10"]}
-"""`--quick`: a small grid of shorter runs (max delays: the config's smallest and largest)."""
+QUICK = {"losses": "gepo,grpo", "steps": 50, "overrides": ["learner.max_steps=50", "eval.every=10"]}
+"""`--quick`: a small grid of shorter runs (max delays: `quick_max_delays`)."""
+
+
+def quick_max_delays(grid: list[int], steps: int = QUICK["steps"]) -> list[int]:
+    """The config grid's smallest max delay and its largest one below `steps` (a larger one
+    could never bind in a run that short)."""
+    reachable = [d for d in grid if d < steps] or [min(grid)]
+    return sorted({min(grid), max(reachable)})
 
 
 def _same_cell(recorded: dict, spec: dict) -> bool:
@@ -173,10 +180,16 @@ def late_slope(r: dict, fraction: float = 0.25) -> Optional[float]:
     """Least-squares slope of held-out accuracy over the last `fraction` of the run, in points
     per 100 steps: near 0 is a plateau, clearly below 0 a collapse, above 0 still learning."""
     curve = r["eval_curve"]
-    start = curve[-1][0] * (1 - fraction)
-    xs, ys = zip(*[(x, 100 * y) for x, y in curve if x >= start]) if curve else ((), ())
-    if len(xs) < 3:
+    start = curve[-1][0] * (1 - fraction) if curve else 0
+    return slope_per_100_steps([p for p in curve if p[0] >= start], min_points=3)
+
+
+def slope_per_100_steps(curve: list[list[float]], min_points: int) -> Optional[float]:
+    """Least-squares slope of (step, accuracy) points, in accuracy points per 100 steps; None
+    with fewer than `min_points` points."""
+    if len(curve) < min_points:
         return None
+    xs, ys = zip(*[(x, 100 * y) for x, y in curve])
     return 100 * statistics.linear_regression(xs, ys).slope
 
 

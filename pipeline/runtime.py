@@ -27,7 +27,7 @@ from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.keyring import key_paths, load_learner_public
 from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
-from pipeline.models.cache import is_complete
+from pipeline.models.cache import INFO_FILE, is_complete
 from pipeline.redis_state import RunState, connect_redis
 from pipeline.services import Services, check_reachable, require_services
 from pipeline.signing import SigningKey
@@ -107,22 +107,31 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
         release_memory()
 
 
+BASE_EVALUATION_VERSION = 1
+"""Part of every stored base evaluation's key: raise it when evaluation itself changes."""
+
+
 def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     """evaluate_checkpoint for a run's base model, computed once and kept beside it.
 
-    A model from the model cache (`<data_dir>/models/<name>`, finished, named by what it was
-    made from) never changes, and evaluation is seeded (`run.seed`), so the same model, task,
-    evaluation and sampling settings and seed give the same numbers: they are stored in
+    A model from the model cache (`<data_dir>/models/<name>`, finished, its info file written
+    last; a rebuilt one has a new info file) never changes, and evaluation is seeded
+    (`run.seed`), so the same model, task, evaluation and sampling settings and seed give the
+    same numbers: they are stored in
     `<data_dir>/models/evaluations/<model>-<key>.json` and reused, which spares each cell of a
     study the same minutes-long evaluation of the same base model. Any other directory is
     evaluated afresh."""
-    if not is_complete(model_dir):
+    cache = (Path(cfg.services.data_dir) / "models").resolve()
+    if not (is_complete(model_dir) and model_dir.resolve().parent == cache):
         return evaluate_checkpoint(cfg, model_dir, task)
     s = cfg.sampler
     key = hashlib.sha256(json.dumps({
-        "task": cfg.task.model_dump(mode="json"), "eval": cfg.eval.model_dump(mode="json", exclude={"every"}),
+        "version": BASE_EVALUATION_VERSION, "model": (model_dir / INFO_FILE).read_text(),
+        "task": cfg.task.model_dump(mode="json"),
+        "task_settings": getattr(task, "settings", dict)(),  # with the data files' sha256, if any
+        "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads"}),
         "sampling": [s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.precision], "seed": cfg.run.seed,
-        "device": cfg.model.device}, sort_keys=True).encode()).hexdigest()[:16]
+        "device": str(resolve_device(cfg.model.device))}, sort_keys=True, default=str).encode()).hexdigest()[:16]
     stored = model_dir.parent / "evaluations" / f"{model_dir.name}-{key}.json"
     if stored.is_file():
         logging.getLogger("heterorl.runtime").info("held-out accuracy of %s: reused from %s", model_dir.name, stored)

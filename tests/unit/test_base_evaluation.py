@@ -21,7 +21,8 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
                                  size=ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=32, max_positions=32),
                                  warmup_steps=3, warmup_batch_size=8, warmup_target_accuracy=None, seed=0)
     base = ensure_base_model(tmp_path / "models", settings)
-    cfg = HeteroConfig.model_validate({"task": {"digits": 1, "ops": "+", "eval_size": 5},
+    cfg = HeteroConfig.model_validate({"services": {"data_dir": str(tmp_path)},
+                                       "task": {"digits": 1, "ops": "+", "eval_size": 5},
                                        "eval": {"n_samples": 3}, "sampler": {"max_new_tokens": 3}})
     task = make_task("arithmetic", digits=1, ops="+", eval_size=5)
     fresh = runtime.evaluate_checkpoint(cfg, base, task)
@@ -42,7 +43,12 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     runtime.evaluate_base(other_temperature, base, task)
     assert len(calls) == 3                                  # other settings: evaluated afresh
 
-    own = shutil.copytree(base, tmp_path / "mine", ignore=shutil.ignore_patterns("heterorl_base.json"))
+    own = shutil.copytree(base, tmp_path / "mine")  # a copy outside the model cache, info file and all
     runtime.evaluate_base(cfg, own, task)
     runtime.evaluate_base(cfg, own, task)
     assert len(calls) == 5                                  # a user's directory may change: never reused
+
+    info = base / "heterorl_base.json"                      # the cached model rebuilt: a new info file
+    info.write_text(info.read_text().replace("{", '{"created_unix": 1, ', 1))
+    runtime.evaluate_base(cfg, base, task)
+    assert len(calls) == 6

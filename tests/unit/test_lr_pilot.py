@@ -65,3 +65,27 @@ def test_the_pilot_refuses_bad_rates_in_one_line(capsys):
 
     assert main(["study", "pilot", "--lrs", "fast", "--out", "/tmp/never"]) == 2
     assert "--lrs takes comma-separated learning rates, got 'fast'" in capsys.readouterr().err
+
+
+def test_the_pilot_runs_each_rate_once_and_reads_its_two_cells(tmp_path, monkeypatch):
+    from heterorl import lr_pilot
+
+    ran = []
+
+    def fake_study(config, losses, delays, seeds, out, overrides, data_dir, command):
+        lr = float(overrides[-1].split("=")[1])
+        ran.append((lr, delays, overrides[-1]))
+        out.mkdir(parents=True)
+        slope = 2e4 * lr                                   # 1e-4: 2 points per 100 steps
+        records = [cell(0, [[0, 0.2], [100, 0.2 + slope / 100], [200, 0.2 + 2 * slope / 100]], [1e-9] * 4),
+                   cell(delays[1], [[0, 0.2], [200, 0.2]], [1e3 * lr ** 2 * 1e4] * 4)]  # KL grows as lr²
+        (out / "delay_study.json").write_text(json.dumps(records))
+        return 0
+
+    monkeypatch.setattr(lr_pilot, "run_delay_study", fake_study)
+    assert lr_pilot.run_lr_pilot("cfg", [1e-4, 3e-5, 1e-4], "gepo", 64, 0, tmp_path, [], "d", "cmd") == 0
+    assert [(lr, d) for lr, d, _ in ran] == [(1e-4, [0, 64]), (3e-5, [0, 64])] and ran[0][2] == "learner.lr=0.0001"
+    saved = json.loads((tmp_path / "pilot.json").read_text())
+    # KL at 64: 1e-4 -> 1e-1 (too high); 3e-5 -> 9e-3 (too high): none qualifies
+    assert [r["lr"] for r in saved["trade_off"]] == [1e-4, 3e-5] and saved["chosen_lr"] is None
+    assert saved["trade_off"][0]["learning_per_100_steps"] == pytest.approx(2.0)

@@ -138,3 +138,11 @@ def test_the_seed_regime_configs_carry_the_seed_systems_settings(name, delays):
     assert learner.kl_coef == 0.005 and 32 in cfg.study.max_delays and cfg.study.max_delays == delays
     assert learner.lr_warmup_steps == round(0.03 * learner.max_steps)   # the seed's 3 % warm-up
     assert s.delays.refresh.kind == "lognormal" and cfg.study.losses == ["gepo", "gspo", "grpo"]
+
+
+def test_quick_runs_the_smallest_delay_and_the_largest_that_can_bind_in_50_steps():
+    from heterorl.study import quick_max_delays
+
+    assert quick_max_delays([0, 4, 16, 64]) == [0, 16]       # `study`
+    assert quick_max_delays([0, 32, 64]) == [0, 32]          # `seed_regime`
+    assert quick_max_delays([0]) == [0] and quick_max_delays([64]) == [64]
