@@ -42,23 +42,25 @@ def _alive(pid: int) -> bool:
     return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
 
 
-def test_an_interrupted_supervisor_gets_sigterm_and_stops_its_own_processes(tmp_path):
+def _interrupted(tmp_path, mode: str, grace_s: float):
+    """run_supervisor on CHILD, interrupted once the child has started its worker: (marker, seconds)."""
     marker = tmp_path / "marker"
     _interrupt_soon(f"{marker}.worker")
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        run_supervisor([sys.executable, "-c", CHILD, str(marker), "cleans-up"], grace_s=30)
-    assert marker.read_text() == "stopped its worker" and time.monotonic() - started < 30
+        run_supervisor([sys.executable, "-c", CHILD, str(marker), mode], grace_s=grace_s)
+    return marker, time.monotonic() - started
+
+
+def test_an_interrupted_supervisor_gets_sigterm_and_stops_its_own_processes(tmp_path):
+    marker, seconds = _interrupted(tmp_path, "cleans-up", grace_s=30)
+    assert marker.read_text() == "stopped its worker" and seconds < 30
     assert not _alive(int((tmp_path / "marker.worker").read_text()))
 
 
 def test_a_supervisor_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
-    marker = tmp_path / "marker"
-    _interrupt_soon(f"{marker}.worker")
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_supervisor([sys.executable, "-c", CHILD, str(marker), "ignores"], grace_s=1)
-    assert 1 <= time.monotonic() - started < 20 and not marker.exists()
+    marker, seconds = _interrupted(tmp_path, "ignores", grace_s=1)
+    assert 1 <= seconds < 20 and not marker.exists()
     os.kill(int((tmp_path / "marker.worker").read_text()), signal.SIGKILL)  # its own session: not ours to reap
 
 
