@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "data against the learner-sampler KL of delayed data, and the rate that "
                                        "gives a KL around 1e-3 while gaining 10 points within 1000 steps, if any.")
     p.add_argument("--lrs", required=True, help="comma-separated learning rates, e.g. 5e-4,1e-4,2e-5")
-    p.add_argument("--loss", default="gepo", choices=typing.get_args(LossType), help="loss of every pilot cell (default gepo)")
+    p.add_argument("--loss", default="gepo", choices=typing.get_args(LossType),
+                   help="loss of every pilot cell (default gepo)")
     p.add_argument("--max-delay", type=int, metavar="STEPS",
                    help="the delayed cells' max delay (default: the largest of the config's study.max_delays)")
     p.add_argument("--seed", type=int, default=0, help="seed of every pilot cell (default 0)")
@@ -564,10 +565,10 @@ def _terminated(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in SUPERVISORS:
-        # `kill` (SIGTERM) and a closed terminal (SIGHUP) end them like Ctrl-C: they stop the processes and the local stack
-        # they started on the way out, instead of leaving them running.
+        # `kill` (SIGTERM) and a closed terminal (SIGHUP) end them like Ctrl-C: they stop the
+        # processes and the local stack they started on the way out, instead of leaving them running.
         signal.signal(signal.SIGTERM, _terminated)
-        signal.signal(signal.SIGHUP, _terminated)  # a closed terminal too
+        signal.signal(signal.SIGHUP, _terminated)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

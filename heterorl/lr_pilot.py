@@ -36,6 +36,11 @@ class PilotBar:
     affordable_steps: int = 1000
     """... within this many steps (what one grid cell can run on this machine)."""
 
+    @property
+    def kl_band(self) -> tuple[float, float]:
+        """The delayed KL a rate must have: the target, within the tolerance either way."""
+        return self.kl_target / self.kl_tolerance, self.kl_target * self.kl_tolerance
+
 
 def learning_per_100_steps(curve: list[list[float]]) -> Optional[float]:
     """Least-squares slope of held-out accuracy over the whole run, in points per 100 steps."""
@@ -66,7 +71,7 @@ def _steps_to_gain(row: dict, bar: PilotBar) -> Optional[float]:
 
 def shortfalls(row: dict, bar: PilotBar = PilotBar()) -> list[str]:
     """What keeps a rate from the bar, in words (empty: it qualifies)."""
-    low, high = bar.kl_target / bar.kl_tolerance, bar.kl_target * bar.kl_tolerance
+    low, high = bar.kl_band
     kl, steps = row["kl_p50_delayed"], _steps_to_gain(row, bar)
     out = []
     if kl is None:
@@ -112,7 +117,7 @@ def write_pilot_report(out: Path, rows: list[dict], loss: str, command: str, bar
                      f"{_fmt(r['kl_p50_fresh'], '.1e')} | {r['largest_delay']} | {r['mean_staleness_delayed']:.1f} | "
                      f"{_fmt(r['kl_p50_delayed'], '.1e')} | {_fmt(r['kl_p95_delayed'], '.1e')} | "
                      f"{r['seconds_per_step_fresh']:.1f} | {'; '.join(shortfalls(r, bar)) or 'yes'} |")
-    low, high = bar.kl_target / bar.kl_tolerance, bar.kl_target * bar.kl_tolerance
+    low, high = bar.kl_band
     lines += ["", f"The bar: a median KL at the largest max delay within {low:.1e}–{high:.1e} (around "
                   f"{bar.kl_target:.0e}), and a max-delay-0 run that gains {bar.gain_points:g} points within "
                   f"{bar.affordable_steps} steps (projected from its slope).", ""]
@@ -133,7 +138,7 @@ def _plot(out: Path, rows: list[dict], bar: PilotBar) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.axvspan(bar.kl_target / bar.kl_tolerance, bar.kl_target * bar.kl_tolerance, color="C2", alpha=0.15,
+    ax.axvspan(*bar.kl_band, color="C2", alpha=0.15,
                label=f"target KL (around {bar.kl_target:.0e})")
     ax.axhline(100 * bar.gain_points / bar.affordable_steps, color="C3", ls="--", lw=1,
                label=f"{bar.gain_points:g} points in {bar.affordable_steps} steps")
