@@ -14,7 +14,7 @@ from heterorl.processes import run_supervisor
 CHILD = textwrap.dedent("""
     import signal, subprocess, sys, time
     # Like `heterorl train`: it starts a process of its own, in a session of its own.
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     open(sys.argv[1] + ".worker", "w").write(str(worker.pid))
     def stop(*_):
         if sys.argv[2] == "cleans-up":
@@ -22,7 +22,7 @@ CHILD = textwrap.dedent("""
             open(sys.argv[1], "w").write("stopped its worker")
             sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
-    time.sleep(600)
+    time.sleep(60)
 """)
 
 
@@ -42,6 +42,15 @@ def _alive(pid: int) -> bool:
     return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
 
 
+@pytest.fixture
+def ctrl_c_interrupts():
+    """Ctrl-C raises KeyboardInterrupt, as in a command's process. An in-process sampler of an
+    earlier test (its StopRequest) may have replaced that handler in this one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupted(tmp_path, mode: str, grace_s: float):
     """run_supervisor on CHILD, interrupted once the child has started its worker: (marker, seconds)."""
     marker = tmp_path / "marker"
@@ -52,13 +61,13 @@ def _interrupted(tmp_path, mode: str, grace_s: float):
     return marker, time.monotonic() - started
 
 
-def test_an_interrupted_supervisor_gets_sigterm_and_stops_its_own_processes(tmp_path):
+def test_an_interrupted_supervisor_gets_sigterm_and_stops_its_own_processes(tmp_path, ctrl_c_interrupts):
     marker, seconds = _interrupted(tmp_path, "cleans-up", grace_s=30)
     assert marker.read_text() == "stopped its worker" and seconds < 30
     assert not _alive(int((tmp_path / "marker.worker").read_text()))
 
 
-def test_a_supervisor_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+def test_a_supervisor_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, ctrl_c_interrupts):
     marker, seconds = _interrupted(tmp_path, "ignores", grace_s=1)
     assert 1 <= seconds < 20 and not marker.exists()
     os.kill(int((tmp_path / "marker.worker").read_text()), signal.SIGKILL)  # its own session: not ours to reap
