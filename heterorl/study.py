@@ -30,7 +30,9 @@ from heterorl.stack import services_for_run
 from pipeline.config import load_config
 from pipeline.metrics import read_metrics
 
-QUICK = {"losses": "gepo,grpo", "steps": 50, "overrides": ["learner.max_steps=50", "eval.every=10"]}
+QUICK_STEPS = 50
+QUICK = {"losses": "gepo,grpo", "steps": QUICK_STEPS,
+         "overrides": [f"learner.max_steps={QUICK_STEPS}", "eval.every=10"]}
 """`--quick`: a small grid of shorter runs (max delays: `quick_max_delays`)."""
 
 

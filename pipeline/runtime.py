@@ -128,7 +128,7 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     key = hashlib.sha256(json.dumps({
         "version": BASE_EVALUATION_VERSION, "model": (model_dir / INFO_FILE).read_text(),
         "task": cfg.task.model_dump(mode="json"),
-        "task_settings": getattr(task, "settings", dict)(),  # with the data files' sha256, if any
+        "task_settings": task.settings(),  # with the data files' sha256, if any
         "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads"}),
         "sampling": [s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.precision], "seed": cfg.run.seed,
         "device": str(resolve_device(cfg.model.device))}, sort_keys=True, default=str).encode()).hexdigest()[:16]

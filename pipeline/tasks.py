@@ -103,6 +103,9 @@ class Task(Protocol):
     def encode_prompt(self, problem: Problem, tokenizer: Any) -> list[int]:
         """The prompt token ids the sampler, evaluator and warm-up feed the model."""
 
+    def settings(self) -> dict[str, Any]:
+        """Everything that defines the task (part of the model cache's and stored evaluations' keys)."""
+
 
 _OPS = ("+", "-", "*")
 _COMMUTATIVE = frozenset({"+", "*"})
