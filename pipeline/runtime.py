@@ -146,12 +146,18 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
 
 def release_memory() -> None:
     """Give freed memory back to the system: glibc keeps a process's freed heap for reuse, so
-    after a SmolLM2 evaluation an idle supervisor held 3.3 GB; `malloc_trim` returns it."""
+    after a SmolLM2 evaluation an idle supervisor held 3.3 GB; `malloc_trim` returns it. On a
+    GPU, PyTorch's allocator likewise keeps freed blocks: after its 6 s base evaluation each
+    `heterorl train` supervisor held 3.7 GiB of an H200 while its cell ran
+    (docs/results/smollm2_study/gpu_h200_partial/); `empty_cache` returns them."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: str, work_dir: Path, task,
