@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from pydantic import ValidationError
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
-from pipeline.config import load_config
+from pipeline.config import ConfigError, HeteroConfig, apply_override, load_config
 from pipeline.metrics import read_metrics
 
 QUICK_STEPS = 50
@@ -43,9 +44,25 @@ def quick_max_delays(grid: list[int], steps: int = QUICK["steps"]) -> list[int]:
     return sorted({min(grid), max(reachable)})
 
 
+def _cell_settings(spec: dict) -> Optional[dict]:
+    """What a cell runs with: its config file's values with its `--set` overrides applied and
+    validated, so comments, layout, where the file lies and how a value is written do not
+    matter, nor whether it came from the file or from `--set` (a config frozen at a pilot's
+    rate reuses the pilot's cells). None if the recorded text or overrides no longer validate."""
+    try:
+        data = yaml.safe_load(spec["config_text"]) or {}
+        for assignment in spec["overrides"]:
+            apply_override(data, assignment)
+        return HeteroConfig.model_validate(data).model_dump(mode="json")
+    except (yaml.YAMLError, ConfigError, ValidationError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _same_cell(recorded: dict, spec: dict) -> bool:
-    """Same config text, loss, max delay, seed and overrides (where the config file lies does not matter)."""
-    return {k: v for k, v in recorded.items() if k != "config"} == {k: v for k, v in spec.items() if k != "config"}
+    """Same loss, max delay and seed, and the same settings (`_cell_settings`)."""
+    settings = _cell_settings(recorded)
+    return all(recorded.get(k) == spec[k] for k in ("loss", "max_delay", "seed")) and \
+        settings is not None and settings == _cell_settings(spec)
 
 
 def _cell_name(loss: str, max_delay: int, seed: int) -> str:
@@ -394,7 +411,7 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                     "seed": seed, "overrides": overrides}
             done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
                 _same_cell(json.loads((cell_dir / "cell.json").read_text()), spec)
-            if not done:  # never reuse a cell made with another config or other overrides
+            if not done:  # never reuse a cell made with other settings
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
                     shutil.rmtree(cell_dir)

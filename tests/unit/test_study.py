@@ -54,14 +54,21 @@ def test_a_written_analysis_survives_regeneration(tmp_path):
     assert "| gepo | 50.0 | 50.0 | 40.0 | 40.0 |" in text
 
 
-def test_a_finished_cell_is_reused_only_with_the_same_config_text_and_settings():
+def test_a_finished_cell_is_reused_only_with_the_same_settings():
     from heterorl.study import _same_cell
 
-    recorded = {"config": "configs/study.yaml", "config_text": "a: 1\n", "loss": "gepo", "max_delay": 4, "seed": 1,
-                "overrides": []}
+    text = "# the seed's settings\nlearner:\n  lr: 1.0e-5\n  max_steps: 100\n"
+    recorded = {"config": "configs/study.yaml", "config_text": text, "loss": "gepo", "max_delay": 4, "seed": 1,
+                "overrides": ["learner.lr=1e-06"]}
     assert _same_cell(recorded, {**recorded, "config": "/elsewhere/heterorl/configs/study.yaml"})  # moved file
-    assert not _same_cell(recorded, {**recorded, "config_text": "a: 2\n"})
-    assert not _same_cell(recorded, {**recorded, "overrides": ["learner.lr=1e-3"]})
+    frozen = "# frozen at the pilot's rate\nlearner:\n  lr: 1.0e-6   # the seed's\n  max_steps: 100\n"
+    assert _same_cell(recorded, {**recorded, "config_text": frozen, "overrides": []})  # set in the file, not by --set
+    assert not _same_cell(recorded, {**recorded, "overrides": []})  # lr 1e-5
+    assert not _same_cell(recorded, {**recorded, "overrides": ["learner.lr=1e-06", "learner.max_steps=50"]})
+    assert not _same_cell(recorded, {**recorded, "config_text": text.replace("100", "101")})
+    assert not _same_cell(recorded, {**recorded, "seed": 2})
+    assert not _same_cell(recorded, {**recorded, "loss": "gspo"})
+    assert not _same_cell({**recorded, "config_text": "learner: [unclosed\n"}, recorded)  # unreadable record: run again
 
 
 def test_seed_spread_and_the_two_claims():
