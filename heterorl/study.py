@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
-from pydantic import ValidationError
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
-from pipeline.config import ConfigError, HeteroConfig, apply_override, load_config
+from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.metrics import read_metrics
 
 QUICK_STEPS = 50
@@ -46,15 +45,13 @@ def quick_max_delays(grid: list[int], steps: int = QUICK["steps"]) -> list[int]:
 
 def _cell_settings(spec: dict) -> Optional[dict]:
     """What a cell runs with: its config file's values with its `--set` overrides applied and
-    validated, so comments, layout, where the file lies and how a value is written do not
-    matter, nor whether it came from the file or from `--set` (a config frozen at a pilot's
-    rate reuses the pilot's cells). None if the recorded text or overrides no longer validate."""
+    validated (no environment), so comments, layout, where the file lies and how a value is
+    written do not matter, nor whether it came from the file or from `--set` (a config frozen
+    at a pilot's rate reuses the pilot's cells). None if the record no longer validates."""
     try:
-        data = yaml.safe_load(spec["config_text"]) or {}
-        for assignment in spec["overrides"]:
-            apply_override(data, assignment)
-        return HeteroConfig.model_validate(data).model_dump(mode="json")
-    except (yaml.YAMLError, ConfigError, ValidationError, KeyError, TypeError, AttributeError):
+        return config_from_text(spec["config_text"], "recorded in cell.json", spec["overrides"],
+                                env={}).model_dump(mode="json")
+    except (ConfigError, KeyError, TypeError):
         return None
 
 

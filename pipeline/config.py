@@ -767,22 +767,27 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
 
     Raises ConfigError with one line naming the file and the bad field.
     """
-    data: dict = {}
-    source = "(defaults)"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections")
-        data = loaded
-    if path is not None:  # before the overrides: a path given with --set is the user's, as typed
-        _paths_from_the_config_directory(data, Path(path).parent)
+    if path is None:
+        return config_from_text("", "(defaults)", overrides, env)
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    return config_from_text(p.read_text(), str(path), overrides, env, config_dir=p.parent)
+
+
+def config_from_text(text: str, source: str, overrides: tuple[str, ...] | list[str] = (),
+                     env: Optional[dict[str, str]] = None, config_dir: Optional[Path] = None) -> HeteroConfig:
+    """What `load_config` does once it has the file's text (`source` names it in errors): the
+    YAML, relative paths that exist in `config_dir` (if given), the overrides, then service
+    URLs from `env` (default: the environment), validated."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {source} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {source} must hold a mapping of sections")
+    if config_dir is not None:  # before the overrides: a path given with --set is the user's, as typed
+        _paths_from_the_config_directory(data, config_dir)
     for assignment in overrides:
         apply_override(data, assignment)
     env = os.environ if env is None else env

@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline.metrics import read_metrics  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 BINS = [(0, 0), (1, 2), (3, 5), (6, 10), (11, 15), (16, 24)]
 SERIES = {  # label: (metrics file, learning rate, where it ran)
@@ -28,10 +30,6 @@ SERIES = {  # label: (metrics file, learning rate, where it ran)
     "lr 1e-5, gepo (CPU, first 4 steps)": (HERE.parent / "first_steps/metrics.jsonl", 1e-5, "CPU"),
     "lr 1e-6, gepo (CPU probe, 12 steps)": (HERE.parent / "probe_lr1e-6/metrics.jsonl", 1e-6, "CPU"),
 }
-
-
-def learner_steps(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "learner"]
 
 
 def by_staleness(steps: list[dict]) -> dict[str, dict]:
@@ -48,7 +46,7 @@ def main() -> None:
     table = {}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (path, lr, where) in SERIES.items():
-        steps = learner_steps(path)
+        steps = read_metrics(path, "learner")
         table[label] = {"lr": lr, "where": where, "steps": len(steps), "by_staleness": by_staleness(steps),
                         "mean_clip_fraction": statistics.fmean(s["clip_frac"] for s in steps)}
         pts = [(s["staleness_mean"], s["kl"]) for s in steps if s["staleness_mean"] > 0 and s["kl"] > 0]
