@@ -49,6 +49,12 @@ def _config_help() -> str:
             "missing fields")
 
 
+def _keep_checkpoints_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep every policy version and recovery state of each finished cell in S3 (default: "
+                        "keep v0 and the final version, with its delta chain; a real model's cell is GBs)")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="NAME|FILE", help=_config_help())
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -192,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of every cell (repeatable)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
+    _keep_checkpoints_option(p)
 
     p = studies.add_parser("pilot", help="learning-rate pilot: learning speed vs delayed KL, before a grid",
                            description="For each --lrs rate, runs the delay study's max-delay-0 cell and its "
@@ -211,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of every cell (repeatable), e.g. learner.max_steps=200")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
+    _keep_checkpoints_option(p)
 
     p = sub.add_parser("train", help="the main job: local stack + learner + samplers + evaluation + report",
                        description="Starts the local stack unless one is running or URLs are configured, "
@@ -438,7 +446,7 @@ def _cmd_study(args) -> int:
     seeds = args.seeds or ",".join(map(str, grid.seeds[:1] if args.quick else grid.seeds))
     return run_delay_study(config, _comma_list(losses), sorted(set(_comma_list(delays, int))),
                            _comma_list(seeds, int), Path(args.out), overrides, args.data_dir,
-                           "heterorl " + " ".join(sys.argv[1:]))
+                           "heterorl " + " ".join(sys.argv[1:]), keep_checkpoints=args.keep_checkpoints)
 
 
 def _cmd_pilot(args, config: Path) -> int:
@@ -456,7 +464,7 @@ def _cmd_pilot(args, config: Path) -> int:
     if largest <= 0:
         raise ConfigError(f"study.max_delays of {args.config} has no delay above 0: give --max-delay")
     return run_lr_pilot(config, lrs, args.loss, largest, args.seed, Path(args.out), args.overrides, args.data_dir,
-                        "heterorl " + " ".join(sys.argv[1:]))
+                        "heterorl " + " ".join(sys.argv[1:]), keep_checkpoints=args.keep_checkpoints)
 
 
 def _cmd_replay(args) -> int:

@@ -161,13 +161,13 @@ def _plot(out: Path, rows: list[dict], bar: PilotBar) -> None:
 
 
 def run_lr_pilot(config: Path, lrs: list[float], loss: str, largest_delay: int, seed: int, out: Path,
-                 overrides: list[str], data_dir: str, command: str) -> int:
+                 overrides: list[str], data_dir: str, command: str, keep_checkpoints: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for lr in sorted(set(lrs), reverse=True):
         cells = out / f"lr-{lr:g}"
         status = run_delay_study(config, [loss], [0, largest_delay], [seed], cells,
-                                 [*overrides, f"learner.lr={lr:g}"], data_dir, command)
+                                 [*overrides, f"learner.lr={lr:g}"], data_dir, command, keep_checkpoints)
         if status != 0:
             return status
         records = json.loads((cells / "delay_study.json").read_text())

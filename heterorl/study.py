@@ -11,6 +11,12 @@ evaluator on) with the cell's loss, max delay and seed, on one shared local stac
 Cells already finished in DIR with the same config and overrides (recorded in each cell's
 cell.json) are not run again, so an interrupted study resumes where it stopped. The
 analysis section of delay_study.md (below its marker) is kept when the report is rewritten.
+
+A finished cell's run keeps, in S3, only what a user takes home from it: v0 (the base
+model, which `heterorl replay` starts from) and its final policy with the versions that
+policy's delta chain needs; its other versions and its recovery states are deleted
+(`retire_run`), unless `keep_checkpoints`. A real model's cell otherwise leaves gigabytes
+behind (6.6–7.6 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import yaml
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
+from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.metrics import read_metrics
+from pipeline.weights.policy import prune_policies
+from pipeline.weights.recovery import recovery_store
 
 QUICK_STEPS = 50
 QUICK = {"losses": "gepo,grpo", "steps": QUICK_STEPS,
@@ -393,14 +402,30 @@ def _plots(out: Path, records: list[dict], losses: list[str], delays: list[int])
     plt.close(fig)
 
 
+def stored_bytes(store: CheckpointStore) -> int:
+    """Bytes a run holds in S3: its policy versions and recovery states."""
+    return sum(obj.size or 0 for obj in store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True))
+
+
+def retire_run(store: CheckpointStore, final: int) -> int:
+    """Delete what a finished run no longer needs: every policy version but v0 and `final`
+    (with the versions its delta chain rests on), and every recovery state. Returns the
+    bytes freed."""
+    before = stored_bytes(store)
+    prune_policies(store, current=final, keep_from=final)
+    states = recovery_store(store)
+    states.prune(keep_last=0, current=max(states.list_versions(), default=0))
+    return before - stored_bytes(store)
+
+
 def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: list[int], out: Path,
-                    overrides: list[str], data_dir: str, command: str) -> int:
+                    overrides: list[str], data_dir: str, command: str, keep_checkpoints: bool = False) -> int:
     cfg = load_config(config, [*overrides, f"services.data_dir={data_dir}"])  # a bad config fails before anything starts
     for loss in losses:
         load_config(config, [*overrides, f"learner.loss_type={loss}"])
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    with services_for_run(cfg):  # every cell is a `heterorl train` on this stack
+    with services_for_run(cfg) as (_, services, _started):  # every cell is a `heterorl train` on this stack
         cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
         for i, (loss, d, seed) in enumerate(cells, 1):
             cell_dir = out / "cells" / _cell_name(loss, d, seed)
@@ -424,6 +449,12 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                     print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {returncode}); "
                           f"logs in {cell_dir}/logs/", file=sys.stderr)
                     return 1
+                if not keep_checkpoints:
+                    summary = json.loads((cell_dir / "summary.json").read_text())
+                    store = CheckpointStore(connect_s3(services), services.bucket, summary["run"])
+                    freed = retire_run(store, summary["final_policy_version"])
+                    print(f"  kept v0 and v{summary['final_policy_version']} of {summary['run']}, freed "
+                          f"{freed / 1e9:.2f} GB (--keep-checkpoints keeps every version)", file=sys.stderr)
             records.append(_cell_record(cell_dir, loss, d, seed))
             write_report(out, records, losses, delays, command)
     print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")

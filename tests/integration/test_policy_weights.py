@@ -251,6 +251,26 @@ def test_pruning_keeps_every_chain_a_kept_version_needs(local_stack, versions, t
     assert prune_policies(writer, current=4, keep_from=5) == []  # nothing above `current` is judged
 
 
+def test_a_finished_study_cell_keeps_its_base_and_final_policy_only(local_stack, versions, tmp_path):
+    """`heterorl study` retires each finished cell's run: v0 and the final version with its chain
+    stay (v5 rests on keyframe v3), every other version and every recovery state goes, and the
+    bytes it reports freed are the ones gone from S3."""
+    from heterorl.study import retire_run, stored_bytes
+    from pipeline.weights.recovery import recovery_store
+
+    _, writer, reader = _published(local_stack, "study-cell-retired", versions)
+    states = recovery_store(writer)
+    for step in (4, 5):
+        states.publish(step, versions[step])
+    before = stored_bytes(writer)
+    freed = retire_run(writer, final=5)
+    assert writer.list_versions() == [0, 3, 4, 5] and states.list_versions() == []
+    assert freed == before - stored_bytes(writer) > 0
+    for version in (0, 5):
+        rebuilt, _, _ = fetch_policy(reader, reader.manifest_key(version), tmp_path / f"v{version}")
+        assert_same_weights(rebuilt, versions[version])
+
+
 def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack, versions, tmp_path):
     """The learner's snapshot holds fp32 weights and learner_state/: samplers get bf16 weights
     only; a forced keyframe is a full copy whatever the rule says."""

@@ -72,9 +72,10 @@ def test_the_pilot_runs_each_rate_once_and_reads_its_two_cells(tmp_path, monkeyp
 
     ran = []
 
-    def fake_study(config, losses, delays, seeds, out, overrides, data_dir, command):
+    def fake_study(config, losses, delays, seeds, out, overrides, data_dir, command, keep_checkpoints):
         lr = float(overrides[-1].split("=")[1])
         ran.append((lr, delays, overrides[-1]))
+        assert keep_checkpoints is True  # the pilot's --keep-checkpoints reaches every cell
         out.mkdir(parents=True)
         slope = 2e4 * lr                                   # 1e-4: 2 points per 100 steps
         records = [cell(0, [[0, 0.2], [100, 0.2 + slope / 100], [200, 0.2 + 2 * slope / 100]], [1e-9] * 4),
@@ -83,7 +84,8 @@ def test_the_pilot_runs_each_rate_once_and_reads_its_two_cells(tmp_path, monkeyp
         return 0
 
     monkeypatch.setattr(lr_pilot, "run_delay_study", fake_study)
-    assert lr_pilot.run_lr_pilot("cfg", [1e-4, 3e-5, 1e-4], "gepo", 64, 0, tmp_path, [], "d", "cmd") == 0
+    assert lr_pilot.run_lr_pilot("cfg", [1e-4, 3e-5, 1e-4], "gepo", 64, 0, tmp_path, [], "d", "cmd",
+                                 keep_checkpoints=True) == 0
     assert [(lr, d) for lr, d, _ in ran] == [(1e-4, [0, 64]), (3e-5, [0, 64])] and ran[0][2] == "learner.lr=0.0001"
     saved = json.loads((tmp_path / "pilot.json").read_text())
     # KL at 64: 1e-4 -> 1e-1 (too high); 3e-5 -> 9e-3 (too high): none qualifies
