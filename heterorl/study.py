@@ -16,7 +16,7 @@ A finished cell's run keeps, in S3, only what a user takes home from it: v0 (the
 model, which `heterorl replay` starts from) and its final policy with the versions that
 policy's delta chain needs; its other versions and its recovery states are deleted
 (`retire_run`), unless `keep_checkpoints`. A real model's cell otherwise leaves gigabytes
-behind (6.6–7.6 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk.
+behind (6.6–12 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk.
 """
 
 from __future__ import annotations
