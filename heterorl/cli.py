@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a field of every cell (repeatable)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="local stack directory")
     _keep_checkpoints_option(p)
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report from the cells already finished in --out (missing ones "
+                        "show as -), e.g. cells run apart and gathered into DIR/cells/")
 
     p = studies.add_parser("pilot", help="learning-rate pilot: learning speed vs delayed KL, before a grid",
                            description="For each --lrs rate, runs the delay study's max-delay-0 cell and its "
@@ -446,7 +449,8 @@ def _cmd_study(args) -> int:
     seeds = args.seeds or ",".join(map(str, grid.seeds[:1] if args.quick else grid.seeds))
     return run_delay_study(config, _comma_list(losses), sorted(set(_comma_list(delays, int))),
                            _comma_list(seeds, int), Path(args.out), overrides, args.data_dir,
-                           "heterorl " + " ".join(sys.argv[1:]), keep_checkpoints=args.keep_checkpoints)
+                           "heterorl " + " ".join(sys.argv[1:]), keep_checkpoints=args.keep_checkpoints,
+                           report_only=args.report_only)
 
 
 def _cmd_pilot(args, config: Path) -> int:

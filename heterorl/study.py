@@ -11,6 +11,9 @@ evaluator on) with the cell's loss, max delay and seed, on one shared local stac
 Cells already finished in DIR with the same config and overrides (recorded in each cell's
 cell.json) are not run again, so an interrupted study resumes where it stopped. The
 analysis section of delay_study.md (below its marker) is kept when the report is rewritten.
+`--report-only` runs nothing and reports the finished cells in DIR, a grid's missing cells
+shown as "–": for cells run apart (other machines, other sessions) and gathered into
+DIR/cells/.
 
 A finished cell's run keeps, in S3, only what a user takes home from it: v0 (the base
 model, which `heterorl replay` starts from) and its final policy with the versions that
@@ -21,6 +24,7 @@ behind (6.6–12 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -419,13 +423,17 @@ def retire_run(store: CheckpointStore, final: int) -> int:
 
 
 def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: list[int], out: Path,
-                    overrides: list[str], data_dir: str, command: str, keep_checkpoints: bool = False) -> int:
+                    overrides: list[str], data_dir: str, command: str, keep_checkpoints: bool = False,
+                    report_only: bool = False) -> int:
+    """Run the grid's unfinished cells and write the report; `report_only`: start nothing, and
+    report the cells already finished in `out` (cells run apart and gathered there)."""
     cfg = load_config(config, [*overrides, f"services.data_dir={data_dir}"])  # a bad config fails before anything starts
     for loss in losses:
         load_config(config, [*overrides, f"learner.loss_type={loss}"])
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    with services_for_run(cfg) as (_, services, _started):  # every cell is a `heterorl train` on this stack
+    stack = contextlib.nullcontext((cfg, None, False)) if report_only else services_for_run(cfg)
+    with stack as (_, services, _started):  # every cell is a `heterorl train` on this stack
         cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
         for i, (loss, d, seed) in enumerate(cells, 1):
             cell_dir = out / "cells" / _cell_name(loss, d, seed)
@@ -433,6 +441,10 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                     "seed": seed, "overrides": overrides}
             done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
                 _same_cell(json.loads((cell_dir / "cell.json").read_text()), spec)
+            if not done and report_only:
+                print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}: not run (--report-only)",
+                      file=sys.stderr)
+                continue
             if not done:  # never reuse a cell made with other settings
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
@@ -457,5 +469,7 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                           f"{freed / 1e9:.2f} GB (--keep-checkpoints keeps every version)", file=sys.stderr)
             records.append(_cell_record(cell_dir, loss, d, seed))
             write_report(out, records, losses, delays, command)
+    if not records:
+        write_report(out, records, losses, delays, command)
     print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")
     return 0

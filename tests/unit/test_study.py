@@ -1,6 +1,8 @@
 """The delay study's report: the paper-shaped table and its derived numbers."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +155,22 @@ def test_quick_runs_the_smallest_delay_and_the_largest_that_can_bind_in_50_steps
     assert quick_max_delays([0, 4, 16, 64]) == [0, 16]       # `study`
     assert quick_max_delays([0, 32, 64]) == [0, 32]          # `seed_regime`
     assert quick_max_delays([0]) == [0] and quick_max_delays([64]) == [64]
+
+
+def test_report_only_reports_the_finished_cells_and_starts_nothing(tmp_path, monkeypatch):
+    """Cells run apart and gathered into DIR/cells/ make a report of their own; the grid's
+    missing cells show as "–" and nothing is run (no stack, no cell)."""
+    from heterorl import study
+    from heterorl.config_files import config_path
+
+    grid = Path(__file__).parents[2] / "docs/results/smollm2_study/grid/cells"
+    for name in ("gepo-d0-s0", "gepo-d32-s0"):
+        shutil.copytree(grid / name, tmp_path / "cells" / name)
+    monkeypatch.setattr(study, "run_supervisor", lambda *a, **k: pytest.fail("--report-only ran a cell"))
+    monkeypatch.setattr(study, "services_for_run", lambda *a, **k: pytest.fail("--report-only started a stack"))
+    assert study.run_delay_study(config_path("smollm2_study"), ["gepo", "gspo"], [0, 32], [0], tmp_path, [],
+                                 str(tmp_path / "data"), "cmd", report_only=True) == 0
+    table = (tmp_path / "delay_study.md").read_text()
+    assert "| gepo | 30.2 | 30.2 | 25.5 | 25.5 |" in table and "| gspo | – | – | – | – |" in table
+    records = json.loads((tmp_path / "delay_study.json").read_text())
+    assert [(r["loss"], r["max_delay"]) for r in records] == [("gepo", 0), ("gepo", 32)]
