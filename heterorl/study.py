@@ -435,9 +435,10 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
     stack = contextlib.nullcontext((cfg, None, False)) if report_only else services_for_run(cfg)
     with stack as (_, services, _started):  # every cell is a `heterorl train` on this stack
         cells = [(loss, d, seed) for seed in seeds for d in delays for loss in losses]
+        config_text = Path(config).read_text()
         for i, (loss, d, seed) in enumerate(cells, 1):
             cell_dir = out / "cells" / _cell_name(loss, d, seed)
-            spec = {"config": str(config), "config_text": Path(config).read_text(), "loss": loss, "max_delay": d,
+            spec = {"config": str(config), "config_text": config_text, "loss": loss, "max_delay": d,
                     "seed": seed, "overrides": overrides}
             done = (cell_dir / "summary.json").exists() and (cell_dir / "cell.json").exists() and \
                 _same_cell(json.loads((cell_dir / "cell.json").read_text()), spec)
@@ -446,6 +447,8 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                       file=sys.stderr)
                 continue
             if not done:  # never reuse a cell made with other settings
+                if records:  # what is finished is reported before this cell starts
+                    write_report(out, records, losses, delays, command)
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
                     shutil.rmtree(cell_dir)
@@ -468,8 +471,9 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                     print(f"  kept v0 and v{summary['final_policy_version']} of {summary['run']}, freed "
                           f"{freed / 1e9:.2f} GB (--keep-checkpoints keeps every version)", file=sys.stderr)
             records.append(_cell_record(cell_dir, loss, d, seed))
-            write_report(out, records, losses, delays, command)
-    if not records:
-        write_report(out, records, losses, delays, command)
+    if not records:  # only --report-only gets here without a finished cell
+        print(f"heterorl study: no finished cell of this grid in {out}/cells/ to report", file=sys.stderr)
+        return 1
+    write_report(out, records, losses, delays, command)
     print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")
     return 0

@@ -174,3 +174,14 @@ def test_report_only_reports_the_finished_cells_and_starts_nothing(tmp_path, mon
     assert "| gepo | 30.2 | 30.2 | 25.5 | 25.5 |" in table and "| gspo | – | – | – | – |" in table
     records = json.loads((tmp_path / "delay_study.json").read_text())
     assert [(r["loss"], r["max_delay"]) for r in records] == [("gepo", 0), ("gepo", 32)]
+
+
+def test_report_only_on_a_directory_without_finished_cells_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from heterorl import study
+    from heterorl.config_files import config_path
+
+    monkeypatch.setattr(study, "services_for_run", lambda *a, **k: pytest.fail("--report-only started a stack"))
+    assert study.run_delay_study(config_path("smollm2_study"), ["gepo"], [0], [0], tmp_path, [],
+                                 str(tmp_path / "data"), "cmd", report_only=True) == 1
+    assert f"heterorl study: no finished cell of this grid in {tmp_path}/cells/ to report" in capsys.readouterr().err
+    assert not (tmp_path / "delay_study.md").exists()
