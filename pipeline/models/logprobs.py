@@ -60,6 +60,14 @@ def completion_logprobs(
     call the head as often as each other).
     With gradients on and more than one chunk, each chunk is recomputed in the backward
     pass (activation checkpointing), so at most one chunk's logits exist at a time.
+
+    Rows with the same prompt (a prompt group's G completions) share one pass over it
+    (`_shared_prompt_hidden`): the decoder runs once over the distinct prompts and once over
+    the completions, which attend to their prompt's keys and values. With a 47-token chat
+    prompt and 16-token completions in groups of 8 that is a third of the positions of one
+    pass over whole rows, and the log-probs agree with it to float rounding
+    (tests/unit/test_logprobs.py). Under gradient checkpointing (which cannot keep keys and
+    values between passes) every row is run whole.
     Models whose causal-LM head does more than a linear layer (logit soft-capping or
     scaling) are refused with ValueError.
     """
@@ -82,25 +90,12 @@ def completion_logprobs(
     T = max(C)
     if T == 0:
         raise ValueError("every completion is empty")
-    L = max(p + c for p, c in zip(P, C))
-    # The last completion token is never fed as input, so L - 1 input positions suffice.
-    L_in = max(L - 1, max(P))
-    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # never seen by a real position (below)
-    seqs = [(list(prompt_ids[b]) + list(completion_ids[b]))[:L_in] for b in range(B)]
-    input_ids = torch.tensor([seq + [pad] * (L_in - len(seq)) for seq in seqs], dtype=torch.long)
     mask = torch.tensor([[1.0] * c + [0.0] * (T - c) for c in C], dtype=torch.float32)
-    rows, positions, targets = [], [], []
-    for b in range(B):
-        rows += [b] * C[b]
-        positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
-        targets += completion_ids[b]
-    # Neither an attention mask nor position ids: rows are right-padded, so under causal
-    # attention no real position sees a pad (a row's pads change hidden states at pad
-    # positions only, which are never read), and every row starts at position 0, the
-    # model's default. So the model's causal fast path applies, with no check of the
-    # position ids for packed sequences (a device-to-host sync in transformers).
-    hidden = model.base_model(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
-    selected = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]  # [N, H]
+    if _shares_prompts(model):
+        selected = _shared_prompt_hidden(model, prompt_ids, completion_ids, device)
+    else:
+        selected = _whole_row_hidden(model, prompt_ids, completion_ids, device)
+    targets = [t for c in completion_ids for t in c]
     targets = torch.tensor(targets, dtype=torch.long, device=device)
     if n_chunks is None:
         n_chunks = -(-len(targets) // (chunk_tokens or logits_chunk_tokens(model)))
@@ -117,3 +112,81 @@ def completion_logprobs(
     mask = mask.to(device)
     logps = torch.zeros((B, T), dtype=flat.dtype, device=device).masked_scatter(mask.bool(), flat)
     return logps, mask
+
+
+def _shares_prompts(model) -> bool:
+    """Whether the prompt pass's keys and values can be reused by the completion pass:
+    always, except under gradient checkpointing while training (transformers then drops
+    any cache). The choice depends on the model alone, so every rank of a ZeRO-3 learner
+    makes the same passes."""
+    return not (getattr(model, "is_gradient_checkpointing", False) and model.training)
+
+
+def _whole_row_hidden(model, prompt_ids, completion_ids, device) -> torch.Tensor:
+    """[N, H] hidden states predicting each completion token (row by row, token by token),
+    from one pass over whole rows, prompt and completion."""
+    P = [len(p) for p in prompt_ids]
+    C = [len(c) for c in completion_ids]
+    L = max(p + c for p, c in zip(P, C))
+    # The last completion token is never fed as input, so L - 1 input positions suffice.
+    L_in = max(L - 1, max(P))
+    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)  # never seen by a real position (below)
+    seqs = [(list(p) + list(c))[:L_in] for p, c in zip(prompt_ids, completion_ids)]
+    input_ids = torch.tensor([seq + [pad] * (L_in - len(seq)) for seq in seqs], dtype=torch.long)
+    rows, positions = [], []
+    for b in range(len(prompt_ids)):
+        rows += [b] * C[b]
+        positions += range(P[b] - 1, P[b] - 1 + C[b])  # position k predicts token k + 1
+    # Neither an attention mask nor position ids: rows are right-padded, so under causal
+    # attention no real position sees a pad (a row's pads change hidden states at pad
+    # positions only, which are never read), and every row starts at position 0, the
+    # model's default. So the model's causal fast path applies, with no check of the
+    # position ids for packed sequences (a device-to-host sync in transformers).
+    hidden = model.base_model(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
+    return hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+
+
+def _shared_prompt_hidden(model, prompt_ids, completion_ids, device) -> torch.Tensor:
+    """What `_whole_row_hidden` returns, from two passes that share each distinct prompt.
+
+    1. The distinct prompts, left-padded (positions counted from each one's first token, as
+       the sampler does): their keys and values, and the last position's hidden state, which
+       predicts every completion's first token.
+    2. Each row's completion but its last token, right-padded, attending to its prompt's
+       keys and values (gathered per row, so the gradient flows back into the one prompt
+       pass) at positions that continue the prompt's. A row of one token still feeds that
+       token, so both passes always run (ranks of a ZeRO-3 learner run as many as each other).
+    """
+    pad = int(getattr(getattr(model, "config", None), "pad_token_id", None) or 0)
+    distinct: dict[tuple[int, ...], int] = {}
+    prefix_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+    width = max(len(p) for p in distinct)
+    prompts = torch.full((len(distinct), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(distinct), width), dtype=torch.long)
+    for u, p in enumerate(distinct):
+        prompts[u, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention[u, width - len(p):] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = model.base_model(input_ids=prompts.to(device), attention_mask=attention.to(device),
+                           position_ids=positions.to(device), use_cache=True)
+    rows = torch.tensor(prefix_of, device=device)
+    first = out.last_hidden_state[:, -1][rows]  # [B, H]: predicts each row's first completion token
+    cache = out.past_key_values
+    cache.batch_select_indices(rows)  # row b reads its prompt's keys and values (a gather: gradients add up)
+
+    C = [len(c) for c in completion_ids]
+    fed = max(1, max(C) - 1)
+    inputs = torch.full((len(completion_ids), fed), pad, dtype=torch.long)
+    for b, c in enumerate(completion_ids):
+        head = list(c[: max(1, len(c) - 1)])
+        inputs[b, : len(head)] = torch.tensor(head, dtype=torch.long)
+    # Right-padded completions need no mask of their own: under causal attention no real
+    # position sees a later pad.
+    attention = torch.cat([attention[prefix_of], torch.ones((len(completion_ids), fed), dtype=torch.long)], dim=1)
+    continued = positions[prefix_of, -1:] + 1 + torch.arange(fed)[None]
+    later = model.base_model(input_ids=inputs.to(device), attention_mask=attention.to(device),
+                             position_ids=continued.to(device), past_key_values=cache,
+                             use_cache=True).last_hidden_state  # [B, fed, H]
+    hidden = torch.cat([first[:, None], later], dim=1)  # [B, fed + 1, H]: position t predicts token t
+    index = torch.tensor([[b, t] for b in range(len(C)) for t in range(C[b])], device=device)
+    return hidden[index[:, 0], index[:, 1]]

@@ -136,3 +136,46 @@ def test_a_batch_whose_full_logits_would_not_fit_the_memory_budget_trains():
                           env={**os.environ, "MALLOC_ARENA_MAX": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert proc.stdout.startswith("ok") and math.isclose(float(proc.stdout.split()[1]), 1.74, rel_tol=0.05)
+
+
+def grouped(vocab, sizes=(4, 3, 5), seed=3):
+    """Prompt groups as the learner gets them: each prompt (of its own length) repeated for its
+    completions, which differ in length (one of a single token)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for k, size in enumerate(sizes):
+        prompt = torch.randint(1, vocab, (3 + 2 * k,), generator=g).tolist()
+        for i in range(size):
+            length = 1 if i == 0 else int(torch.randint(2, 9, (1,), generator=g))
+            prompts.append(prompt)
+            comps.append(torch.randint(1, vocab, (length,), generator=g).tolist())
+    return prompts, comps
+
+
+@pytest.mark.parametrize("make", [qwen2, llama], ids=["qwen2", "llama"])
+def test_rows_sharing_a_prompt_read_it_once_with_the_same_logprobs_and_gradients(make, monkeypatch):
+    """A group's completions share one pass over their prompt: the log-probs are the full
+    softmax's (float64, row by row), and the gradients those of one pass over whole rows."""
+    from pipeline.models import logprobs
+
+    model = make(vocab=1000)
+    prompts, comps = grouped(1000)
+    fed = []
+    real = model.base_model.forward
+    monkeypatch.setattr(model.base_model, "forward", lambda **kw: fed.append(kw["input_ids"].numel()) or real(**kw))
+    shared, mask = completion_logprobs(model, prompts, comps, 0.7)
+    shared = shared.detach()
+    distinct = {tuple(p) for p in prompts}
+    assert len(fed) == 2 and fed[0] == len(distinct) * max(map(len, distinct))  # each prompt once
+    assert fed[1] == len(comps) * (max(map(len, comps)) - 1)  # then the completions but their last token
+    for b, row in enumerate(reference_logps(model, prompts, comps, temperature=0.7)):
+        assert shared[b, : len(row)].tolist() == pytest.approx(row, abs=2e-5)
+        assert float(shared[b, len(row):].abs().sum()) == 0.0 and mask[b].sum() == len(row)
+    grads = []
+    for share in (True, False):
+        monkeypatch.setattr(logprobs, "_shares_prompts", lambda m, share=share: share)
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, prompts, comps, 0.7)
+        (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float((grads[0] - grads[1]).abs().max()) <= 1e-5 * float(grads[1].abs().max())

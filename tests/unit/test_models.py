@@ -318,3 +318,15 @@ def test_warmup_stops_at_target(tok):
                                  check_every=2, check_problems=8)
     # Accuracy >= 0 holds at the first check, so no step is taken.
     assert report["steps"] == 0 and report["checks"][0][0] == 0
+
+
+def test_a_top_k_draw_has_the_distribution_of_the_truncated_softmax():
+    """With top-k on, only the k largest logits are ranked and drawn from; the frequencies are
+    those of the softmax over what `_filter_logits` keeps (top-k, then the top-p nucleus)."""
+    logits = torch.log(torch.tensor([0.30, 0.05, 0.25, 0.15, 0.10, 0.08, 0.07]))[None].repeat(20000, 1)
+    for top_k, top_p in ((3, 1.0), (4, 0.8), (6, 0.9)):
+        want = sampling._filter_logits(logits[:1], top_k, top_p).softmax(-1)[0]
+        draws = sampling._draw(logits, top_k, top_p, torch.Generator().manual_seed(0))
+        got = torch.bincount(draws, minlength=7).double() / len(draws)
+        assert float((got - want).abs().max()) < 0.012, (top_k, top_p, got, want)
+        assert set(torch.nonzero(want).flatten().tolist()) == set(draws.unique().tolist())
