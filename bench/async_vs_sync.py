@@ -58,11 +58,13 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     from pipeline.engine import make_engine, resolve_device
     from pipeline.metrics import StageClock
     from pipeline.models import DTYPES, load_policy, sample_groups
-    from pipeline.runtime import evaluate_model, make_task_from_config, resolve_base_model
+    from pipeline.runtime import evaluate_model, make_task_from_config, resolve_base_model, with_machine_precision
     from pipeline.update import optimizer_step
     from producers.sampler import score_groups
 
     torch.set_num_threads(threads)
+    cfg, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
+    print(f"  sync: {precision}", file=sys.stderr)
     torch.manual_seed(cfg.run.seed)
     task = make_task_from_config(cfg)
     base = resolve_base_model(cfg)

@@ -9,8 +9,10 @@ init, seeded) samples `groups` prompts x 8 completions of the demo task. Then, p
 - sign:   `seal_rollout` (what a sampler adds per group);
 - verify: `RolloutVerifier.check` (decode + Ed25519 verification + registry lookup; what
           the learner adds per message);
-- checks: `GroupScreen.check` at staleness 0 (re-scoring the rewards with the verifier and
-          recomputing the log-probs with the learner's weights);
+- checks: `GroupScreen.check` at staleness 0 (re-scoring the rewards with the verifier and,
+          the key being on probation, recomputing the log-probs with the learner's weights:
+          what a re-scored group costs; after probation a fresh group is checked by the step's
+          own forward passes, at no cost of its own, and a drawn stale one in a batched pass);
 - step:   `optimizer_step` on a DeepSpeed engine with the demo's learner settings, per group
           of a `groups`-group batch (what the learner does anyway).
 
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
     print(f"  added by verification {(verify_s - decode_s) * 1e3:8.3f} ms   {learner_share:7.2%} of the step")
     print(f"  rewards re-scored     {rescore_s * 1e3:8.3f} ms   {rescore_s / step_s:7.2%} of the step (every group)")
     print(f"  + log-probs checked   {(checks_s - rescore_s) * 1e3:8.3f} ms   {(checks_s - rescore_s) / step_s:7.2%} of "
-          "the step (each group of staleness 0, and the drawn share of stale ones)")
+          "the step (a re-scored group: a key's first groups, and the drawn share of stale ones; "
+          "fresh groups after probation: 0, the step's forward checks them)")
     met = learner_share <= TARGET and sampler_share <= TARGET
     print(f"signatures cost the learner {learner_share:.2%} of its step and the sampler {sampler_share:.2%} of its "
           f"generation (target <= {TARGET:.0%} each): {'met' if met else 'MISSED'}")

@@ -26,7 +26,8 @@ from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.metrics import MetricsWriter, read_metrics
-from pipeline.runtime import connect_run, evaluate_published, make_task_from_config, setup_logging
+from pipeline.runtime import (connect_run, evaluate_published, make_task_from_config, setup_logging,
+                              with_machine_precision)
 
 
 def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
@@ -41,6 +42,8 @@ def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
 def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5) -> int:
     log = setup_logging("evaluator")
     torch.set_num_threads(cfg.eval.torch_threads)
+    cfg, line = with_machine_precision(cfg, resolve_device(cfg.model.device))
+    log.info("%s", line)
     run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
     handles = connect_run(cfg)
     task = make_task_from_config(cfg)

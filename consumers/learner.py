@@ -13,12 +13,16 @@ Run: `heterorl learner --config demo [--out RUN_DIR]` (exactly one per run).
     message (`pipeline.admission`: a poison message is dead-lettered to `<run>.dead` with
     its reason in a header, a second copy of a rollout id is ignored, staleness
     τ = learner version − rollout version decides drop or keep, every verdict counted);
-  - `train`: once `groups_per_step` whole groups are kept, one loss and one DeepSpeed step;
-    the version is the number of steps taken; the step's entry goes to the update log
-    (`<run>.updates` and RUN_DIR/updates.jsonl), which replay and the chaos audit read;
+  - `train_ready`: once `groups_per_step` whole groups are kept, their log-prob checks
+    (`consumers.screening`: stale groups re-scored, batched per version; fresh ones checked
+    by the step's own forward passes), then one loss and one DeepSpeed step; a group that
+    fails a check is withdrawn and its key struck, and the batch fills again. The version is
+    the number of steps taken; the step's entry goes to the update log (`<run>.updates` and
+    RUN_DIR/updates.jsonl), which replay and the chaos audit read;
   - `save_checkpoint`: every `sync_every` steps the policy (a keyframe or a delta, in
     `learner.policy_dtype`) and every `state_every_steps` steps or `state_every_s` seconds the
-    recovery state (weights, optimizer, the consumed offsets) go to the background publisher
+    recovery state (weights, optimizer, the consumed offsets) are copied in memory and handed
+    to the background publisher, which writes, encodes and uploads them on its own thread
     (`pipeline.weights`: S3 files → signed manifest → version in Redis). A restarted learner
     resumes from the newest recovery state, so every group is used in at most one update;
   - on SIGUSR1, once `drain_due` (the topic is read to its end): `drain` trains the last,
@@ -56,21 +60,22 @@ from consumers.screening import UNVERIFIABLE, GroupScreen, PastPolicies
 from pipeline.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
 from pipeline.checkpoints import LEARNER_STATE_DIR
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import Ranks, init_distributed, make_engine, resolve_device
+from pipeline.engine import (Ranks, can_discard_gradients, init_distributed, machine_precision, make_engine,
+                             resolve_device)
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
-from pipeline.weights.learner_state import load_learner_state, save_learner_state, save_weights
+from pipeline.weights.learner_state import capture, load_learner_state, save_learner_state, save_weights
 from pipeline.metrics import MetricsWriter, StageClock
 from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
 from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.retry import retry_call
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
-                              touch_heartbeat_file)
+                              touch_heartbeat_file, with_machine_precision)
 from pipeline.signing import SignatureError
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy
 from pipeline.services import free_port
-from pipeline.update import optimizer_step
+from pipeline.update import FreshCheck, StepRefused, optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
 from pipeline.weights.policy import KeyframeRule, PolicyPublisher
@@ -86,6 +91,13 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=Non
     """
     entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0, security=security) or []
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
+
+
+def outside_optimizer_share(seconds: dict) -> Optional[float]:
+    """Of the learner's busy time (its stages: intake, screen, train, snapshot; not waiting for
+    data, not the publisher's thread), the share spent outside the optimizer step."""
+    busy = sum(v for k, v in seconds.items() if k.startswith("time_"))
+    return round(1 - seconds.get("time_train_s", 0.0) / busy, 4) if busy else None
 
 
 class DrainRequest:
@@ -136,9 +148,11 @@ class Learner:
     def __init__(self, cfg: HeteroConfig, run_dir: Optional[Path] = None):
         self.log = setup_logging("learner")
         self.drain_request = DrainRequest()  # first: a drain request during the start must not kill the process
-        self.cfg, self.lcfg = cfg, cfg.learner
         self.ranks = Ranks.from_env()
         self.device = resolve_device(cfg.model.device, self.ranks.local_rank)
+        self.cfg, self.precision = with_machine_precision(cfg, self.device)
+        self.lcfg = self.cfg.learner
+        cfg = self.cfg
         self.run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
         self.topic = cfg.run.topic
         self.version = 0
@@ -148,9 +162,12 @@ class Learner:
         published versions were lost: the resumed one then skips their numbers."""
         self.next_offsets: dict[int, int] = {}
         self.last_record_at = self.last_wait_log = time.monotonic()
+        self.stage_totals: Counter = Counter()
+        """Seconds of each stage over the run (the summary's `seconds`)."""
         self.clock = StageClock()
         """Where each step's time goes: intake (decode, signature, admission), screen (re-scoring
-        rewards and log-probs), train (the optimizer step), snapshot (saving a checkpoint locally)."""
+        rewards and stale groups' log-probs), train (the optimizer step, with the fresh groups'
+        check), snapshot (copying the weights for the publisher)."""
 
     def run(self) -> int:
         """Train until `learner.max_steps` (or a drain); 3 if no rollout came for `learner.idle_timeout_s`."""
@@ -201,6 +218,7 @@ class Learner:
         self._open_logs()
         self._open_trust()
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
+        self.log.info("%s", self.precision)
         self.log.info("learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
                       "on %s, %s, ZeRO stage %d", self.bootstrap, self.topic, self.lcfg.loss_type,
                       self.lcfg.max_delay_steps, self.lcfg.max_steps - self.step, self.ranks.world_size,
@@ -234,8 +252,11 @@ class Learner:
             max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
             eos_ids=tuple(generation_eos_ids(model_dir, self.tokenizer)))
         dtype = None if self.lcfg.policy_dtype == "auto" else DTYPES[self.lcfg.policy_dtype]
+        # It keeps the deltas of every version a group within the max delay can claim, so stale
+        # groups are re-scored without a copy of each version (consumers.screening.PastPolicies).
         self.policies = PolicyPublisher(store, KeyframeRule(self.lcfg.keyframe_every),
-                                        dtype=dtype or DTYPES[self.lcfg.precision], work_dir=self.work_dir)
+                                        dtype=dtype or DTYPES[self.lcfg.precision], work_dir=self.work_dir,
+                                        history=self.reach_steps() // self.lcfg.sync_every + 1)
         if must_publish:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.
@@ -286,14 +307,20 @@ class Learner:
         self.registry_read_at = -float("inf")
         self.refresh_registry()
         self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
-        # Room for every published version a group within the max delay can claim.
-        versions_in_reach = self.reach_steps() // self.lcfg.sync_every + 1
+        # Groups of staleness 0 are checked by the step's own forward passes, unless the engine
+        # cannot take a step back when one fails (ZeRO stage 2): then by a pass of their own.
+        self.fresh_in_step = can_discard_gradients(self.engine)
         self.screen = GroupScreen(sec, make_task_from_config(self.cfg), self.tokenizer, self.cfg.sampler.temperature,
                                   (lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
-                                  PastPolicies(self.handles.store, self.work_dir, capacity=versions_in_reach,
-                                               dtype=DTYPES[self.lcfg.precision]))
-        # The starting version's stale groups: checked without a download.
-        self.screen.remember(self.version, self.start_dir, None if self.ranks_share_weights else self.engine.module)
+                                  PastPolicies(self.handles.store, self.work_dir, self.start_dir,
+                                               dtype=self.rescoring_dtype(), policies=self.policies))
+
+    def rescoring_dtype(self) -> torch.dtype:
+        """What stale groups are re-scored in: the published policy's dtype where this machine
+        is fast in it, else float32, which holds bf16 weights exactly."""
+        published = self.policies.dtype
+        fast = torch.bfloat16 if machine_precision(self.device)[0] == "bf16" else torch.float32
+        return published if published in (fast, torch.float32) else torch.float32
 
     def reach_steps(self) -> int:
         """How many versions back a group may be and still be used (and so be re-scored)."""
@@ -338,9 +365,7 @@ class Learner:
         for record in records:
             self.next_offsets[record.partition] = record.offset + 1
             self.admit(record)
-            batch = self.admission.take_batch(time.time())
-            if batch:
-                self.train(batch)
+            if self.train_ready():
                 self.report_position()
             if self.step >= self.lcfg.max_steps:
                 break
@@ -422,17 +447,55 @@ class Learner:
         self.log.warning("dead-lettered message at %s to %s: %s", where, dead_letter_topic(self.topic), reason)
 
     # ---- train a batch --------------------------------------------------------------
-    def train(self, batch: list[PendingGroup], save: bool = True) -> None:
+    def train_ready(self, last: bool = False, save: bool = True) -> bool:
+        """Check and train the batch once `groups_per_step` groups wait (with `last`, whatever
+        waits: the drain's batch, saved by the drain); whether a step was taken. A group that
+        fails a check is withdrawn, its key struck, and the rest wait for the batch to fill again."""
+        batch = self.admission.take_batch(time.time(), last=last)
+        if not batch:
+            return False
+        with self.clock.stage("screen"):
+            failures, in_step = self.screen.check_batch(
+                [(g.rollout, g.staleness) for g in batch], fresh_in_step=self.fresh_in_step,
+                still_pending=[g.rollout.rollout_id for g in self.admission.pending])
+        if not failures:
+            try:
+                self.train(batch, FreshCheck(tuple(in_step), self.cfg.security.logprob_threshold) if in_step else None,
+                           save=save)
+                return True
+            except StepRefused as refused:
+                failures = {batch[i].rollout.rollout_id: [self.screen.record_fresh(batch[i].rollout, gap)]
+                            for i, gap in refused.gaps.items() if i in refused.failed}
+                for i, gap in refused.gaps.items():
+                    if i not in refused.failed:
+                        self.screen.record_fresh(batch[i].rollout, gap)
+        self.admission.put_back(batch)
+        for rollout_id, failed in failures.items():
+            group = next(g for g in batch if g.rollout.rollout_id == rollout_id)
+            self.admission.withdraw(lambda g: g.rollout.rollout_id != rollout_id,
+                                    lambda g: f"failed_check:{failed[0][0]}")
+            for kind, detail in failed:
+                if kind != UNVERIFIABLE:
+                    self.strike(group.rollout.key_id, group.rollout.sampler_id, kind, detail)
+        return self.train_ready(last, save) if last else False
+
+    def train(self, batch: list[PendingGroup], fresh_check: Optional[FreshCheck] = None, save: bool = True) -> None:
         """One optimizer step on whole groups (every rank its share), logged; a checkpoint
-        every `sync_every` steps."""
+        every `sync_every` steps. StepRefused (nothing changed) if a group of `fresh_check` fails."""
         groups, weights = [g.rollout for g in batch], [g.decision.weight for g in batch]
         if self.link is not None:
-            self.link.send(TRAIN, {"groups": [encode_rollout(r) for r in groups], "weights": weights})
+            self.link.send(TRAIN, {"groups": [encode_rollout(r) for r in groups], "weights": weights,
+                                   "fresh_check": None if fresh_check is None else list(fresh_check.groups),
+                                   "threshold": self.cfg.security.logprob_threshold})
         with self.clock.stage("train"):
-            step_metrics = self.optimize(groups, weights)
+            step_metrics = self.optimize(groups, weights, fresh_check)
+        for i, gap in step_metrics.pop("fresh_gaps", {}).items():
+            self.screen.record_fresh(groups[i], gap)
         self.version += 1
         self.step += 1
-        values = self.recorder.record(self.version, batch, {**step_metrics, **self.clock.take()}, step=self.step)
+        stages = {**self.clock.take(), **self.publisher.take_seconds()}
+        self.stage_totals.update(stages)
+        values = self.recorder.record(self.version, batch, {**step_metrics, **stages}, step=self.step)
         self.state.report_learner({"step": self.step, "policy_version": self.version,
                                    **self.admission.counters.as_dict()})
         self.log.info("step %d (v%d) loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.step,
@@ -445,11 +508,12 @@ class Learner:
         if state_due or self.step % self.lcfg.sync_every == 0:
             self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0, state=state_due, final=final)
 
-    def optimize(self, groups: list[Rollout], weights: list[float]) -> dict:
+    def optimize(self, groups: list[Rollout], weights: list[float], fresh_check: Optional[FreshCheck] = None) -> dict:
         """The optimizer step on this batch (every rank its share); its metrics. (`heterorl
         loadtest` models it by its time: `heterorl.loadtest.learner`.)"""
         return optimizer_step(self.engine, groups, weights, self.lcfg, temperature=self.cfg.sampler.temperature,
-                              max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
+                              max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks,
+                              fresh_check=fresh_check)
 
     # ---- save a checkpoint ----------------------------------------------------------
     def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None, *, policy: bool = True,
@@ -463,13 +527,8 @@ class Learner:
         policy = policy and self.published_version != self.version
         if self.link is not None:  # gathering the weights and the optimizer state takes every rank
             self.link.send(SAVE, {"state": state})
-        with self.clock.stage("snapshot"):
-            save_weights(self.engine, self.tokenizer, snapshot)
-            if state:
-                save_learner_state(self.engine, snapshot / LEARNER_STATE_DIR)
-        if policy:
-            with self.clock.stage("screen"):  # stale groups of this version: checked without a download
-                self.screen.remember(self.version, snapshot, None if self.ranks_share_weights else self.engine.module)
+        with self.clock.stage("snapshot"):  # copies in memory; the publisher's thread writes them
+            captured = capture(self.engine, self.tokenizer, state=state)
         extra = {"offsets": dict(self.next_offsets), "step": self.step, "policy_version": self.version,
                  "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
@@ -477,7 +536,7 @@ class Learner:
             extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
         self.publisher.submit(Snapshot(snapshot, extra, version=self.version if policy else None,
                                        parent_version=self.published_version,
-                                       state_step=self.step if state else None, keyframe=final))
+                                       state_step=self.step if state else None, keyframe=final, capture=captured))
         if policy:
             self.published_version = self.version
         if state:
@@ -498,9 +557,7 @@ class Learner:
 
     def drain(self) -> None:
         """Train the last, smaller batch and publish, so every message read is accounted for."""
-        batch = self.admission.take_batch(time.time(), last=True)  # rechecked: time passed while winding down
-        if batch:
-            self.train(batch, save=False)  # saved below, as the run's last version: a keyframe
+        self.train_ready(last=True, save=False)  # rechecked: time passed while winding down; saved below
         tail = self.admission.take_verdicts()
         if tail or self.published_version != self.version or self.recovery.last_step != self.step:
             self.save_checkpoint(tail, final=True)
@@ -556,7 +613,9 @@ class Learner:
                    "final_checkpoint": self.handles.store.uri(self.version), "rollout_topic": self.topic,
                    "offsets": {str(p): o for p, o in self.next_offsets.items()},
                    **self.admission.counters.as_dict(),
-                   "checks": self.screen.summary(),
+                   "checks": self.screen.summary(), "precision": self.precision,
+                   "seconds": {k: round(v, 1) for k, v in sorted(self.stage_totals.items())},
+                   "outside_optimizer_share": outside_optimizer_share(self.stage_totals),
                    "quarantined": {k: asdict(q) for k, q in self.strikes.quarantined.items()}}
         (self.run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=2))
         self.log.info("done: policy v%d at %s", self.version, summary["final_checkpoint"])
@@ -570,8 +629,9 @@ class LearnerRank:
         self.ranks = Ranks.from_env()
         self.log = setup_logging(f"learner r{self.ranks.rank}")
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a drain is rank 0's to do
-        self.cfg, self.lcfg = cfg, cfg.learner
         self.device = resolve_device(cfg.model.device, self.ranks.local_rank)
+        self.cfg, _ = with_machine_precision(cfg, self.device)
+        self.lcfg = self.cfg.learner
 
     def run(self) -> int:
         torch.set_num_threads(self.lcfg.torch_threads)
@@ -592,13 +652,17 @@ class LearnerRank:
             while True:
                 command, payload = link.receive()
                 if command == TRAIN:
-                    optimizer_step(engine, [decode_rollout(g) for g in payload["groups"]], payload["weights"],
-                                   self.lcfg, temperature=self.cfg.sampler.temperature,
-                                   max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks)
+                    check = payload.get("fresh_check")
+                    try:
+                        optimizer_step(engine, [decode_rollout(g) for g in payload["groups"]], payload["weights"],
+                                       self.lcfg, temperature=self.cfg.sampler.temperature,
+                                       max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks,
+                                       fresh_check=None if check is None else FreshCheck(tuple(check),
+                                                                                         payload["threshold"]))
+                    except StepRefused:
+                        pass  # rank 0 refused the same step, from the same log-probs
                 elif command == SAVE:
-                    save_weights(engine, tokenizer, Path(work), leader=False)
-                    if payload["state"]:
-                        save_learner_state(engine, Path(work), leader=False)
+                    capture(engine, tokenizer, state=payload["state"], leader=False)
                 elif command == STOP:
                     return 0
 

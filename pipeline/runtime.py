@@ -24,7 +24,7 @@ from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, Manifest, 
 from pipeline.weights.policy import fetch_policy
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
-from pipeline.engine import resolve_device
+from pipeline.engine import resolve_device, resolve_precision
 from pipeline.keyring import key_paths, load_learner_public
 from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
 from pipeline.models.cache import INFO_FILE, is_complete
@@ -55,6 +55,23 @@ def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHa
     s3 = connect_s3(services, timeout_s=cfg.services.connect_timeout_s)
     return RunHandles(services, RunState(redis_client, cfg.run.name),
                       CheckpointStore(s3, services.bucket, cfg.run.name, signer=signer, trusted=trusted))
+
+
+def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str]:
+    """`cfg` with `precision: auto` (learner and sampler) replaced by what this machine does
+    fastest (`pipeline.engine.machine_precision`), and a line saying what was chosen and why.
+    Every role calls it once at its start, on its own machine, so the rest of the code sees
+    `fp32` or `bf16` only."""
+    learner, why_learner = resolve_precision(cfg.learner.precision, device)
+    sampler, why_sampler = resolve_precision(cfg.sampler.precision, device)
+    updates = {"precision": learner}
+    if learner == "bf16" and cfg.learner.zero_stage == 0:
+        updates["zero_stage"] = 1  # DeepSpeed keeps bf16's fp32 master weights in its ZeRO optimizer
+    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update=updates),
+                                 "sampler": cfg.sampler.model_copy(update={"precision": sampler})})
+    reasons = sorted({why for why in (why_learner, why_sampler) if why != "as configured"})
+    line = f"precision: learner {learner}, sampling {sampler}" + (f" ({'; '.join(reasons)})" if reasons else "")
+    return cfg, line
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:

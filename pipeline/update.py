@@ -12,8 +12,12 @@ One step, top to bottom:
      (`micro_batches`);
   3. per micro-batch: log-probs (`pipeline.models.completion_logprobs`, chunked over the
      vocabulary), its share of the loss, backward (gradients accumulate);
-  4. one DeepSpeed step (gradients all-reduced across ranks first);
-  5. the step's metrics from all its log-probs together, exactly as one-shot.
+  4. with a `FreshCheck`: the sampler log-probs of the groups sampled by these very weights
+     (staleness 0) compared with the log-probs the forward passes just computed, so the
+     learner's check of fresh groups costs no pass of its own; if one fails, every gradient
+     of the step is discarded and `StepRefused` says which groups failed (no update is made);
+  5. one DeepSpeed step (gradients all-reduced across ranks first);
+  6. the step's metrics from all its log-probs together, exactly as one-shot.
 Because each share uses the whole batch's statistics, the accumulated gradient is the
 gradient of the one-shot loss, whatever the split (tests/unit/test_losses.py,
 tests/unit/test_update.py).
@@ -26,10 +30,33 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
-from pipeline.engine import Ranks, begin_micro_batch
+from pipeline.engine import Ranks, begin_micro_batch, discard_gradients
 from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
 from pipeline.models import completion_logprobs, logits_chunk_tokens
 from pipeline.rollout import Rollout
+from pipeline.trust import logprob_gap
+
+
+@dataclass(frozen=True)
+class FreshCheck:
+    """Groups of a step's batch whose log-probs are checked against the step's own forward
+    passes: they claim the version being trained (staleness 0), so those passes compute exactly
+    what the learner's check would (docs/security.md)."""
+
+    groups: tuple[int, ...]
+    """Indices into the step's groups."""
+    threshold: float
+    """`security.logprob_threshold`: a group fails when its `logprob_gap` exceeds it."""
+
+
+class StepRefused(Exception):
+    """A fresh group failed its log-prob check: the step's gradients were discarded, no update made."""
+
+    def __init__(self, failed: dict[int, float], gaps: dict[int, float]):
+        self.failed, self.gaps = failed, gaps
+        """Group index -> its statistic: those over the threshold, and every checked one."""
+        super().__init__(f"{len(failed)} group(s) failed the log-prob check: " +
+                         ", ".join(f"#{i} {gap:.3g}" for i, gap in sorted(failed.items())))
 
 
 @dataclass
@@ -123,10 +150,13 @@ def _lockstep(engine, batch: GroupBatch, batches: list[list[int]], ranks: Ranks)
 
 
 def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: LearnerConfig, *,
-                   temperature: float, max_completion_length: int, ranks: Ranks = Ranks()) -> dict:
-    """One DeepSpeed step on whole groups; every rank calls it with the same groups.
-    Returns the step's metrics (the same on every rank).
+                   temperature: float, max_completion_length: int, ranks: Ranks = Ranks(),
+                   fresh_check: FreshCheck | None = None) -> dict:
+    """One DeepSpeed step on whole groups; every rank calls it with the same groups (and the
+    same `fresh_check`). Returns the step's metrics (the same on every rank); with a
+    `fresh_check`, `metrics["fresh_gaps"]` maps each checked group to its statistic.
 
+    Raises StepRefused, the engine as it was before the call, when a checked group fails.
     The learner and `heterorl replay` both step through here: with the same weights,
     optimizer state and batches they produce the same parameters.
     """
@@ -155,9 +185,14 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
         engine.backward(share * (0.0 if dummy else ranks.world_size), scale_wrt_gas=False)
         if not dummy:
             learner_logps[index, :width] = logps.detach().to(learner_logps.dtype)
-    engine.step()
     if ranks.world_size > 1:  # every row was computed by exactly one rank, zeros elsewhere
         torch.distributed.all_reduce(learner_logps)
+    gaps = fresh_gaps(batch, learner_logps, fresh_check)
+    failed = {g: gap for g, gap in gaps.items() if gap > fresh_check.threshold} if fresh_check else {}
+    if failed:  # every rank sees the same log-probs, so every rank refuses
+        discard_gradients(engine)
+        raise StepRefused(failed, gaps)
+    engine.step()
     with torch.no_grad():
         _, metrics = compute_policy_loss(
             cfg.loss_type, learner_logps, batch.sampler_logps, batch.mask, advantages, batch.group_ids,
@@ -166,4 +201,19 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
     metrics["reward_mean"] = float(batch.rewards.mean())
     metrics["sequences"] = batch.num_sequences
     metrics["completion_tokens"] = float(batch.mask.sum())
+    if fresh_check is not None:
+        metrics["fresh_gaps"] = gaps
     return {**metrics, "lr": engine.get_lr()[0]}
+
+
+def fresh_gaps(batch: GroupBatch, learner_logps: torch.Tensor, check: FreshCheck | None) -> dict[int, float]:
+    """`logprob_gap` of each group `check` names: its sampler log-probs against `learner_logps`."""
+    if check is None or not check.groups:
+        return {}
+    lengths = batch.mask.sum(-1).long().tolist()
+    sampler, learner = batch.sampler_logps.double().tolist(), learner_logps.double().tolist()
+    rows: dict[int, list[int]] = {}
+    for row, group in enumerate(batch.group_ids.tolist()):
+        rows.setdefault(group, []).append(row)
+    return {g: logprob_gap([sampler[r][: lengths[r]] for r in rows[g]], [learner[r][: lengths[r]] for r in rows[g]])
+            for g in check.groups}

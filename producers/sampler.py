@@ -61,7 +61,8 @@ from pipeline.pacing import Pacing, StepPeriod
 from pipeline.redis_state import RunView
 from pipeline.retry import Backoff, retry_call
 from pipeline.rollout import Rollout
-from pipeline.runtime import connect_run, make_task_from_config, setup_logging, touch_heartbeat_file
+from pipeline.runtime import (connect_run, make_task_from_config, setup_logging, touch_heartbeat_file,
+                              with_machine_precision)
 from pipeline.services import ServiceUnavailable
 from pipeline.signing import KeyFileError, SignatureError, SigningKey
 from pipeline.trust import verify_pointer
@@ -315,6 +316,8 @@ class Sampler:
 
     def __init__(self, cfg: HeteroConfig, sampler_id: Optional[str] = None):
         self.cfg, self.scfg = cfg, cfg.sampler
+        self.precision = f"precision: sampling {self.scfg.precision}"
+        """What `make_policy_engine` chose for `sampler.precision` and why (logged at the start)."""
         self.sampler_id = sampler_id or new_sampler_id()
         self.log = setup_logging(f"sampler {self.sampler_id}")
         self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
@@ -425,7 +428,7 @@ class Sampler:
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
         self.stop = self.make_stop_request()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
-                      self.sampler_id, engine.backend, self.scfg.precision, engine.device, self.cfg.run.topic, self.seed,
+                      self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
@@ -434,6 +437,8 @@ class Sampler:
         one by its hardware's speed: `heterorl.loadtest.fleet`)."""
         torch.set_num_threads(self.scfg.torch_threads)
         device = resolve_device(self.cfg.model.device)
+        self.cfg, self.precision = with_machine_precision(self.cfg, device)
+        self.scfg = self.cfg.sampler
         sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
         return make_engine(pick_backend(self.scfg.backend, device, sampling), sampling, device,
                            precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,

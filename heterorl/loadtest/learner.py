@@ -8,7 +8,8 @@ signed and announced in Redis by the background publisher; recovery states).
 Modeled by their time (`loadtest.*`), because on an LLM they run on the learner's GPUs:
 the optimizer step (`learner_step_s`, then `weight_change_share` of the weights changed so
 the deltas have a real step's size), re-scoring a group's rewards (its text would have to
-be decoded and verified) and its log-probs (a forward pass). Run by the rig as
+be decoded and verified) and a stale group's log-probs (a forward pass). A fresh group's
+log-prob check rides on the step's own forward passes, so it costs nothing of its own. Run by the rig as
 `python -m heterorl.loadtest.learner CONFIG.json RUN_DIR`.
 """
 
@@ -37,14 +38,12 @@ class ModeledPastPolicies:
     def get(self, version: int):
         return MODELED_POLICY
 
-    def remember(self, version, model_dir, module=None) -> None:
-        pass
-
 
 class ModeledScreen(GroupScreen):
-    """`GroupScreen` itself (which groups are checked: every one of staleness 0, every one of a
-    key on probation, a drawn share of the rest), each check taking its modeled time and passing
-    (the rig's samplers are honest; `heterorl attack` tests the real checks)."""
+    """`GroupScreen` itself (which groups are checked: every one of staleness 0, by the step;
+    every one of a key on probation, a drawn share of the rest), each stale check taking its
+    modeled time and passing (the rig's samplers are honest; `heterorl attack` tests the real
+    checks)."""
 
     def __init__(self, security: SecurityConfig, lt: LoadtestConfig):
         super().__init__(security, task=None, tokenizer=None, temperature=1.0,
@@ -56,9 +55,9 @@ class ModeledScreen(GroupScreen):
         self.counts["rewards_rescored"] += 1
         return []
 
-    def _gap(self, rollout: Rollout, model) -> float:
-        time.sleep(self.lt.logprob_check_s_per_group)
-        return 0.0
+    def _gaps(self, rollouts: list[Rollout], model) -> list[float]:
+        time.sleep(self.lt.logprob_check_s_per_group * len(rollouts))
+        return [0.0] * len(rollouts)
 
 
 class ModeledLearner(Learner):
@@ -77,7 +76,7 @@ class ModeledLearner(Learner):
         super()._open_trust()
         self.screen = ModeledScreen(self.cfg.security, self.cfg.loadtest)
 
-    def optimize(self, groups: list[Rollout], weights: list[float]) -> dict:
+    def optimize(self, groups: list[Rollout], weights: list[float], fresh_check=None) -> dict:
         lt = self.cfg.loadtest
         time.sleep(lt.learner_step_s)
         with torch.no_grad():  # a step's worth of changed weights, so the deltas are a real step's size
@@ -88,7 +87,7 @@ class ModeledLearner(Learner):
         return {"loss": 0.0, "reward_mean": sum(rewards) / max(1, len(rewards)),
                 "sequences": sum(g.group_size for g in groups),
                 "completion_tokens": float(sum(len(c) for g in groups for c in g.completion_ids)),
-                "lr": self.lcfg.lr}
+                "lr": self.lcfg.lr, **({"fresh_gaps": {i: 0.0 for i in fresh_check.groups}} if fresh_check else {})}
 
 
 def main(argv: list[str]) -> int:

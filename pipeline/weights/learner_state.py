@@ -24,11 +24,14 @@ in the learner at its next restart.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.checkpoints import LEARNER_STATE_DIR
 from pipeline.engine import begin_micro_batch
 
 STATE_FORMAT = "heterorl-learner-state/1"
@@ -51,14 +54,15 @@ def _base_optimizer(engine):
 
 
 def _full(engine, param, key: str | None) -> torch.Tensor:
-    """The whole fp32 master weight (key None) or optimizer moment of one parameter (collective under ZeRO)."""
+    """A CPU copy of the whole fp32 master weight (key None) or optimizer moment of one parameter
+    (collective under ZeRO); a copy even where the engine's own is a CPU fp32 tensor."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if _zero(engine):
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
     else:
         value = param.detach() if key is None else engine.optimizer.state[param][key]
-    return value.detach().float().cpu().contiguous()
+    return value.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
 
 
 def _set_full(engine, param, key: str | None, value: torch.Tensor) -> None:
@@ -83,17 +87,76 @@ def save_weights(engine, tokenizer, directory: Path, leader: bool = True) -> Non
     """The model as a Hugging Face directory (safetensors weights, config, tokenizer) that
     `transformers` loads as is; under ZeRO-3 the partitions are gathered first. Every rank
     must call this; rank 0 writes."""
+    weights = capture_weights(engine, leader)
+    if leader:
+        write_model_dir(engine.module, tokenizer, weights, directory)
+
+
+def capture_weights(engine, leader: bool = True) -> dict[str, torch.Tensor] | None:
+    """The model's state dict as CPU copies that the next step does not change (rank 0; None
+    elsewhere), for `write_model_dir` to write later, on another thread. Tensors tied in the
+    model (tied embeddings) stay one tensor here, so the directory stores them once. Every rank
+    must call this (under ZeRO-3 the partitions are gathered)."""
     import deepspeed
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        if leader:
-            engine.module.save_pretrained(directory, safe_serialization=True)
-            tokenizer.save_pretrained(directory)
+        if not leader:
+            return None
+        copies: dict[tuple, torch.Tensor] = {}
+        return {name: copies.setdefault(id_of(t), t.detach().to("cpu", copy=True))
+                for name, t in engine.module.state_dict().items()}
+
+
+def id_of(tensor: torch.Tensor) -> tuple:
+    """The same memory seen the same way: a tied parameter under two names. (Distinct parameters
+    may share one storage: ZeRO flattens them into one buffer.)"""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def write_model_dir(module, tokenizer, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """What `save_weights` writes, from weights `capture_weights` took: `module` gives only its
+    config and which tensors are tied, so it may go on training meanwhile."""
+    module.save_pretrained(directory, state_dict=dict(weights), safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+@dataclass
+class Capture:
+    """One save of the learner taken in memory (`capture`), so that writing it to disk is left to
+    the publisher's thread and the optimizer step waits only for the copies."""
+
+    module: Any
+    """The model, for its config and which tensors are tied (it goes on training meanwhile)."""
+    tokenizer: Any
+    weights: dict[str, torch.Tensor]
+    learner_state: Optional[tuple[dict[str, torch.Tensor], dict]] = None
+
+    def write(self, directory: Path) -> None:
+        """The model directory, with `learner_state/` when the capture holds one."""
+        write_model_dir(self.module, self.tokenizer, self.weights, directory)
+        if self.learner_state is not None:
+            write_learner_state(*self.learner_state, Path(directory) / LEARNER_STATE_DIR)
+
+
+def capture(engine, tokenizer, *, state: bool, leader: bool = True) -> Optional[Capture]:
+    """The weights, and the learner state if `state`, as in-memory copies (rank 0; None
+    elsewhere). Every rank must call this."""
+    weights = capture_weights(engine, leader)
+    learner_state = capture_learner_state(engine, leader) if state else None
+    return Capture(engine.module, tokenizer, weights, learner_state) if leader else None
 
 
 def save_learner_state(engine, directory: Path, leader: bool = True) -> None:
     """Write `directory` (rank 0 only; every rank must call this)."""
+    captured = capture_learner_state(engine, leader)
+    if leader:
+        write_learner_state(*captured, directory)
+
+
+def capture_learner_state(engine, leader: bool = True) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """(tensors, metadata) of the learner state as CPU copies the next step does not change (rank
+    0; None elsewhere), for `write_learner_state`. Every rank must call this."""
     tensors: dict[str, torch.Tensor] = {}
     stepped = _adam_step(engine) > 0
     for name, param in engine.module.named_parameters():
@@ -104,19 +167,23 @@ def save_learner_state(engine, directory: Path, leader: bool = True) -> None:
             for key in MOMENTS:
                 tensors[f"{name}/{key}"] = _full(engine, param, key)
     if not leader:
-        return
+        return None
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / TENSORS_FILE))
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     meta = {"format": STATE_FORMAT, "adam_step": _adam_step(engine),
             "lr": [group["lr"] for group in engine.optimizer.param_groups], "scheduler": scheduler,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "zero_stage": engine.zero_optimization_stage(), "precision": "bf16" if engine.bfloat16_enabled() else "fp32",
             "world_size": engine.world_size}
+    return tensors, json.loads(json.dumps(meta))  # a copy: the scheduler's state lives on
+
+
+def write_learner_state(tensors: dict[str, torch.Tensor], meta: dict, directory: Path) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / TENSORS_FILE))
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
@@ -152,10 +154,16 @@ class PolicyPublisher:
     (`pipeline.weights.recovery`), never the policy's."""
 
     def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule(),
-                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None):
+                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None, history: int = 0):
         """`work_dir`: where each version is staged before upload (default: beside the model
-        directory published; the learner passes its own, so a read-only base model is fine)."""
+        directory published; the learner passes its own, so a read-only base model is fine).
+        `history`: how many versions before the newest `weights_of` can give back."""
         self.store = store
+        self.history = history
+        self._steps: "OrderedDict[int, _Step]" = OrderedDict()
+        """Per published version: the delta from the version before it, and its tensors' sha256
+        (what `weights_of` walks back through); the newest `history` + 1."""
+        self._lock = threading.Lock()  # `publish` runs on the publisher's thread, `weights_of` on the learner's
         self.work_dir = work_dir
         self.rule = rule
         self.dtype = dtype
@@ -206,10 +214,40 @@ class PolicyPublisher:
         if kind == DELTA:
             self._since_keyframe += 1
             self._chain_bytes += nbytes
-        self._last = (version, weights, others)
+        shas = ({name: {t: entry["sha256"] for t, entry in d.entries.items()} for name, d in delta.items()}
+                if delta is not None else
+                {name: {t: entry["sha256"] for t, entry in entries.items()} for name, entries in description["files"].items()})
+        with self._lock:
+            if delta is None or (self._last is not None and self._last[0] not in self._steps):
+                self._steps.clear()  # a new chain: nothing before this version can be walked back to
+            self._steps[version] = _Step(self._last[0] if delta is not None else None,
+                                         delta if self.history else None, shas)
+            while len(self._steps) > self.history + 1:
+                self._steps.popitem(last=False)
+            self._last = (version, weights, others)
         self.published.append({"version": version, "kind": kind, "bytes": nbytes,
                                "full_bytes": full_bytes + sum(f["size"] for f in others)})
         return key
+
+    def weights_of(self, version: int) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+        """The tensors of a version this publisher published, by weights file, rebuilt from the
+        newest one and the deltas it made on the way (no copy of each version is kept: a delta
+        turns either version into the other, its XOR flips being their own inverse). Each rebuilt
+        tensor is checked against the sha256 the version was published with. None when `version`
+        is not among the newest `history` + 1, or a keyframe without a delta broke the chain."""
+        with self._lock:
+            if self._last is None or version not in self._steps:
+                return None
+            newest, weights, _ = self._last
+            steps = [(v, step) for v, step in self._steps.items() if v > version]
+        for v, step in reversed(steps):  # newest first: from v back to the version before it
+            before = self._steps.get(step.base_version) if step.base_version is not None else None
+            if step.delta is None or before is None:
+                return None
+            weights = {name: apply_delta(weights[name], Delta(
+                entries={t: {**entry, "sha256": before.shas[name][t]} for t, entry in step.delta[name].entries.items()},
+                payload=step.delta[name].payload)) for name in weights}
+        return weights
 
     def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
         """The delta from the last published version, or None where only a keyframe will do: the
@@ -241,6 +279,18 @@ class PolicyPublisher:
         save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
         return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
                 "files": files, "inherit": others}
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One published version as `PolicyPublisher.weights_of` walks back through it."""
+
+    base_version: Optional[int]
+    """The version its delta starts from (None: published without one)."""
+    delta: Optional[dict[str, Delta]]
+    """By weights file: what turns the base version's tensors into this one's."""
+    shas: dict[str, dict[str, str]]
+    """By weights file and tensor: this version's sha256."""
 
 
 def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:

@@ -1,7 +1,10 @@
-"""Publishing on a thread, so training never waits on the network.
+"""Publishing on a thread, so training never waits on the disk or the network.
 
-The learner hands over one snapshot directory per save (its weights, and `learner_state/`
-when a recovery state is due). `BackgroundPublisher` publishes, in order of submission:
+The learner hands over one snapshot per save: its weights (and learner state, when a
+recovery state is due) copied in memory (`pipeline.weights.learner_state.Capture`), or a
+directory already written. `BackgroundPublisher`, on a thread of its own at a lower CPU
+priority than training (`PUBLISHER_NICE`), writes each capture to its directory, then
+publishes, in order of submission:
 
 1. the policy (`PolicyPublisher`: a keyframe or a delta; files, then the signed manifest),
    then the version in Redis, then pruning of policies no reachable version needs;
@@ -14,15 +17,18 @@ so a broken store is never silently ignored.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from pipeline.checkpoints import CheckpointStore
+from pipeline.weights.learner_state import Capture
 from pipeline.weights.policy import PolicyPublisher, prune_policies
 from pipeline.weights.recovery import save_recovery_state
 
@@ -44,6 +50,13 @@ class Snapshot:
     keyframe: bool = False
     """Publish the policy as a full copy whatever the keyframe rule says."""
     cleanup: bool = True
+    capture: Optional[Capture] = None
+    """Written into `directory` first, on the publisher's thread (None: the directory is written)."""
+
+
+PUBLISHER_NICE = 10
+"""How much lower the publisher's thread runs than training (Linux nice; per thread there): writing,
+encoding and uploading a version take CPU the optimizer step should not have to share evenly."""
 
 
 class BackgroundPublisher:
@@ -65,6 +78,8 @@ class BackgroundPublisher:
         self._error: Optional[BaseException] = None
         self.closed = False
         self.published: list[int] = []
+        self._seconds: Counter = Counter()
+        self._seconds_lock = threading.Lock()
         self.upload_bytes: list[dict] = []
         """Per snapshot: step, policy bytes and recovery-state bytes uploaded."""
         self._thread = threading.Thread(target=self._work, name="checkpoint-publisher", daemon=True)
@@ -75,6 +90,10 @@ class BackgroundPublisher:
         return self.policies.store
 
     def _work(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISHER_NICE)
+        except (AttributeError, OSError):  # not Linux, or not permitted: the same priority as training
+            pass
         while True:
             item: Optional[Snapshot] = self._queue.get()
             if item is None:
@@ -90,6 +109,10 @@ class BackgroundPublisher:
 
     def _publish(self, item: Snapshot) -> None:
         sent = {"step": item.extra.get("step"), "policy_bytes": 0, "state_bytes": 0}
+        if item.capture is not None:
+            started = time.perf_counter()
+            item.capture.write(item.directory)
+            self._count("write", started)
         if item.version is not None:
             started = time.perf_counter()
             key = self.policies.publish(item.version, item.directory, item.extra, parent_version=item.parent_version,
@@ -102,6 +125,7 @@ class BackgroundPublisher:
                      last["bytes"] / 1e6, 100 * last["bytes"] / max(1, last["full_bytes"]),
                      time.perf_counter() - started)
             self.published.append(item.version)
+            self._count("policy", started)
             keep_from = min(item.version - self.keep_within,
                             self.published[-self.keep_last] if len(self.published) >= self.keep_last else 0)
             prune_policies(self.store, current=item.version, keep_from=keep_from)
@@ -111,7 +135,19 @@ class BackgroundPublisher:
             sent["state_bytes"] = sum(p.stat().st_size for p in item.directory.rglob("*") if p.is_file())
             log.info("saved the recovery state of step %d (%.1f MB) in %.1fs", item.state_step,
                      sent["state_bytes"] / 1e6, time.perf_counter() - started)
+            self._count("state", started)
         self.upload_bytes.append(sent)
+
+    def _count(self, stage: str, started: float) -> None:
+        with self._seconds_lock:
+            self._seconds[stage] += time.perf_counter() - started
+
+    def take_seconds(self) -> dict[str, float]:
+        """Seconds the thread spent since the last call, by stage, as `background_<stage>_s`:
+        `write` (a capture to disk), `policy` (encode, upload, announce, prune), `state`."""
+        with self._seconds_lock:
+            seconds, self._seconds = self._seconds, Counter()
+        return {f"background_{stage}_s": value for stage, value in sorted(seconds.items())}
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -96,3 +96,29 @@ def test_task_paths_beside_the_config_file_but_a_set_override_as_typed(tmp_path,
     assert cfg.task.verifier == f"{(tmp_path / 'conf' / 'score.py').resolve()}:f"
     typed = load_config(tmp_path / "conf" / "run.yaml", ["task.path=train.jsonl"])
     assert typed.task.path == "train.jsonl"  # from the working directory, as a shell user means it
+
+
+def test_precision_auto_is_decided_by_the_machine(monkeypatch):
+    """`precision: auto` is bf16 on a CPU with bf16 matrix units and fp32 on one without (where
+    bf16 is emulated), whatever the config; each role logs the choice and why."""
+    import torch
+
+    from pipeline import engine
+    from pipeline.runtime import with_machine_precision
+
+    cfg = load_config(None, ["learner.precision=auto", "sampler.precision=auto", "learner.zero_stage=0"], env={})
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine, "cpu_flags", lambda: {"avx2", "fma"})
+    chosen, line = with_machine_precision(cfg, cpu)
+    assert (chosen.learner.precision, chosen.sampler.precision, chosen.learner.zero_stage) == ("fp32", "fp32", 0)
+    assert "no bf16 matrix units" in line and line.startswith("precision: learner fp32, sampling fp32")
+    monkeypatch.setattr(engine, "cpu_flags", lambda: {"avx2", "avx512f", "amx_bf16", "amx_tile"})
+    chosen, line = with_machine_precision(cfg, cpu)
+    # bf16 keeps its fp32 master weights in DeepSpeed's ZeRO optimizer: stage 1 at least.
+    assert (chosen.learner.precision, chosen.sampler.precision, chosen.learner.zero_stage) == ("bf16", "bf16", 1)
+    assert "(AMX)" in line
+    explicit = load_config(None, ["learner.precision=fp32", "sampler.precision=bf16"], env={})
+    chosen, line = with_machine_precision(explicit, cpu)
+    assert (chosen.learner.precision, chosen.sampler.precision) == ("fp32", "bf16") and "(" not in line
+    with pytest.raises(ValueError, match="needs learner.zero_stage >= 1"):
+        load_config(None, ["learner.precision=bf16", "learner.zero_stage=0"], env={})

@@ -123,9 +123,13 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
 
     lt = LoadtestConfig(reward_check_s_per_group=0.0, logprob_check_s_per_group=0.0)
     screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_logprob_check_fraction=0.0), lt)
-    group = Rollout(prompt_id="p", task="t", sampler_id="s", policy_version=3, prompt_ids=[1],
-                    completion_ids=[[2], [3]], sampler_logps=[[-1.0], [-1.0]], rewards=[0.0, 1.0], key_id="k")
-    assert screen.check(group, staleness=2) == []   # on probation: checked although stale
-    assert screen.check(group, staleness=2) == []   # probation over, none of the stale drawn
-    assert screen.check(group, staleness=0) == []   # fresh: always checked
+    a, b, c = (Rollout(prompt_id="p", task="t", sampler_id="s", policy_version=3, prompt_ids=[1],
+                       completion_ids=[[2], [3]], sampler_logps=[[-1.0], [-1.0]], rewards=[0.0, 1.0], key_id="k")
+               for _ in range(3))
+    assert screen.check(a, staleness=2) == []   # on probation: to be checked although stale
+    assert screen.check_batch([(a, 2)], fresh_in_step=True) == ({}, [])  # ... and it was
+    assert screen.check(b, staleness=2) == []   # probation over, none of the stale drawn
+    assert screen.check(c, staleness=0) == []   # fresh: always checked, by the step
+    assert screen.check_batch([(b, 2), (c, 0)], fresh_in_step=True) == ({}, [1])
+    assert screen.record_fresh(c, 0.0) is None
     assert screen.counts == {"rewards_rescored": 3, "logprobs_checked_stale": 1, "logprobs_checked_fresh": 1}

@@ -75,3 +75,40 @@ def test_a_supervisor_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_
 
 def test_the_exit_status_comes_back():
     assert run_supervisor([sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+
+
+def test_train_gives_each_role_its_share_of_the_cores():
+    from heterorl.train import EVALUATOR_NICE, SAMPLER_NICE, cpu_budgets
+    from pipeline.config import load_config
+
+    def budgets(sharing, **more):
+        sets = [f"train.cpu_sharing={sharing}", "train.num_samplers=2", "sampler.torch_threads=1",
+                "eval.torch_threads=1", "learner.torch_threads=3"] + [f"{k}={v}" for k, v in more.items()]
+        return cpu_budgets(load_config(None, sets, env={}), cores=8)
+
+    # priority: every role may use every core; the scheduler serves the learner first.
+    assert budgets("priority") == {"learner": (8, 0), "sampler": (8, SAMPLER_NICE), "evaluator": (8, EVALUATOR_NICE)}
+    assert 0 < SAMPLER_NICE < EVALUATOR_NICE
+    # split: the samplers' threads, the learner the rest (never none), the evaluator in the background.
+    assert budgets("split") == {"learner": (6, 0), "sampler": (1, 0), "evaluator": (1, EVALUATOR_NICE)}
+    assert budgets("split", **{"train.num_samplers": 8})["learner"] == (1, 0)
+    # none: as configured.
+    assert budgets("none") == {"learner": (3, 0), "sampler": (1, 0), "evaluator": (1, 0)}
+
+
+def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch):
+    from heterorl.processes import Processes
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text("#!/bin/sh\nexec sleep 30\n")  # any role: it runs long enough to be looked at
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(stand_in))
+    procs = Processes(tmp_path, dict(os.environ))
+    procs.start("niced", ["sampler"], nice=7)
+    procs.start("plain", ["learner"])
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, procs.procs["niced"].pid) == min(19, own + 7)
+        assert os.getpriority(os.PRIO_PROCESS, procs.procs["plain"].pid) == own
+    finally:
+        procs.stop(grace_s=1)

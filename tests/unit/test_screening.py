@@ -30,13 +30,35 @@ def screen(setup, **security):
     return GroupScreen(SecurityConfig(**security), task, tokenizer, 1.0, lambda: model, None)
 
 
+def batch_failures(s, *groups):
+    """check_batch of (group, staleness) pairs re-scored here (no step): failure kinds by group."""
+    failures, in_step = s.check_batch(list(groups), fresh_in_step=False)
+    assert in_step == []
+    return [[k for k, _ in failures.get(r.rollout_id, [])] for r, _ in groups]
+
+
 def test_honest_groups_pass_with_a_gap_of_float_noise(setup):
-    s = screen(setup)
-    for r in setup[3]():
+    s = screen(setup, probation_groups=0)
+    groups = setup[3]()
+    for r in groups:
         assert s.check(r, staleness=0) == []
+    assert batch_failures(s, *[(r, 0) for r in groups]) == [[], [], []]
     gaps = s.summary()["logprob_gap_by_sampler"]["s"]
     assert gaps["groups"] == 3 and gaps["max"] < 1e-4 and gaps["over_threshold"] == 0
     assert gaps["min"] <= gaps["p10"] <= gaps["median"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"]
+
+
+def test_fresh_groups_are_left_to_the_step_when_it_can_check_them(setup):
+    s = screen(setup, probation_groups=0)
+    groups = setup[3]()
+    for r in groups:
+        s.check(r, staleness=0)
+    failures, in_step = s.check_batch([(r, 0) for r in groups], fresh_in_step=True)
+    assert failures == {} and in_step == [0, 1, 2] and s.counts["logprobs_checked_fresh"] == 0
+    # A batch that does not reach its step leaves them planned: checked when it does.
+    assert s.check_batch([(r, 0) for r in groups], fresh_in_step=True) == ({}, [0, 1, 2])
+    assert s.record_fresh(groups[0], 0.5)[0] == "logprob_mismatch"
+    assert s.check_batch([(r, 0) for r in groups], fresh_in_step=True) == ({}, [1, 2])
 
 
 def test_forged_rewards_are_replaced_by_the_verifiers_and_reported(setup):
@@ -53,8 +75,11 @@ def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
     r = setup[3]()[1]
     rng = np.random.default_rng(0)
     r.sampler_logps = [np.minimum(np.asarray(c) + rng.normal(0, 0.5, len(c)), 0).tolist() for c in r.sampler_logps]
-    failures = screen(setup).check(r, staleness=0)
-    assert [k for k, _ in failures] == ["logprob_mismatch"]
+    s = screen(setup, probation_groups=0)
+    assert s.check(r, staleness=0) == []  # found when its batch is checked
+    assert batch_failures(s, (r, 0)) == [["logprob_mismatch"]]
+    on_probation = screen(setup)  # ... and at once while its key is on probation
+    assert [k for k, _ in on_probation.check(r, staleness=0)] == ["logprob_mismatch"]
     other = setup[3]()[2]
     other.prompt_id = "arith-train-0"
     assert [k for k, _ in screen(setup).check(other, staleness=0)] == ["prompt_mismatch"]
@@ -64,21 +89,25 @@ def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
 
 def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
     s = screen(setup, stale_logprob_check_fraction=0.0, probation_groups=0)
-    r = setup[3]()[1]
-    r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
-    assert s.check(r, staleness=2) == []  # not drawn
-    assert s.check(r, staleness=0)[0][0] == "logprob_mismatch"
+    stale, fresh = setup[3]()[1], setup[3]()[2]
+    for r in (stale, fresh):
+        r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
+    s.check(stale, staleness=2)  # not drawn
+    s.check(fresh, staleness=0)
+    assert batch_failures(s, (stale, 2), (fresh, 0)) == [[], ["logprob_mismatch"]]
     stats = s.summary()["logprob_gap_by_sampler"]["s"]  # the calibration data counts it
     assert stats["groups"] == 1 and stats["over_threshold"] == 1 and stats["min"] == stats["max"] > 0.10
 
 
 class OnePast:
-    """The checkpoint store of past versions, holding one model for every version."""
+    """The past versions, one model for every version."""
 
     def __init__(self, model):
         self.model = model
+        self.asked: list[int] = []
 
     def get(self, version):
+        self.asked.append(version)
         return self.model
 
 
@@ -88,54 +117,68 @@ def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not
     s = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(model))
     honest, lying = rollouts()[0], rollouts()[1]
     lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
-    assert s.check(honest, staleness=3) == []  # checked against "v-3": passes
-    assert s.check(lying, staleness=3)[0][0] == "logprob_mismatch"  # caught although the fraction is 0
-    assert s.check(rollouts()[2], staleness=3) == []  # 2 checked: probation over
-    assert s.check(lying, staleness=3) == []  # now only drawn ones are checked (fraction 0)
+    # Both checked against "v-3" as they come (on probation), although the fraction is 0.
+    assert s.check(honest, staleness=3) == []
+    assert [k for k, _ in s.check(lying, staleness=3)] == ["logprob_mismatch"]
+    later = rollouts()[1]
+    later.sampler_logps = lying.sampler_logps
+    assert s.check(later, staleness=3) == []  # 2 checked: probation over, and none drawn
+    assert batch_failures(s, (later, 3)) == [[]]
     blind = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
-    assert blind.check(rollouts()[0], staleness=3)[0][0] == "unverifiable"
+    assert [k for k, _ in blind.check(rollouts()[0], staleness=3)] == ["unverifiable"]
 
 
-class NoStore:
-    """A checkpoint store that must not be read."""
+def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch):
+    tokenizer, model, task, rollouts = setup
+    past = OnePast(model)
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_logprob_check_fraction=1.0), task, tokenizer, 1.0,
+                    lambda: model, past)
+    groups = rollouts() + rollouts()
+    for r, version in zip(groups, (4, 6, 4, 6, 4, 6)):
+        r.policy_version = version
+        s.check(r, staleness=8 - version)
+    passes = []
+    real = s._gaps
+    monkeypatch.setattr(s, "_gaps", lambda rs, m: passes.append(len(rs)) or real(rs, m))
+    assert batch_failures(s, *[(r, 8 - r.policy_version) for r in groups]) == [[]] * 6
+    assert past.asked == [4, 6] and passes == [3, 3]
+
+
+class FakePublisher:
+    """The learner's publisher, giving back the versions it holds deltas of."""
+
+    def __init__(self, versions):
+        self.versions = versions
+
+    def weights_of(self, version):
+        return self.versions.get(version)
+
+
+class GoneStore:
+    """A checkpoint store in which every version has been pruned."""
 
     def manifest_key(self, version):
         return f"v{version}/manifest.json"
 
-    def fetch(self, *_, **__):
-        raise AssertionError("downloaded a version the learner handed over")
+    def read_expected(self, *_, **__):
+        from pipeline.checkpoints import CheckpointNotFound
+
+        raise CheckpointNotFound("pruned")
 
 
-def test_the_learners_own_versions_are_checked_without_a_download(setup, tmp_path):
-    """What the learner publishes it keeps for re-scoring (`remember`): a stale group of that
-    version is checked against exactly those weights, and the oldest is let go past capacity."""
-    tokenizer, model, task, rollouts = setup
-    past = PastPolicies(NoStore(), tmp_path, capacity=2)
-    for version in (4, 6, 8):
-        model.save_pretrained(tmp_path / f"v{version}")
-        tokenizer.save_pretrained(tmp_path / f"v{version}")
-        past.remember(version, tmp_path / f"v{version}")
-    assert list(past.models) == [6, 8]
-    s = GroupScreen(SecurityConfig(probation_groups=10), task, tokenizer, 1.0, lambda: model, past)
-    honest, lying = rollouts()[0], rollouts()[1]
-    honest.policy_version = lying.policy_version = 6
-    lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
-    assert s.check(honest, staleness=2) == []
-    assert s.check(lying, staleness=2)[0][0] == "logprob_mismatch"
-    assert s.summary()["logprob_gap_by_sampler"]["s"]["max"] > 0.10
-
-
-def test_a_kept_version_is_a_copy_the_learners_next_steps_do_not_change(setup, tmp_path):
+def test_past_versions_come_from_the_publisher_onto_one_model_bit_for_bit(setup, tmp_path):
+    """No copy of the model per version: one model is loaded with whichever version is asked
+    for, from the publisher's deltas, exactly; a version it no longer has is looked for in S3."""
     import torch
 
     tokenizer, model, task, rollouts = setup
-    past = PastPolicies(NoStore(), tmp_path, capacity=2)
-    learner = build_tiny_model(tokenizer, seed=0)
-    past.remember(2, tmp_path / "not-read", module=learner)  # taken from the model, not the directory
-    kept = past.get(2)
-    before = {k: v.clone() for k, v in kept.state_dict().items()}
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.add_(1.0)  # the learner's next step
-    assert all(torch.equal(before[k], v) for k, v in kept.state_dict().items())
-    assert not any(p.requires_grad for p in kept.parameters())
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    versions = {v: {"model.safetensors": {k: t + 0.01 * v for k, t in base.items()}} for v in (6, 8)}
+    past = PastPolicies(GoneStore(), tmp_path, tmp_path / "base", policies=FakePublisher(versions))
+    for version in (6, 8, 6):
+        got = past.get(version).state_dict()
+        assert all(torch.equal(got[k], versions[version]["model.safetensors"][k]) for k in base)
+    assert past.get(6) is past.get(8)  # the same model, reloaded
+    assert past.get(4) is None  # neither held nor in S3

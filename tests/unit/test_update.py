@@ -68,3 +68,53 @@ def test_a_micro_batched_step_equals_the_one_shot_step(stage, loss):
     for a, b in zip(m1, m2):
         for key in ("loss", "kl", "iw_mean", "clip_frac", "num_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-8), key
+
+
+def honest(groups_, module):
+    """The same groups with the sampler log-probs `module` gives them (what its own sampler records)."""
+    from pipeline.models import completion_logprobs
+
+    with torch.no_grad():
+        for g in groups_:
+            logps, mask = completion_logprobs(module, [g.prompt_ids] * g.group_size, g.completion_ids, 1.0)
+            g.sampler_logps = [row[: int(m.sum())].tolist() for row, m in zip(logps, mask)]
+    return groups_
+
+
+@pytest.mark.parametrize("overrides", [["learner.zero_stage=0"], ["learner.zero_stage=1"], ["learner.zero_stage=3"],
+                                       ["learner.zero_stage=1", "learner.precision=bf16"],
+                                       ["learner.zero_stage=1", "learner.offload_optimizer=true"]],
+                         ids=["zero0", "zero1", "zero3", "zero1-bf16", "zero1-offload"])
+def test_a_step_refused_by_the_fresh_check_leaves_the_engine_as_if_it_never_ran(overrides):
+    """The check of fresh groups rides on the training forward: a forged group is found after the
+    backward passes, and then the step's gradients are discarded. The engine that refused a step
+    and then took two more ends bit for bit where one that took only those two does."""
+    from pipeline.update import FreshCheck, StepRefused
+
+    cfg = load_config(None, [*overrides, "learner.lr=1e-2"], env={}).learner
+    straight = make_engine(tiny_model(), cfg, torch.device("cpu"))
+    refusing = make_engine(tiny_model(), cfg, torch.device("cpu"))
+    forged = honest(groups(seed=7), refusing.module)
+    forged[1].sampler_logps = [[-5.0] * len(c) for c in forged[1].completion_ids]
+    with pytest.raises(StepRefused) as refused:
+        optimizer_step(refusing, forged, [1.0] * 3, cfg, temperature=1.0, max_completion_length=8,
+                       fresh_check=FreshCheck((0, 1, 2), threshold=0.10))
+    assert set(refused.value.failed) == {1} and set(refused.value.gaps) == {0, 1, 2}
+    assert max(refused.value.gaps[0], refused.value.gaps[2]) < 0.10  # the honest ones pass
+    for seed in (2, 3):
+        for engine in (straight, refusing):
+            optimizer_step(engine, groups(seed=seed), [1.0] * 3, cfg, temperature=1.0, max_completion_length=8)
+    want, got = weights(straight), weights(refusing)
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) == 0.0
+
+
+def test_a_step_whose_fresh_groups_pass_reports_their_statistic_of_float_noise():
+    from pipeline.update import FreshCheck
+
+    cfg = load_config(None, ["learner.zero_stage=0", "learner.lr=1e-2"], env={}).learner
+    engine = make_engine(tiny_model(), cfg, torch.device("cpu"))
+    before = weights(engine)
+    metrics = optimizer_step(engine, honest(groups(seed=4), engine.module), [1.0] * 3, cfg, temperature=1.0,
+                             max_completion_length=8, fresh_check=FreshCheck((0, 2), threshold=0.10))
+    assert set(metrics["fresh_gaps"]) == {0, 2} and max(metrics["fresh_gaps"].values()) < 1e-5
+    assert any(float((before[k] - w).abs().max()) > 0 for k, w in weights(engine).items())  # it stepped
