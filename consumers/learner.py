@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -91,6 +92,11 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=Non
     """
     entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0, security=security) or []
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
+
+
+BUSY_FOR_S = 600.0
+"""How long samplers yielding to the learner wait at most for one `busy` stretch (a learner that
+dies in one is not waited for longer)."""
 
 
 def outside_optimizer_share(seconds: dict) -> Optional[float]:
@@ -362,14 +368,25 @@ class Learner:
         it has polled. A poll holds up to 64 records, and at 8 groups a step those are 8 steps
         of data that a sampler would otherwise not count as waiting."""
         self.last_record_at = time.monotonic()
-        for record in records:
-            self.next_offsets[record.partition] = record.offset + 1
-            self.admit(record)
-            if self.train_ready():
-                self.report_position()
-            if self.step >= self.lcfg.max_steps:
-                break
+        with self.busy():
+            for record in records:
+                self.next_offsets[record.partition] = record.offset + 1
+                self.admit(record)
+                if self.train_ready():
+                    self.report_position()
+                if self.step >= self.lcfg.max_steps:
+                    break
         self.report_position()
+
+    @contextmanager
+    def busy(self):
+        """Say in Redis that the learner is on its critical path (admitting, checking, training),
+        so samplers on its machine that yield to it pause (`sampler.yield_to_learner`)."""
+        self.state.mark_learner_busy(BUSY_FOR_S)
+        try:
+            yield
+        finally:
+            self.state.mark_learner_busy(0)
 
     def report_position(self) -> None:
         """What the learner has judged, and how much of the topic it has not (samplers pace on both)."""
@@ -536,7 +553,8 @@ class Learner:
             extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
         self.publisher.submit(Snapshot(snapshot, extra, version=self.version if policy else None,
                                        parent_version=self.published_version,
-                                       state_step=self.step if state else None, keyframe=final, capture=captured))
+                                       state_step=self.step if state else None, keyframe=final, capture=captured,
+                                       template=self.start_dir))
         if policy:
             self.published_version = self.version
         if state:

@@ -39,7 +39,7 @@ import torch
 
 from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
 from pipeline.config import SecurityConfig
-from pipeline.models import completion_logprobs, decode_completion, load_policy
+from pipeline.models import completion_logprobs, decode_completion, load_policy, load_weights_into
 from pipeline.rollout import Rollout
 from pipeline.trust import logprob_gap
 from pipeline.weights.policy import PolicyPublisher, fetch_policy, read_weights
@@ -104,13 +104,7 @@ class PastPolicies:
                 p.requires_grad_(False)
             self.scratch.eval()
         self.loaded = None
-        flat = {name: t for tensors in weights.values() for name, t in tensors.items()}
-        missing, unexpected = self.scratch.load_state_dict(flat, strict=False)
-        params = dict(self.scratch.named_parameters(remove_duplicate=False))
-        untied = [m for m in missing if not any(params.get(m) is params.get(n) for n in flat)]
-        if untied or unexpected:
-            raise ValueError(f"v{version} does not fit the learner's model (missing {untied[:3]}, "
-                             f"unexpected {unexpected[:3]})")
+        load_weights_into(self.scratch, {name: t for tensors in weights.values() for name, t in tensors.items()})
         self.loaded = version
 
 

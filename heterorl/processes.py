@@ -53,6 +53,17 @@ def run_supervisor(cmd: list[str], env: Optional[dict] = None, grace_s: float = 
         raise
 
 
+IDLE = "idle"
+"""A process priority (`Processes.start`): run only when no other process wants the CPU."""
+
+
+def _lower_priority(nice: int | str):
+    """What a child runs before its command to take a lower CPU priority (None: as this one's)."""
+    if nice == IDLE:
+        return lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return (lambda: os.nice(nice)) if nice else None
+
+
 class Processes:
     """The child processes of a run: started with their own logs, stopped on every exit path."""
 
@@ -62,13 +73,14 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: list[str], env: Optional[dict] = None, nice: int = 0) -> None:
+    def start(self, name: str, args: list[str], env: Optional[dict] = None, nice: int | str = 0) -> None:
         """Start `heterorl ARGS...` as `name`, logging to RUN_DIR/logs/NAME.log, in a session of its
-        own, `nice` steps below this process's CPU priority (every thread it starts inherits it)."""
+        own, `nice` steps below this process's CPU priority, or (`IDLE`) only when no other
+        process wants the CPU (Linux SCHED_IDLE); every thread it starts inherits that."""
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "heterorl", *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True,
-                                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                                            preexec_fn=_lower_priority(nice))
         log.close()
 
     def alive(self, name: str) -> bool:

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from heterorl.keys import provision_local
-from heterorl.processes import Processes, RunFailed, child_env
+from heterorl.processes import IDLE, Processes, RunFailed, child_env
 from heterorl.report import plot_run
 from heterorl.stack import as_role, services_for_run
 from pipeline.config import HeteroConfig, dump_config
@@ -71,13 +71,17 @@ def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
 
 
 SAMPLER_NICE, EVALUATOR_NICE = 10, 19
-"""CPU priorities below the learner's under `train.cpu_sharing: priority` (and the evaluator's under `split`)."""
+"""CPU priorities below the learner's under `train.cpu_sharing: priority` (the evaluator's also under `split`)."""
 
 
-def cpu_budgets(cfg: HeteroConfig, cores: int) -> dict[str, tuple[int, int]]:
+def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str, tuple[int, int]]:
     """Role -> (torch threads, nice) of the processes `train` starts on a machine of `cores`
-    cores, by `train.cpu_sharing` (its docstring says why each)."""
-    sharing, samplers = cfg.train.cpu_sharing, cfg.train.num_samplers
+    cores, by `train.cpu_sharing` (its docstring says why each). With the model on a GPU
+    (`on_gpu`) the roles compute there and mostly wait on it: the configured threads, at equal
+    priority, and nobody yields (`cpu_sharing` is about a model on the CPU)."""
+    sharing, samplers = ("none" if on_gpu else cfg.train.cpu_sharing), cfg.train.num_samplers
+    if sharing == "yield":
+        return {"learner": (cores, 0), "sampler": (cores, 0), "evaluator": (cores, IDLE)}
     if sharing == "priority":
         return {"learner": (cores, 0), "sampler": (cores, SAMPLER_NICE), "evaluator": (cores, EVALUATOR_NICE)}
     if sharing == "split":
@@ -113,16 +117,21 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
         here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
         log.info("%s", precision)
-        before = evaluate_base(here, base, task)
+        base_started = time.time()
+        before = evaluate_base(here, base, task)  # stored beside the model after its first time
+        base_s = time.time() - base_started
         metrics.write("eval", 0, {"policy_version": 0, **before})
         log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
                  before["accuracy_sampled"], before["accuracy_greedy"])
 
-        budgets = cpu_budgets(cfg, os.cpu_count() or 1)
+        on_gpu = resolve_device(cfg.model.device).type == "cuda"
+        budgets = cpu_budgets(cfg, os.cpu_count() or 1, on_gpu=on_gpu)
+        yields = cfg.train.cpu_sharing == "yield" and not on_gpu
         child_config = run_dir / "config.yaml"
         child_config.write_text(dump_config(cfg.model_copy(update={
             "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
-            "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0]}),
+            "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
+                                                      "yield_to_learner": yields}),
             "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0]})})))
         procs = Processes(run_dir, child_env(services))
         data_dir = cfg.services.data_dir
@@ -138,8 +147,9 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             if cfg.eval.every:
                 procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
             log.info("run %s: learner + %d samplers started, logs in %s/logs/; cores shared by %s: %s", run_name,
-                     cfg.train.num_samplers, run_dir, cfg.train.cpu_sharing,
-                     ", ".join(f"{role} {threads} thread(s) at nice {nice}" for role, (threads, nice) in budgets.items()))
+                     cfg.train.num_samplers, run_dir, "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
+                     ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
+                               for role, (threads, nice) in budgets.items()))
             watch(cfg, procs, run_dir)
             train_ended = time.time()
             procs.stop([n for n in procs.procs if n.startswith("sampler")])
@@ -158,10 +168,10 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         summary = _summary(cfg, run_dir, version, handles, services, wall_start,
                            local_stack_kept=keep_stack or not started_stack)
         summary["precision"], summary["cpu"] = precision, cpu_kind()
-        summary["cpu_sharing"] = {"policy": cfg.train.cpu_sharing,
+        summary["cpu_sharing"] = {"policy": "none" if on_gpu else cfg.train.cpu_sharing,
                                   **{role: {"threads": t, "nice": n} for role, (t, n) in budgets.items()}}
         summary["seconds"] = {"before_training": round(train_started - wall_start, 1),
-                              "base_evaluation": round(before.get("eval_seconds", 0.0), 1),
+                              "base_evaluation": round(base_s, 1),
                               "training": round(train_ended - train_started, 1),
                               "after_training": round(time.time() - train_ended, 1),
                               "final_evaluation": round(time.time() - final_started, 1)}

@@ -318,6 +318,10 @@ class SamplerConfig(_Strict):
     """Stop after publishing this many groups (None: run until stopped)."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads for generation (several samplers share a machine's cores)."""
+    yield_to_learner: bool = False
+    """Pause generating while the learner checks and trains a batch (it says so in Redis), for
+    a sampler on the learner's own machine: `heterorl train` turns it on under
+    `train.cpu_sharing: yield`. A sampler on a machine of its own should not."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
     spool_dir: Optional[str] = None
@@ -584,15 +588,19 @@ class TrainConfig(_Strict):
     """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
     timeout_s: float = Field(1800.0, gt=0)
     """Abort the run (stopping every process it started) after this long."""
-    cpu_sharing: Literal["priority", "split", "none"] = "priority"
+    cpu_sharing: Literal["yield", "priority", "split", "none"] = "yield"
     """How the processes `train` starts on its one machine share the cores (docs/performance.md
     has the measurements behind the default):
+    `yield`: each may use every core; the samplers pause while the learner checks and trains a
+    batch (`sampler.yield_to_learner`), and the evaluator runs only when neither wants the CPU
+    (Linux SCHED_IDLE: it fills the gaps of their parallel regions, and a thread of theirs that
+    wakes takes the core back at once);
     `priority`: each may use every core, and the scheduler serves the learner first, then the
-    samplers (nice 10), then the evaluator (nice 19): samplers generate while the learner waits
-    or does chores, and yield to its optimizer step;
+    samplers (nice 10), then the evaluator (nice 19);
     `split`: the cores divided, each sampler `sampler.torch_threads` of them, the evaluator
     `eval.torch_threads` (at nice 19), the learner the rest;
-    `none`: the configured `torch_threads` of each role, at equal priority."""
+    `none`: the configured `torch_threads` of each role, at equal priority.
+    With the model on a GPU (`model.device`) the roles compute there: `none` whatever is set."""
 
 
 class SecurityConfig(_Strict):

@@ -36,13 +36,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from pipeline.checkpoints import link_or_copy
 from pipeline.config import ConfigError, vllm_logprobs_mode
-from pipeline.models import DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, sample_groups
+from pipeline.models import (DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, load_weights_into,
+                             sample_groups)
 
 BACKENDS = ("auto", "hf", "vllm")
 
@@ -70,8 +71,11 @@ class PolicyEngine(Protocol):
     def install(self, prepared: Any) -> None:
         """Make `prepare`'s result the weights the next batch samples with."""
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int, seed: int) -> list[SampledGroup]:
-        """`group_size` completions per prompt, with the learner's per-token log-probs."""
+    def sample(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int, seed: int,
+               pause: Optional[Callable[[], None]] = None) -> list[SampledGroup]:
+        """`group_size` completions per prompt, with the learner's per-token log-probs. `pause`
+        (which may block) is called between the engine's forward passes where it runs its own
+        loop (`hf`), else once before the batch (`vllm`)."""
 
     def close(self) -> None:
         """Free the engine."""
@@ -114,16 +118,27 @@ class HfEngine:
         self.model = self.tokenizer = None
 
     def prepare(self, model_dir: Path):
-        return load_policy(model_dir, self.device, self.dtype)
+        """The first version: the model itself; a later one: its tensors, read (memory-mapped),
+        for `install` to copy into the model in place (building a model anew took 1-2 s of
+        SmolLM2's 2-3 s per version on a CPU)."""
+        if self.model is None:
+            return load_policy(model_dir, self.device, self.dtype)
+        from pipeline.weights.policy import read_weights
+
+        return {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
 
     def install(self, prepared) -> None:
-        self.model, self.tokenizer = prepared
+        if isinstance(prepared, dict):
+            with torch.no_grad():
+                load_weights_into(self.model, prepared)
+        else:
+            self.model, self.tokenizer = prepared
 
-    def sample(self, prompt_ids, *, group_size: int, seed: int) -> list[SampledGroup]:
+    def sample(self, prompt_ids, *, group_size: int, seed: int, pause=None) -> list[SampledGroup]:
         s = self.settings
         return sample_groups(self.model, self.tokenizer, prompt_ids, group_size=group_size,
                              temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                             max_new_tokens=s.max_new_tokens, seed=seed)
+                             max_new_tokens=s.max_new_tokens, seed=seed, pause=pause)
 
     def close(self) -> None:
         self.model = None
@@ -262,9 +277,11 @@ class VllmEngine:
         self._set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         return LLM(**kwargs)
 
-    def sample(self, prompt_ids, *, group_size: int, seed: int) -> list[SampledGroup]:
+    def sample(self, prompt_ids, *, group_size: int, seed: int, pause=None) -> list[SampledGroup]:
         from vllm import SamplingParams
 
+        if pause is not None:
+            pause()
         s = self.settings
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
         params = [SamplingParams(n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,

@@ -18,7 +18,9 @@ Keys (all under `heterorl:<run>:`):
                       `signature` over (run, version, manifest_key, updated_at).
 - `quarantine`        hash key id -> JSON {sampler_id, reason, at, strikes} of sampler keys
                       the learner stopped trusting (`pipeline.trust.StrikePolicy`).
-- `learner`           hash of the learner's latest progress (step, groups used/dropped).
+- `learner`           hash of the learner's latest progress (step, groups used/dropped), and
+                      `busy_until`: while it checks and trains a batch (samplers on its machine
+                      may pause meanwhile, `sampler.yield_to_learner`).
 - `meta`              hash {rollout_topic, started_at, epoch_size?} written by the learner
                       (epoch_size by samplers that know it); the run is also listed in the
                       global sorted set `heterorl:runs` (by start time).
@@ -417,6 +419,17 @@ class RunState:
         pace themselves on these)."""
         self.report_learner({"offsets": {str(p): o for p, o in offsets.items()}, "unread": unread,
                              "pending": pending})
+
+    def mark_learner_busy(self, seconds: float) -> None:
+        """The learner is on its critical path (checking and training a batch) for up to `seconds`
+        more (0: no longer). Samplers and the evaluator that share its machine
+        (`sampler.yield_to_learner`) pause generating meanwhile; a learner that dies busy is
+        waited for no longer than `seconds`."""
+        self.client.hset(self.prefix + "learner", "busy_until", json.dumps(time.time() + seconds if seconds else 0))
+
+    def learner_busy(self) -> bool:
+        raw = self.client.hget(self.prefix + "learner", "busy_until")
+        return raw is not None and float(json.loads(raw)) > time.time()
 
     def learner_offsets(self) -> dict[int, int]:
         raw = self.client.hget(self.prefix + "learner", "offsets")

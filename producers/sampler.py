@@ -303,12 +303,14 @@ class Outbox:
 
 
 PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s", "backlog": "paused_backlog_s",
-               "redis": "paused_redis_s"}
+               "redis": "paused_redis_s", "learner_busy": "yielded_to_learner_s"}
 """Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
 PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2}
 """How long the first pause of each kind sleeps before the next turn looks again."""
 PAUSE_MAX_S = 1.0
 """Pauses of the same kind in a row double up to this long."""
+YIELD_POLL_S = 0.02
+"""How often a sampler yielding to the learner looks whether it may go on (`sampler.yield_to_learner`)."""
 
 
 class Sampler:
@@ -580,6 +582,20 @@ class Sampler:
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
 
+    def yield_to_learner(self) -> None:
+        """Wait while the learner checks and trains a batch (`sampler.yield_to_learner`: a sampler
+        sharing the learner's cores), or until asked to stop; Redis trouble ends the wait."""
+        started = time.perf_counter()
+        try:
+            while not self.stop.requested and self.state.learner_busy():
+                self.heartbeat_if_due()  # a learner step outlasts the lease: keep it
+                time.sleep(YIELD_POLL_S)
+        except redis.RedisError:
+            pass
+        waited = time.perf_counter() - started
+        if waited > YIELD_POLL_S:
+            self.paused[PAUSE_STATS["learner_busy"]] += waited
+
     def generate(self, in_flight_limit: Optional[int] = None) -> bool:
         """Claim prompts, sample G completions each, score them, hand the groups to the outbox.
         With `in_flight_limit`, claim only within the fleet's room under the max delay (False: no room)."""
@@ -590,9 +606,11 @@ class Sampler:
         problems = [self.task.train_problem(i) for i in indices]
         engine = self.policy.engine
         started = time.perf_counter()
+        yielded_before = self.paused[PAUSE_STATS["learner_busy"]]
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
-                               group_size=self.scfg.group_size, seed=self.seed + indices[0])
-        self.last_batch_s = time.perf_counter() - started
+                               group_size=self.scfg.group_size, seed=self.seed + indices[0],
+                               pause=self.yield_to_learner if self.scfg.yield_to_learner else None)
+        self.last_batch_s = time.perf_counter() - started - (self.paused[PAUSE_STATS["learner_busy"]] - yielded_before)
         self.generate_s += self.last_batch_s
         rollouts = self.make_rollouts(problems, groups)
         self.note_verifier_errors()

@@ -73,7 +73,10 @@ class ModeledEngine:
         self.loading_s += self.gpu.weight_load_s
         self.stop.wait(self.gpu.weight_load_s)
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int, seed: int) -> list[SampledGroup]:
+    def sample(self, prompt_ids: Sequence[Sequence[int]], *, group_size: int, seed: int,
+               pause=None) -> list[SampledGroup]:
+        if pause is not None:
+            pause()
         rng = np.random.default_rng(seed)
         groups, tokens = [], 0
         for _ in prompt_ids:

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 __all__ = [
+    "load_weights_into",
     "DTYPES",
     "decode_completion",
     "eos_ids",
@@ -52,6 +53,17 @@ def load_policy(path: str | os.PathLike, device: torch.device | str = "cpu", dty
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     model.to(device).eval()
     return model, tokenizer
+
+
+def load_weights_into(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict (by parameter name, in any float dtype) into `model` in place. A name
+    the tensors lack must be a parameter tied to one they have (tied embeddings are stored
+    once); anything else missing or extra is a ValueError, and `model` is then not to be used."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    untied = [m for m in missing if not any(params.get(m) is params.get(n) for n in tensors)]
+    if untied or unexpected:
+        raise ValueError(f"the weights do not fit the model (missing {untied[:3]}, unexpected {unexpected[:3]})")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

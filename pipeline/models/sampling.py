@@ -13,7 +13,7 @@ rounding (about 1e-6 in fp32).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -87,6 +87,7 @@ def _decode_loop(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     repeats: int = 1,
+    pause: Callable[[], None] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """KV-cached decoding of left-padded ``rows``, each ``repeats`` times; ``temperature=None``
     means greedy.
@@ -96,6 +97,8 @@ def _decode_loop(
     prompt. Returns per decoded row (row i's copies at i·repeats ... (i+1)·repeats - 1) the
     completion tokens (cut after the first EOS) and, when sampling,
     log_softmax(logits / temperature) at each chosen token over the full vocabulary.
+    `pause`, if given, is called before the prefill and each token's forward pass (it may
+    block: a sampler yielding its cores to a learner on the same machine).
     """
     device = next(model.parameters()).device
     B = len(rows)
@@ -111,6 +114,8 @@ def _decode_loop(
     input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
 
+    if pause is not None:
+        pause()
     out = model(
         input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
@@ -141,6 +146,8 @@ def _decode_loop(
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+        if pause is not None:
+            pause()
         out = model(
             input_ids=tok[:, None],
             attention_mask=attn,
@@ -206,6 +213,7 @@ def sample_groups(
     max_new_tokens: int,
     seed: int,
     max_batch_rows: int = MAX_BATCH_ROWS,
+    pause: Callable[[], None] | None = None,
 ) -> list[SampledGroup]:
     """Sample ``group_size`` completions for each prompt, all prompts batched together.
 
@@ -231,7 +239,7 @@ def sample_groups(
     gen = torch.Generator(device=device).manual_seed(int(seed))
     comps, lps = _decode_in_chunks(model, tokenizer, prompt_ids, max_batch_rows, repeats=group_size,
                                    max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=top_p,
-                                   top_k=top_k, generator=gen)
+                                   top_k=top_k, generator=gen, pause=pause)
     return [
         SampledGroup(
             prompt_ids=prompt_ids[i],

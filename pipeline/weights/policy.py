@@ -123,6 +123,27 @@ def other_files(model_dir: Path) -> list[dict]:
     return out
 
 
+def lay_out(tensors: dict[str, torch.Tensor], model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """`tensors` (a model's state dict) arranged by weights file as `model_dir` stores the same
+    model (only its files' headers are read). A tensor the files do not name must be one they
+    store under another name (tied weights, stored once); anything else is a ValueError, as is
+    a named tensor missing from `tensors`."""
+    from safetensors import safe_open
+
+    layout = {}
+    for name in weights_files(model_dir):
+        with safe_open(str(Path(model_dir) / name), framework="pt") as f:
+            layout[name] = list(f.keys())
+    placed = {key for keys in layout.values() for key in keys}
+    missing = sorted(placed - set(tensors))
+    stored = {id(tensors[key]) for key in placed & set(tensors)}
+    unplaced = sorted(k for k in set(tensors) - placed if id(tensors[k]) not in stored)
+    if missing or unplaced:
+        raise ValueError(f"the weights do not fit the files of {model_dir}: missing {missing[:3]}, "
+                         f"not stored there {unplaced[:3]}")
+    return {name: {key: tensors[key] for key in keys} for name, keys in layout.items()}
+
+
 def read_weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of a model directory, by weights file."""
     return {name: load_file(str(Path(model_dir) / name)) for name in weights_files(model_dir)}
@@ -177,11 +198,15 @@ class PolicyPublisher:
         """Per version: version, kind, bytes a sampler downloads, full bytes."""
 
     def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
-                parent_version: Optional[int] = None, keyframe: bool = False) -> str:
+                parent_version: Optional[int] = None, keyframe: bool = False,
+                tensors: Optional[dict[str, torch.Tensor]] = None) -> str:
         """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key.
-        `keyframe`: a full copy whatever the rule says (the last version of a run: it stands alone)."""
+        `keyframe`: a full copy whatever the rule says (the last version of a run: it stands alone).
+        `tensors`: the weights by name, in place of those in `model_dir`'s files and laid out as
+        they are (`lay_out`): the learner hands over what it copied in memory, so nothing is
+        written to disk and read back for a policy alone."""
         model_dir = Path(model_dir)
-        weights = read_weights(model_dir)
+        weights = read_weights(model_dir) if tensors is None else lay_out(tensors, model_dir)
         if not weights:
             raise CorruptCheckpointError(f"{model_dir} holds no *.safetensors weights to publish")
         cast = self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype
@@ -199,7 +224,7 @@ class PolicyPublisher:
             for f in others:
                 link_or_copy(model_dir / f["path"], staged / f["path"])
             if kind == KEYFRAME:
-                if cast:
+                if cast or tensors is not None:
                     _write_weights(weights, staged)
                 else:
                     for name in weights:

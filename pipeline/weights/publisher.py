@@ -3,12 +3,12 @@
 The learner hands over one snapshot per save: its weights (and learner state, when a
 recovery state is due) copied in memory (`pipeline.weights.learner_state.Capture`), or a
 directory already written. `BackgroundPublisher`, on a thread of its own at a lower CPU
-priority than training (`PUBLISHER_NICE`), writes each capture to its directory, then
-publishes, in order of submission:
+priority than training (`PUBLISHER_NICE`), publishes, in order of submission:
 
 1. the policy (`PolicyPublisher`: a keyframe or a delta; files, then the signed manifest),
    then the version in Redis, then pruning of policies no reachable version needs;
-2. the recovery state (`pipeline.weights.recovery`), then pruning of older states.
+2. the recovery state (`pipeline.weights.recovery`: a capture is written to its directory
+   first), then pruning of older states.
 
 An upload error stops the publisher and is re-raised by the next `submit` or by `close`,
 so a broken store is never silently ignored.
@@ -51,7 +51,11 @@ class Snapshot:
     """Publish the policy as a full copy whatever the keyframe rule says."""
     cleanup: bool = True
     capture: Optional[Capture] = None
-    """Written into `directory` first, on the publisher's thread (None: the directory is written)."""
+    """The save as copied in memory (None: `directory` is already written). Its policy is
+    published from memory, laid out as `template`'s files, with `template`'s other files; the
+    directory is written from it only for a recovery state."""
+    template: Optional[Path] = None
+    """A directory of the same model (config, tokenizer, the layout of its weights files)."""
 
 
 PUBLISHER_NICE = 10
@@ -109,14 +113,16 @@ class BackgroundPublisher:
 
     def _publish(self, item: Snapshot) -> None:
         sent = {"step": item.extra.get("step"), "policy_bytes": 0, "state_bytes": 0}
-        if item.capture is not None:
+        if item.capture is not None and item.state_step is not None:
             started = time.perf_counter()
             item.capture.write(item.directory)
             self._count("write", started)
         if item.version is not None:
             started = time.perf_counter()
-            key = self.policies.publish(item.version, item.directory, item.extra, parent_version=item.parent_version,
-                                       keyframe=item.keyframe)
+            in_memory = item.capture is not None
+            key = self.policies.publish(item.version, item.template if in_memory else item.directory, item.extra,
+                                        parent_version=item.parent_version, keyframe=item.keyframe,
+                                        tensors=item.capture.weights if in_memory else None)
             if self.run_state is not None:
                 self.run_state.publish_policy(item.version, key, signer=self.store.signer)
             last = self.policies.published[-1]

@@ -118,6 +118,22 @@ def test_hf_engine_records_the_learners_logprobs(models):
     assert largest_logprob_gap(load(models[0]), groups, 0.7) < LOGPROB_TOLERANCE
 
 
+def test_hf_engine_loads_a_later_version_into_its_model_in_place(models):
+    """The first version builds the model; a later one is copied into it (no new model per
+    version), and sampling then records the new weights' log-probs, not the old ones'."""
+    engine = HfEngine(SamplingSettings(1.0, 1.0, 0, 10), torch.device("cpu"))
+    engine.install(engine.prepare(models[0]))
+    model = engine.model
+    prepared = engine.prepare(models[1])  # while the engine still samples with the first
+    assert engine.model is model and largest_logprob_gap(
+        load(models[0]), engine.sample(prompt_ids(engine.tokenizer), group_size=2, seed=5), 1.0) < LOGPROB_TOLERANCE
+    engine.install(prepared)
+    assert engine.model is model
+    groups = engine.sample(prompt_ids(engine.tokenizer), group_size=4, seed=5)
+    assert largest_logprob_gap(load(models[1]), groups, 1.0) < LOGPROB_TOLERANCE
+    assert largest_logprob_gap(load(models[0]), groups, 1.0) > 0.1
+
+
 VLLM_RUNS = {"T0.7": SamplingSettings(0.7, 1.0, 0, 12), "T1-topk5-topp0.9": SamplingSettings(1.0, 0.9, 5, 12),
              "reload": SamplingSettings(1.0, 1.0, 0, 12)}
 """The vLLM runs of this file, each its own engine (vLLM's log-prob mode is an engine setting)."""

@@ -78,6 +78,7 @@ def test_the_exit_status_comes_back():
 
 
 def test_train_gives_each_role_its_share_of_the_cores():
+    from heterorl.processes import IDLE
     from heterorl.train import EVALUATOR_NICE, SAMPLER_NICE, cpu_budgets
     from pipeline.config import load_config
 
@@ -86,18 +87,24 @@ def test_train_gives_each_role_its_share_of_the_cores():
                 "eval.torch_threads=1", "learner.torch_threads=3"] + [f"{k}={v}" for k, v in more.items()]
         return cpu_budgets(load_config(None, sets, env={}), cores=8)
 
+    # yield: every role may use every core; samplers pause while the learner is busy, the
+    # evaluator runs in what both leave idle.
+    assert budgets("yield") == {"learner": (8, 0), "sampler": (8, 0), "evaluator": (8, IDLE)}
     # priority: every role may use every core; the scheduler serves the learner first.
     assert budgets("priority") == {"learner": (8, 0), "sampler": (8, SAMPLER_NICE), "evaluator": (8, EVALUATOR_NICE)}
     assert 0 < SAMPLER_NICE < EVALUATOR_NICE
     # split: the samplers' threads, the learner the rest (never none), the evaluator in the background.
     assert budgets("split") == {"learner": (6, 0), "sampler": (1, 0), "evaluator": (1, EVALUATOR_NICE)}
     assert budgets("split", **{"train.num_samplers": 8})["learner"] == (1, 0)
-    # none: as configured.
+    # none: as configured; and on a GPU, whatever the policy.
     assert budgets("none") == {"learner": (3, 0), "sampler": (1, 0), "evaluator": (1, 0)}
+    from pipeline.config import load_config as load
+    on_gpu = cpu_budgets(load(None, ["train.cpu_sharing=yield", "learner.torch_threads=3"], env={}), 8, on_gpu=True)
+    assert on_gpu == {"learner": (3, 0), "sampler": (1, 0), "evaluator": (1, 0)}
 
 
 def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch):
-    from heterorl.processes import Processes
+    from heterorl.processes import IDLE, Processes
 
     stand_in = tmp_path / "python"
     stand_in.write_text("#!/bin/sh\nexec sleep 30\n")  # any role: it runs long enough to be looked at
@@ -106,9 +113,12 @@ def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch
     procs = Processes(tmp_path, dict(os.environ))
     procs.start("niced", ["sampler"], nice=7)
     procs.start("plain", ["learner"])
+    procs.start("idle", ["evaluator"], nice=IDLE)
     try:
         own = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, procs.procs["niced"].pid) == min(19, own + 7)
         assert os.getpriority(os.PRIO_PROCESS, procs.procs["plain"].pid) == own
+        assert os.sched_getscheduler(procs.procs["idle"].pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(procs.procs["plain"].pid) == os.sched_getscheduler(0)
     finally:
         procs.stop(grace_s=1)

@@ -1,0 +1,75 @@
+"""What one `heterorl train` run did, in a few lines: accuracies, step times, where the minutes went.
+
+    python bench/run_digest.py RUN_DIR
+
+Reads RUN_DIR/summary.json, learner_summary.json and metrics.jsonl (what `heterorl train`
+writes) and prints the precision and CPU it ran with, held-out accuracy before and after
+(sampled and greedy), the learner's step times (median and 90th percentile, and the time
+between its first and last step), the per-stage seconds of the learner's steps and the share
+of its busy time outside the optimizer step, and the minutes before, during and after
+training. `bench/gpu_check.sh` ends with it; it reads any run's directory.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def digest(run_dir: Path) -> list[str]:
+    from pipeline.metrics import read_metrics
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    learner = json.loads((run_dir / "learner_summary.json").read_text())
+    steps = read_metrics(run_dir / "metrics.jsonl", "learner")
+    lines = [f"{summary.get('precision', '')}; CPU {summary.get('cpu', '?')}",
+             f"held-out accuracy: sampled {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}, "
+             f"greedy {summary['eval_greedy_before']:.3f} -> {summary['eval_greedy_after']:.3f} "
+             f"(best sampled {summary['eval_best_accuracy']:.3f}; versions scored {summary['eval_versions']})",
+             f"loss {summary['loss_type']}, {len(steps)} steps, {summary['groups_used']} groups used, "
+             f"{summary['groups_dropped']} dropped, staleness mean {summary['mean_staleness_used']:.2f} "
+             f"max {summary['max_staleness_used']}"]
+    if len(steps) > 1:
+        gaps = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])]
+        lines.append(f"learner steps: every {statistics.median(gaps):.2f}s (median; p90 {quantile(gaps, 0.9):.2f}s), "
+                     f"first to last {(steps[-1]['time'] - steps[0]['time']) / 60:.1f} min; optimizer step "
+                     f"{statistics.median(r['time_train_s'] for r in steps if 'time_train_s' in r):.2f}s (median)")
+    seconds = learner.get("seconds", {})
+    if seconds:
+        lines.append("learner stages (s): " + ", ".join(f"{k.removeprefix('time_').removesuffix('_s')} {v:.0f}"
+                                                        for k, v in seconds.items() if k.startswith(("time_", "background_")))
+                     + f"; outside the optimizer step: {100 * (learner.get('outside_optimizer_share') or 0):.1f} % "
+                       "of its busy time")
+    phases = summary.get("seconds", {})
+    if phases:
+        lines.append("minutes: " + ", ".join(f"{k.replace('_', ' ')} {v / 60:.1f}" for k, v in phases.items())
+                     + f"; the whole command {summary['wall_seconds'] / 60:.1f}")
+    return lines
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    run_dir = Path(sys.argv[1])
+    missing = [name for name in ("summary.json", "learner_summary.json", "metrics.jsonl") if not (run_dir / name).is_file()]
+    if missing:
+        print(f"run_digest: {run_dir} holds no finished `heterorl train` run (no {', '.join(missing)})", file=sys.stderr)
+        return 2
+    for line in digest(run_dir):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
