@@ -6,7 +6,10 @@ Run: `heterorl evaluator --config C --out RUN_DIR` (`heterorl train` starts one 
 The loop: watch Redis for the newest policy version; once it has reached the next
 multiple of `eval.every` (or is the learner's last, `learner.max_steps`), download
 its checkpoint from S3 (verified like any sampler's), score it, and append an
-`{"kind": "eval"}` record to RUN_DIR/metrics.jsonl. Versions already scored there (for
+`{"kind": "eval"}` record to RUN_DIR/metrics.jsonl. With `eval.after_training` a version
+is downloaded when due but scored only once the last one is there: on a CPU whose cores
+the learner needs, an evaluation beside training slows its step about twofold
+(docs/performance.md). Versions already scored there (for
 instance v0 by `train`) are skipped. It exits after scoring the last version. When it
 falls behind it scores the newest eligible version and skips the ones in between, so
 it never slows the run down by queueing work.
@@ -26,8 +29,9 @@ from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.engine import resolve_device
 from pipeline.metrics import MetricsWriter, read_metrics
-from pipeline.runtime import (connect_run, evaluate_published, make_task_from_config, setup_logging,
+from pipeline.runtime import (connect_run, evaluate_checkpoint, make_task_from_config, setup_logging,
                               with_machine_precision)
+from pipeline.weights.policy import fetch_policy
 
 
 def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
@@ -56,26 +60,37 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     log.info("evaluator for run %s on %s: every %s versions, %s problems x %d samples", cfg.run.name,
              resolve_device(cfg.model.device), cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size,
              cfg.eval.n_samples)
+    held: list[tuple[int, Path]] = []
+    """Versions downloaded and waiting for the end of training (`eval.after_training`)."""
     try:
         while not stopping:
             version, manifest_key = handles.state.policy()
-            if version is None or not _due(version, done, cfg) or manifest_key in refused:
+            if version is None or not _due(version, done | {v for v, _ in held}, cfg) or manifest_key in refused:
                 time.sleep(poll_s)
                 continue
             try:
-                result = evaluate_published(cfg, handles.store, manifest_key, work_dir / f"v{version}", task,
-                                            version=version)
+                model_dir, _, _ = fetch_policy(handles.store, manifest_key, work_dir / f"v{version}",
+                                               expect_version=version)
             except CheckpointNotFound:  # pruned meanwhile: a newer one is coming
                 continue
             except CorruptCheckpointError as e:  # altered, or not the learner's: never scored
                 refused.add(manifest_key)
                 log.error("%s; not scoring v%d", e, version)
                 continue
-            metrics.write("eval", version, {"policy_version": version, **result})
-            done.add(version)
-            log.info("v%d: held-out accuracy sampled %.3f greedy %.3f", version, result["accuracy_sampled"],
-                     result["accuracy_greedy"])
-            if version >= cfg.learner.max_steps:
+            held.append((version, model_dir))
+            last = version >= cfg.learner.max_steps
+            if cfg.eval.after_training and not last:
+                log.info("v%d downloaded; scored once training ends (eval.after_training)", version)
+                continue
+            for version, model_dir in held:
+                result = evaluate_checkpoint(cfg, model_dir, task)
+                shutil.rmtree(model_dir, ignore_errors=True)
+                metrics.write("eval", version, {"policy_version": version, **result})
+                done.add(version)
+                log.info("v%d: held-out accuracy sampled %.3f greedy %.3f", version, result["accuracy_sampled"],
+                         result["accuracy_greedy"])
+            held.clear()
+            if last:
                 break
     finally:
         metrics.close()

@@ -71,12 +71,16 @@ class PastPolicies:
         self.scratch: Optional[torch.nn.Module] = None
         self.loaded: Optional[int] = None
         """The version `scratch` holds."""
+        self.held: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
+        """(version, tensors) of the learner's version loaded last: the next one asked for is
+        usually a delta or two from it (versions advance with the learner)."""
 
     def get(self, version: int) -> Optional[torch.nn.Module]:
         """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
         if self.loaded == version:
             return self.scratch
-        weights = self.policies.weights_of(version) if self.policies is not None else None
+        weights = self.policies.weights_of(version, near=self.held) if self.policies is not None else None
+        self.held = None if weights is None else (version, weights)
         if weights is None:
             weights = self._download(version)
         if weights is None:

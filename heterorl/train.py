@@ -74,6 +74,10 @@ SAMPLER_NICE, EVALUATOR_NICE = 10, 19
 """CPU priorities below the learner's under `train.cpu_sharing: priority` (the evaluator's also under `split`)."""
 
 
+EVALUATION_S = 600
+"""The longest one evaluation held back to the end of training (`eval.after_training`) is waited for."""
+
+
 def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str, tuple[int, int]]:
     """Role -> (torch threads, nice) of the processes `train` starts on a machine of `cores`
     cores, by `train.cpu_sharing` (its docstring says why each). With the model on a GPU
@@ -132,7 +136,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
             "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
                                                       "yield_to_learner": yields}),
-            "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0]})})))
+            "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})))
         procs = Processes(run_dir, child_env(services))
         data_dir = cfg.services.data_dir
         try:
@@ -153,8 +157,9 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             watch(cfg, procs, run_dir)
             train_ended = time.time()
             procs.stop([n for n in procs.procs if n.startswith("sampler")])
-            if "evaluator" in procs.procs:  # it exits once it has scored the last version
-                procs.wait("evaluator", timeout_s=300)
+            if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
+                procs.wait("evaluator", timeout_s=300 + (EVALUATION_S * cfg.learner.max_steps // cfg.eval.every
+                                                         if yields else 0))
         finally:
             procs.stop()
 

@@ -579,6 +579,11 @@ class EvalConfig(_Strict):
     (and the last) while training runs; best and last accuracy come from these records."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads of the evaluator process."""
+    after_training: bool = False
+    """The evaluator downloads each due version as it is published but scores them all once
+    training ends (the last version is out): `heterorl train` sets it under
+    `train.cpu_sharing: yield`, where an evaluation beside training slows the learner's step
+    about twofold on a 2-core CPU (docs/performance.md)."""
 
 
 class TrainConfig(_Strict):
@@ -591,10 +596,10 @@ class TrainConfig(_Strict):
     cpu_sharing: Literal["yield", "priority", "split", "none"] = "yield"
     """How the processes `train` starts on its one machine share the cores (docs/performance.md
     has the measurements behind the default):
-    `yield`: each may use every core; the samplers pause while the learner checks and trains a
-    batch (`sampler.yield_to_learner`), and the evaluator runs only when neither wants the CPU
-    (Linux SCHED_IDLE: it fills the gaps of their parallel regions, and a thread of theirs that
-    wakes takes the core back at once);
+    `yield`: each may use every core; the samplers pause while the learner admits, checks and
+    trains a batch (`sampler.yield_to_learner`), and the evaluator downloads the versions due
+    as they come but scores them after training (`eval.after_training`), at idle priority
+    (Linux SCHED_IDLE);
     `priority`: each may use every core, and the scheduler serves the learner first, then the
     samplers (nice 10), then the evaluator (nice 19);
     `split`: the cores divided, each sampler `sampler.torch_threads` of them, the evaluator

@@ -582,13 +582,16 @@ class Sampler:
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
 
-    def yield_to_learner(self) -> None:
-        """Wait while the learner checks and trains a batch (`sampler.yield_to_learner`: a sampler
-        sharing the learner's cores), or until asked to stop; Redis trouble ends the wait."""
+    def between_forward_passes(self) -> None:
+        """What the engine calls between its forward passes (the `hf` backend, every token): keep
+        the lease (a batch may outlast it), and with `sampler.yield_to_learner` wait while the
+        learner admits, checks and trains a batch, or until asked to stop. Redis trouble ends
+        the wait; the turn's own Redis calls will say so."""
         started = time.perf_counter()
         try:
-            while not self.stop.requested and self.state.learner_busy():
-                self.heartbeat_if_due()  # a learner step outlasts the lease: keep it
+            self.heartbeat_if_due()
+            while self.scfg.yield_to_learner and not self.stop.requested and self.state.learner_busy():
+                self.heartbeat_if_due()
                 time.sleep(YIELD_POLL_S)
         except redis.RedisError:
             pass
@@ -609,7 +612,7 @@ class Sampler:
         yielded_before = self.paused[PAUSE_STATS["learner_busy"]]
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
                                group_size=self.scfg.group_size, seed=self.seed + indices[0],
-                               pause=self.yield_to_learner if self.scfg.yield_to_learner else None)
+                               pause=self.between_forward_passes)
         self.last_batch_s = time.perf_counter() - started - (self.paused[PAUSE_STATS["learner_busy"]] - yielded_before)
         self.generate_s += self.last_batch_s
         rollouts = self.make_rollouts(problems, groups)

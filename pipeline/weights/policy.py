@@ -254,23 +254,32 @@ class PolicyPublisher:
                                "full_bytes": full_bytes + sum(f["size"] for f in others)})
         return key
 
-    def weights_of(self, version: int) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+    def weights_of(self, version: int, near: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
+                   ) -> Optional[dict[str, dict[str, torch.Tensor]]]:
         """The tensors of a version this publisher published, by weights file, rebuilt from the
-        newest one and the deltas it made on the way (no copy of each version is kept: a delta
-        turns either version into the other, its XOR flips being their own inverse). Each rebuilt
-        tensor is checked against the sha256 the version was published with. None when `version`
-        is not among the newest `history` + 1, or a keyframe without a delta broke the chain."""
+        newest one (or from `near`, (version, tensors) of another recent version the caller holds,
+        when that is fewer deltas away) through the deltas it made on the way: no copy of each
+        version is kept, and a delta turns either version into the other (its XOR flips are their
+        own inverse). Each rebuilt tensor is checked against the sha256 the version was published
+        with. None when `version` is not among the newest `history` + 1, or a keyframe without a
+        delta broke the chain."""
         with self._lock:
             if self._last is None or version not in self._steps:
                 return None
-            newest, weights, _ = self._last
-            steps = [(v, step) for v, step in self._steps.items() if v > version]
-        for v, step in reversed(steps):  # newest first: from v back to the version before it
-            before = self._steps.get(step.base_version) if step.base_version is not None else None
-            if step.delta is None or before is None:
+            steps = dict(self._steps)
+            origin, weights, _ = self._last
+        if near is not None and near[0] in steps and abs(near[0] - version) < abs(origin - version):
+            origin, weights = near
+        chain = sorted(steps)
+        if origin > version:  # back: undo each version's delta, newest first
+            walk = [(steps[v], steps.get(steps[v].base_version)) for v in reversed(chain) if version < v <= origin]
+        else:  # forward: apply each version's delta
+            walk = [(steps[v], steps[v]) for v in chain if origin < v <= version]
+        for step, target in walk:
+            if step.delta is None or target is None:
                 return None
             weights = {name: apply_delta(weights[name], Delta(
-                entries={t: {**entry, "sha256": before.shas[name][t]} for t, entry in step.delta[name].entries.items()},
+                entries={t: {**entry, "sha256": target.shas[name][t]} for t, entry in step.delta[name].entries.items()},
                 payload=step.delta[name].payload)) for name in weights}
         return weights
 

@@ -92,6 +92,11 @@ def test_the_publisher_gives_back_its_recent_versions_bit_for_bit_from_its_delta
             for name in want:
                 assert all(np.array_equal(bits(got[name][t]), bits(want[name][t])) for t in want[name]), (version, back)
     assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]
+    # From a version the caller holds, forward as well as back.
+    for held, wanted in ((2, 4), (4, 3), (3, 5)):
+        got = publisher.weights_of(wanted, near=(held, read_weights(versions[held])))
+        want = read_weights(versions[wanted])
+        assert all(np.array_equal(bits(got[n][t]), bits(want[n][t])) for n in want for t in want[n])
     publisher.publish(6, versions[0], keyframe=True)  # a keyframe made without a delta starts a new chain
     assert publisher.weights_of(5) is None and publisher.weights_of(6) is not None
 

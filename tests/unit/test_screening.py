@@ -150,7 +150,8 @@ class FakePublisher:
     def __init__(self, versions):
         self.versions = versions
 
-    def weights_of(self, version):
+    def weights_of(self, version, near=None):
+        self.near = near
         return self.versions.get(version)
 
 
@@ -181,4 +182,5 @@ def test_past_versions_come_from_the_publisher_onto_one_model_bit_for_bit(setup,
         got = past.get(version).state_dict()
         assert all(torch.equal(got[k], versions[version]["model.safetensors"][k]) for k in base)
     assert past.get(6) is past.get(8)  # the same model, reloaded
+    assert past.policies.near[0] == 6  # and asked for from the version it held last
     assert past.get(4) is None  # neither held nor in S3
