@@ -65,7 +65,7 @@ from pipeline.engine import (Ranks, can_discard_gradients, init_distributed, mac
                              resolve_device)
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
-from pipeline.weights.learner_state import capture, load_learner_state, save_learner_state, save_weights
+from pipeline.weights.learner_state import capture, load_learner_state
 from pipeline.metrics import MetricsWriter, StageClock
 from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
 from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink

@@ -146,7 +146,7 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
         "version": BASE_EVALUATION_VERSION, "model": (model_dir / INFO_FILE).read_text(),
         "task": cfg.task.model_dump(mode="json"),
         "task_settings": task.settings(),  # with the data files' sha256, if any
-        "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads"}),
+        "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads", "after_training"}),
         "sampling": [s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.precision], "seed": cfg.run.seed,
         "device": str(resolve_device(cfg.model.device))}, sort_keys=True, default=str).encode()).hexdigest()[:16]
     stored = model_dir.parent / "evaluations" / f"{model_dir.name}-{key}.json"
