@@ -20,12 +20,13 @@ Without `--eval-every`: steps per minute between the first and the last optimize
 each (start-up, model warm-up and evaluation excluded), and their ratio.
 
 With `--eval-every K` (the accuracy race): both score the held-out split (`eval.*` of the
-config) before the first step, every K steps and after the last; the asynchronous run
-with its evaluator process beside training (as `heterorl train` does), the synchronous
-loop (every core) inline. Each evaluation is placed at the wall-clock minute its version
-was made, counted from the end of the evaluation before training, so both pay for the same
-evaluations in their clocks. Prints both curves and where each run's minutes went, and
-writes DIR/accuracy_vs_time.json and .png.
+config) before the first step, every K steps and after the last; the asynchronous run as
+`heterorl train` evaluates, the synchronous loop (every core) inline. Each evaluation is
+placed at the minute its version was made, counted from the end of the evaluation before
+training, without the minutes spent evaluating: the loop's own are subtracted from its clock,
+and the product on a shared CPU evaluates after training (`eval.after_training`), so neither
+clock holds any. Prints both curves, the ratio of minutes to the last version, and where each
+run's minutes went; writes DIR/accuracy_vs_time.json and .png.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     model, tokenizer = load_policy(base)
     engine = make_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
-    times, index = [], 0
+    times, index, evaluating_s = [], 0, 0.0
     for step in range(steps):
         groups = []
         with clock.stage("generate"):
@@ -99,9 +100,13 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
         print(f"  sync step {step + 1}/{steps} loss {result['loss']:.4f} reward {result['reward_mean']:.3f}",
               file=sys.stderr)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            made_at = (time.time() - started) / 60
+            # minutes of learning: the loop's own evaluations so far are not counted (the product,
+            # sharing a CPU, evaluates after training; with a GPU, beside it on its own cores)
+            made_at = (time.time() - started - evaluating_s) / 60
+            evaluation_started = time.time()
             with clock.stage("evaluate"):
                 evals.append({"step": step + 1, "minutes": made_at, **evaluate_model(cfg, engine.module, tokenizer, task)})
+            evaluating_s += time.time() - evaluation_started
             print(f"  sync v{step + 1}: held-out accuracy {evals[-1]['accuracy_sampled']:.3f} "
                   f"(greedy {evals[-1]['accuracy_greedy']:.3f}) at {made_at:.1f} min", file=sys.stderr)
     return {"times": times, "evals": evals, "seconds": clock.take(), "wall_s": time.time() - started}
@@ -184,6 +189,12 @@ def race(args, cfg, cores: int) -> dict:
         for e in result["evals"]:
             print(f"  {e['step']:4d}  {e['minutes']:7.1f}  {e['accuracy_sampled']:7.3f}  {e['accuracy_greedy']:6.3f}")
         print("  where the time went (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result["seconds"].items())))
+    (a_last, *_), (s_last, *_) = (r["evals"][::-1] for r in (asynchronous, synchronous))
+    if a_last["step"] == s_last["step"] and s_last["minutes"] > 0:
+        print(f"\nat v{a_last['step']}: {a_last['minutes']:.1f} min against {s_last['minutes']:.1f} "
+              f"(ratio {a_last['minutes'] / s_last['minutes']:.2f}x), held-out sampled accuracy "
+              f"{a_last['accuracy_sampled']:.3f} against {s_last['accuracy_sampled']:.3f} "
+              f"(difference {a_last['accuracy_sampled'] - s_last['accuracy_sampled']:+.3f})")
     plot_race(results, out / "accuracy_vs_time.png")
     report = {"config": args.config, "steps": args.steps, "eval_every": args.eval_every, "cores": cores,
               "overrides": args.overrides, **{name: {k: v for k, v in r.items() if k != "times"}
