@@ -116,7 +116,9 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy,
     at the samplers' precision (`sampler.precision`), as the policy is used. The model's memory
     goes back to the system afterwards (`heterorl train` then sits beside its processes)."""
-    model, tokenizer = load_policy(model_dir, resolve_device(cfg.model.device), DTYPES[cfg.sampler.precision])
+    device = resolve_device(cfg.model.device)
+    cfg, _ = with_machine_precision(cfg, device)  # `auto`, for commands that evaluate before any role starts
+    model, tokenizer = load_policy(model_dir, device, DTYPES[cfg.sampler.precision])
     try:
         return evaluate_model(cfg, model, tokenizer, task)
     finally:
@@ -141,6 +143,7 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     cache = (Path(cfg.services.data_dir) / "models").resolve()
     if not (is_complete(model_dir) and model_dir.resolve().parent == cache):
         return evaluate_checkpoint(cfg, model_dir, task)
+    cfg, _ = with_machine_precision(cfg, resolve_device(cfg.model.device))
     s = cfg.sampler
     key = hashlib.sha256(json.dumps({
         "version": BASE_EVALUATION_VERSION, "model": (model_dir / INFO_FILE).read_text(),

@@ -22,12 +22,12 @@ def test_train_with_two_learner_processes_completes(local_stack, tmp_path, demo_
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "heterorl", "train", "--config", "demo", "--out", str(out), "--data-dir",
-         str(demo_data_dir), "--set", "learner.num_processes=2", "--set", "learner.max_steps=10",
-         "--set", "eval.every=null", "--set", "eval.problems=20"],
+         str(demo_data_dir), "--set", "learner.num_processes=2", "--set", "learner.max_steps=4",
+         "--set", "learner.groups_per_step=16", "--set", "eval.every=null", "--set", "eval.problems=20"],
         cwd=ROOT, env={**os.environ, **stack_env(local_stack)}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_policy_version"] == 10
+    assert summary["final_policy_version"] == 4
     log = (out / "logs" / "learner.log").read_text()
     assert "rank 1 of 2 ready" in log  # the second process trained its share of every step
     assert summary["max_staleness_used"] <= 4

@@ -42,6 +42,11 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     other_temperature = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 0.5})})
     runtime.evaluate_base(other_temperature, base, task)
     assert len(calls) == 3                                  # other settings: evaluated afresh
+    import pipeline.engine
+    monkeypatch.setattr(pipeline.engine, "machine_precision", lambda device: ("fp32", "a CPU without bf16 units"))
+    auto = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"precision": "auto"})})
+    assert runtime.evaluate_base(auto, base, task) == first  # `auto` resolved first: fp32 here, as configured above
+    assert len(calls) == 3                                  # ... the same settings: reused
 
     own = shutil.copytree(base, tmp_path / "mine")  # a copy outside the model cache, info file and all
     runtime.evaluate_base(cfg, own, task)
