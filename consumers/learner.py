@@ -678,7 +678,9 @@ class LearnerRank:
                                        fresh_check=None if check is None else FreshCheck(tuple(check),
                                                                                          payload["threshold"]))
                     except StepRefused:
-                        pass  # rank 0 refused the same step, from the same log-probs
+                        # optimizer_step has already discarded this rank's gradients; rank 0 saw
+                        # the same all-reduced log-probs, refused the same step and reports it
+                        continue
                 elif command == SAVE:
                     capture(engine, tokenizer, state=payload["state"], leader=False)
                 elif command == STOP:
