@@ -430,7 +430,8 @@ class Learner:
             self.strike(key_id, rollout.sampler_id, "invalid", admitted.reason)
         elif admitted.verdict == "kept":
             with self.clock.stage("screen"):
-                failures = self.screen.check(rollout, self.version - rollout.policy_version)
+                failures = self.screen.check(rollout, self.version - rollout.policy_version,
+                                             fresh_in_step=self.fresh_in_step)
             if failures:
                 self.admission.withdraw(lambda g: g.rollout.rollout_id != rollout.rollout_id,
                                         lambda g: f"failed_check:{failures[0][0]}")

@@ -7,7 +7,8 @@
   verifier and puts its own rewards in the group; claimed rewards that differ are a failure
   (`reward_mismatch`). While the group's key is on probation (its first
   `security.probation_groups` checked groups) its log-probs are checked right away, against
-  the version it claims, so a forger is quarantined within its first groups. Otherwise it is
+  the version it claims, so a forger is quarantined within its first groups (a group of
+  staleness 0 is left to its step, which checks it before applying anything). Otherwise it is
   decided here whether they will be checked: every group of staleness 0, and a stale group
   when drawn, with probability `security.stale_logprob_check_fraction`, from a secret random
   stream;
@@ -19,8 +20,8 @@
   forward computes exactly the log-probs the check needs), which the learner reports back
   with `record_fresh`. A version no longer in reach cannot be checked: on probation the
   group is then not used (`unverifiable`, no strike), afterwards it is used unchecked
-  (counted). After probation, then, a fresh group costs no pass of its own and a stale one
-  a share of one batched pass.
+  (counted). Where the step can check it, then, a fresh group costs no pass of its own, and
+  after probation a stale one a share of one batched pass.
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
@@ -131,18 +132,20 @@ class GroupScreen:
         self.counts: Counter = Counter()
 
     # ---- when a group is admitted ---------------------------------------------------------
-    def check(self, rollout: Rollout, staleness: int) -> list[tuple[str, str]]:
+    def check(self, rollout: Rollout, staleness: int, fresh_in_step: bool = False) -> list[tuple[str, str]]:
         """(kind, detail) of each failed check; the group's rewards are the learner's afterwards.
 
         A group of a key on probation has its log-probs checked here and now, so that a forger
-        is quarantined within its first groups; any other is planned for `check_batch` (every
-        one of staleness 0, a drawn share of the stale ones) or left unchecked."""
+        is quarantined within its first groups, unless it is fresh and the step will check it
+        (`fresh_in_step`: before any of the step's gradients is applied, so that is as soon);
+        any other is planned for `check_batch` (every one of staleness 0, a drawn share of the
+        stale ones) or left unchecked."""
         failures = self._rescore(rollout) if self.security.rescore_rewards else []
         if failures or not self.security.check_logprobs:
             return failures
         who = rollout.key_id or rollout.sampler_id
         on_probation = self.checked[who] < self.security.probation_groups
-        if on_probation:
+        if on_probation and not (staleness == 0 and fresh_in_step):
             model = self.current_policy() if staleness == 0 else self._model_for(rollout.policy_version, 1)
             if model is not None:
                 failure = self._judge(rollout, self._gaps([rollout], model)[0],

@@ -135,7 +135,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         child_config.write_text(dump_config(cfg.model_copy(update={
             "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
             "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
-                                                      "yield_to_learner": yields}),
+                                                      "yield_to_learner": yields,
+                                                      "wait_for_next_version": yields and cfg.learner.sync_every == 1}),
             "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})))
         procs = Processes(run_dir, child_env(services))
         data_dir = cfg.services.data_dir

@@ -322,6 +322,13 @@ class SamplerConfig(_Strict):
     """Pause generating while the learner checks and trains a batch (it says so in Redis), for
     a sampler on the learner's own machine: `heterorl train` turns it on under
     `train.cpu_sharing: yield`. A sampler on a machine of its own should not."""
+    wait_for_next_version: bool = False
+    """Generate only with the weights the learner will train the groups at: wait while the
+    learner has a full batch to train on, and until its newest version is loaded here. The
+    groups are then on-policy (staleness 0) and checked inside the training step, at no cost
+    of their own. For a sampler that shares the learner's cores (`yield_to_learner`), which has
+    nothing to overlap with: `heterorl train` turns both on under `train.cpu_sharing: yield`.
+    Needs every version published (`learner.sync_every: 1`)."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
     spool_dir: Optional[str] = None
@@ -677,6 +684,13 @@ class HeteroConfig(_Strict):
         if d.unit == "seconds" and longest >= self.learner.idle_timeout_s:
             raise ValueError(f"sampler.delays.refresh allows waits up to {longest:g}s, not below "
                              f"learner.idle_timeout_s={self.learner.idle_timeout_s:g}: raise the timeout")
+        return self
+
+    @model_validator(mode="after")
+    def _waiting_for_versions_that_are_published(self) -> "HeteroConfig":
+        if self.sampler.wait_for_next_version and self.learner.sync_every != 1:
+            raise ValueError(f"sampler.wait_for_next_version waits for every version, but learner.sync_every="
+                             f"{self.learner.sync_every} publishes one in {self.learner.sync_every}: set it to 1")
         return self
 
     run: RunConfig = RunConfig()

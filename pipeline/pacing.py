@@ -8,7 +8,10 @@ make now could not be used or has nowhere to go:
 - `behind`: its weights are so far behind the learner, counting the learner steps that
   the groups already queued ahead will take, that a new group would arrive past the
   learner's max delay and be dropped (`too_far_behind`);
-- `backlog`: the learner has more than `sampler.max_backlog_groups` groups to read.
+- `backlog`: the learner has more than `sampler.max_backlog_groups` groups to read;
+- `next_version` (only with `sampler.wait_for_next_version`): the learner has a full batch to
+  train on, or a newer version than the one loaded here: what is made now would be stale when
+  used, so the sampler waits to make it with the weights the learner will train it at.
 The backlog is the fleet's: groups being generated (claimed prompts), spooled here, and in
 the topic but not yet judged by the learner.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-PauseReason = Literal["no_policy", "spool_full", "behind", "backlog"]
+PauseReason = Literal["no_policy", "spool_full", "behind", "backlog", "next_version"]
 
 
 def too_far_behind(newest_version: Optional[int], current_version: Optional[int], backlog_groups: int,
@@ -73,9 +76,11 @@ class StepPeriod:
 class Pacing:
     """The pause rules of one sampler, from the learner's batch size and max delay."""
 
-    def __init__(self, groups_per_step: int, max_delay_steps: int, max_backlog_groups: Optional[int]):
+    def __init__(self, groups_per_step: int, max_delay_steps: int, max_backlog_groups: Optional[int],
+                 wait_for_next_version: bool = False):
         self.groups_per_step, self.max_delay_steps = groups_per_step, max_delay_steps
         self.max_backlog_groups = max_backlog_groups
+        self.wait_for_next_version = wait_for_next_version
 
     @staticmethod
     def backlog(spooled_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int],
@@ -114,9 +119,18 @@ class Pacing:
         """A finished group the learner would drop already (judged with the newest version known)."""
         return newest is not None and newest - rollout_version > self.max_delay_steps
 
+    def next_version_due(self, current: Optional[int], backlog: int, learner_version: Optional[int]) -> bool:
+        """Whether a group made now would be stale when used although waiting would make it
+        fresh: the learner has a full batch to train on (a step, then a new version, comes first),
+        or has made a version newer than `current` (being published, or being loaded here)."""
+        return backlog >= self.groups_per_step or (
+            learner_version is not None and current is not None and current < learner_version)
+
     def pause_reason(self, *, has_policy: bool, spool_has_room: bool, newest: Optional[int],
-                     current: Optional[int], backlog: int, generating_steps: int = 0) -> Optional[PauseReason]:
-        """Why not to generate now, in the order the reasons are checked; None: generate."""
+                     current: Optional[int], backlog: int, generating_steps: int = 0,
+                     learner_version: Optional[int] = None) -> Optional[PauseReason]:
+        """Why not to generate now, in the order the reasons are checked; None: generate.
+        `learner_version`: the learner's newest version, published or not (`next_version`)."""
         if not has_policy:
             return "no_policy"
         if not spool_has_room:
@@ -125,4 +139,6 @@ class Pacing:
             return "behind"
         if self.max_backlog_groups is not None and backlog > self.max_backlog_groups:
             return "backlog"
+        if self.wait_for_next_version and self.next_version_due(current, backlog, learner_version):
+            return "next_version"
         return None

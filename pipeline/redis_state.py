@@ -439,16 +439,17 @@ class RunState:
         """What a sampler paces itself on, in one round trip: the learner's position and (unless
         not `with_policy`: then None) the newest policy."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending"])
+        pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending", "policy_version"])
         pipe.hlen(self.prefix + "claims")
         pipe.hmget(self.prefix + "claim_stats", ["completed", "discarded_at_source"])
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
-        (offsets, unread, pending), in_flight, (completed, discarded), *policy = pipe.execute()
+        (offsets, unread, pending, learner_version), in_flight, (completed, discarded), *policy = pipe.execute()
         completed = int(completed or 0) - int(discarded or 0)  # what can still reach the learner
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
         position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
-                        completed=completed, learner_pending=int(json.loads(pending or "0") or 0))
+                        completed=completed, learner_pending=int(json.loads(pending or "0") or 0),
+                        learner_version=json.loads(learner_version) if learner_version is not None else None)
         if not policy or not policy[0]:
             return RunView(None, None, **position)
         p = policy[0]
@@ -478,6 +479,8 @@ class RunView:
     stale to send (`claim_stats.completed - claim_stats.discarded_at_source`)."""
     learner_pending: int = 0
     """Groups the learner judged into its partly filled batch, as it last reported."""
+    learner_version: Optional[int] = None
+    """The learner's newest version as it last reported (after each step; published a moment later)."""
 
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:

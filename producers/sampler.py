@@ -303,12 +303,15 @@ class Outbox:
 
 
 PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s", "backlog": "paused_backlog_s",
-               "redis": "paused_redis_s", "learner_busy": "yielded_to_learner_s"}
+               "redis": "paused_redis_s", "learner_busy": "yielded_to_learner_s",
+               "next_version": "waited_for_next_version_s"}
 """Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
-PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2}
+PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2,
+                 "next_version": 0.02}
 """How long the first pause of each kind sleeps before the next turn looks again."""
-PAUSE_MAX_S = 1.0
-"""Pauses of the same kind in a row double up to this long."""
+PAUSE_MAX_S = {"next_version": 0.1}
+"""Pauses of the same kind in a row double up to this long (default 1 s): a sampler waiting for
+the learner's next version looks often, as every moment it waits is the learner's too."""
 YIELD_POLL_S = 0.02
 """How often a sampler yielding to the learner looks whether it may go on (`sampler.yield_to_learner`)."""
 
@@ -325,7 +328,8 @@ class Sampler:
         self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
         self.sampling = {"temperature": self.scfg.temperature, "top_p": self.scfg.top_p, "top_k": self.scfg.top_k,
                          "max_new_tokens": self.scfg.max_new_tokens}
-        self.pacing = Pacing(cfg.learner.groups_per_step, cfg.learner.max_delay_steps, self.scfg.max_backlog_groups)
+        self.pacing = Pacing(cfg.learner.groups_per_step, cfg.learner.max_delay_steps, self.scfg.max_backlog_groups,
+                             wait_for_next_version=self.scfg.wait_for_next_version)
         self.gate = RefreshGate(self.scfg.delays, self.sampler_id)
         self.redis_backoff = Backoff(self.scfg.retry_max_backoff_s)
         self.view = RunView(None, None, {})
@@ -387,7 +391,8 @@ class Sampler:
         overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.newest_version, current=self.policy.version,
-                                          backlog=backlog, generating_steps=overtaken)
+                                          backlog=backlog, generating_steps=overtaken,
+                                          learner_version=view.learner_version)
         if reason is not None:
             self.pause(reason)
             return True
@@ -505,7 +510,8 @@ class Sampler:
         position every turn, the newest policy every `weight_poll_interval_s` (every turn until a
         policy is loaded), both in one round trip."""
         now = time.monotonic()
-        poll_policy = now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
+        poll_policy = (now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
+                       or self.last_pause == "next_version")  # the learner's next version is all it waits for
         view = self.state.sampler_view(with_policy=poll_policy)
         if poll_policy:
             self.policy_read_at = now
@@ -577,7 +583,8 @@ class Sampler:
         # reads would otherwise grow the fleet's load with its size (docs/loadtest.md).
         self.pause_streak = min(self.pause_streak + 1, 16) if reason == self.last_pause else 0
         self.last_pause = reason
-        seconds = min(PAUSE_SECONDS[reason] * 2 ** self.pause_streak, max(PAUSE_MAX_S, PAUSE_SECONDS[reason]))
+        seconds = min(PAUSE_SECONDS[reason] * 2 ** self.pause_streak,
+                      max(PAUSE_MAX_S.get(reason, 1.0), PAUSE_SECONDS[reason]))
         time.sleep(seconds)
         if reason in PAUSE_STATS:
             self.paused[PAUSE_STATS[reason]] += seconds
