@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: train.out_dir)")
     p.add_argument("--keep-stack", action="store_true",
-                   help="leave the local stack running afterwards (with its topic, checkpoints and version)")
+                   help="leave the local stack running afterwards (with its topic, checkpoints and version); "
+                        "without it the stack a run started is stopped when no other run uses it")
 
     p = sub.add_parser("replay", help="train a fresh learner on a recorded rollout topic (offline ablations)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,

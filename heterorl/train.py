@@ -96,6 +96,19 @@ def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str
             "evaluator": (cfg.eval.torch_threads, 0)}
 
 
+def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields: bool) -> HeteroConfig:
+    """The config the roles `train` starts run on: each its threads (`cpu_budgets`), and when
+    the samplers yield to the learner (`train.cpu_sharing: yield` on a CPU) they also wait for
+    its next version (every one published: `learner.sync_every: 1`), having nothing to overlap
+    with, and the evaluator scores after training."""
+    return cfg.model_copy(update={
+        "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
+        "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
+                                                  "yield_to_learner": yields,
+                                                  "wait_for_next_version": yields and cfg.learner.sync_every == 1}),
+        "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})
+
+
 def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = False) -> int:
     log = setup_logging("train")
     wall_start = time.time()
@@ -132,12 +145,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         budgets = cpu_budgets(cfg, os.cpu_count() or 1, on_gpu=on_gpu)
         yields = cfg.train.cpu_sharing == "yield" and not on_gpu
         child_config = run_dir / "config.yaml"
-        child_config.write_text(dump_config(cfg.model_copy(update={
-            "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
-            "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
-                                                      "yield_to_learner": yields,
-                                                      "wait_for_next_version": yields and cfg.learner.sync_every == 1}),
-            "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})))
+        child_config.write_text(dump_config(roles_config(cfg, budgets, yields)))
         procs = Processes(run_dir, child_env(services))
         data_dir = cfg.services.data_dir
         try:

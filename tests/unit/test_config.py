@@ -122,3 +122,9 @@ def test_precision_auto_is_decided_by_the_machine(monkeypatch):
     assert (chosen.learner.precision, chosen.sampler.precision) == ("fp32", "bf16") and "(" not in line
     with pytest.raises(ValueError, match="needs learner.zero_stage >= 1"):
         load_config(None, ["learner.precision=bf16", "learner.zero_stage=0"], env={})
+
+
+def test_waiting_for_every_version_needs_every_version_published():
+    with pytest.raises(ConfigError, match=r"sampler\.wait_for_next_version.*learner\.sync_every=2"):
+        load_config(None, ["sampler.wait_for_next_version=true", "learner.sync_every=2"], env={})
+    assert load_config(None, ["sampler.wait_for_next_version=true"], env={}).sampler.wait_for_next_version

@@ -82,3 +82,21 @@ def test_the_fleets_claims_are_limited_to_what_stays_within_the_max_delay():
     limit = p.in_flight_limit(7, 6, 40, generating_steps=1)
     assert not too_far_behind(7, 6, 40 + limit - 1, 32, 4, generating_steps=1)
     assert too_far_behind(7, 6, 40 + limit, 32, 4, generating_steps=1)
+
+
+def test_a_sampler_waiting_for_the_next_version_makes_only_groups_fresh_when_used():
+    """`sampler.wait_for_next_version`: a group made while the learner has a full batch, or has
+    a version newer than the one loaded, would be stale when used: wait instead."""
+    ok = dict(has_policy=True, spool_has_room=True, newest=5, current=5, backlog=0, learner_version=5)
+    waiting = Pacing(groups_per_step=8, max_delay_steps=8, max_backlog_groups=8, wait_for_next_version=True)
+    assert waiting.pause_reason(**ok) is None
+    assert waiting.pause_reason(**{**ok, "backlog": 7}) is None            # the batch is not full yet
+    assert waiting.pause_reason(**{**ok, "backlog": 8}) == "next_version"  # a step comes first
+    assert waiting.pause_reason(**{**ok, "learner_version": 6}) == "next_version"  # made, not yet published
+    assert waiting.pause_reason(**{**ok, "newest": 6, "learner_version": 6}) == "next_version"  # not yet loaded
+    assert waiting.pause_reason(**{**ok, "newest": 6, "current": 6, "learner_version": 6}) is None
+    assert waiting.pause_reason(**{**ok, "learner_version": None}) is None  # a learner that reported no step
+    # the other reasons come first; without the setting a sampler generates ahead as before
+    assert waiting.pause_reason(**{**ok, "backlog": 9}) == "backlog"
+    ahead = Pacing(groups_per_step=8, max_delay_steps=8, max_backlog_groups=8)
+    assert ahead.pause_reason(**{**ok, "backlog": 8, "learner_version": 6}) is None

@@ -122,3 +122,24 @@ def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch
         assert os.sched_getscheduler(procs.procs["plain"].pid) == os.sched_getscheduler(0)
     finally:
         procs.stop(grace_s=1)
+
+
+def test_samplers_that_yield_to_the_learner_also_wait_for_its_next_version():
+    from heterorl.train import cpu_budgets, roles_config
+    from pipeline.config import load_config
+
+    def roles(*sets, yields=True):
+        cfg = load_config(None, list(sets), env={})
+        return roles_config(cfg, cpu_budgets(cfg, cores=2), yields)
+
+    shared = roles("train.cpu_sharing=yield")
+    assert shared.sampler.yield_to_learner and shared.sampler.wait_for_next_version and shared.eval.after_training
+    assert shared.sampler.torch_threads == shared.learner.torch_threads == 2
+    # not every version published: yielding still, but no waiting for versions that never come
+    sparse = roles("train.cpu_sharing=yield", "learner.sync_every=2")
+    assert sparse.sampler.yield_to_learner and not sparse.sampler.wait_for_next_version
+    load_config(None, [f"sampler.wait_for_next_version={sparse.sampler.wait_for_next_version}",
+                       "learner.sync_every=2"], env={})  # what the roles load is valid
+    # on a GPU, or another policy: samplers generate ahead of the learner
+    ahead = roles("train.cpu_sharing=priority", yields=False)
+    assert not (ahead.sampler.yield_to_learner or ahead.sampler.wait_for_next_version or ahead.eval.after_training)

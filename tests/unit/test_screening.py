@@ -128,6 +128,27 @@ def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not
     assert [k for k, _ in blind.check(rollouts()[0], staleness=3)] == ["unverifiable"]
 
 
+def test_on_probation_a_fresh_group_is_left_to_the_step_that_can_check_it(setup, monkeypatch):
+    """No pass of its own at admission: the step checks it before applying anything (a forged
+    one refuses the step, `record_fresh` reports the failure and strikes it)."""
+    s = screen(setup, probation_groups=50)
+    honest, lying = setup[3]()[0], setup[3]()[1]
+    lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
+    passes = []
+    monkeypatch.setattr(s, "_gaps", lambda rollouts, model: passes.append(len(rollouts)) or [0.0] * len(rollouts))
+    assert s.check(honest, staleness=0, fresh_in_step=True) == []
+    assert s.check(lying, staleness=0, fresh_in_step=True) == []
+    assert passes == []
+    failures, in_step = s.check_batch([(honest, 0), (lying, 0)], fresh_in_step=True)
+    assert failures == {} and in_step == [0, 1]
+    monkeypatch.undo()
+    assert s.record_fresh(lying, 4.0)[0] == "logprob_mismatch" and s.record_fresh(honest, 0.0) is None
+    assert s.checked["s"] == 2  # both count toward the key's probation
+    # where the step cannot check (ZeRO-2, or no fresh check): checked at admission, as before
+    other = screen(setup, probation_groups=50)
+    assert [k for k, _ in other.check(lying, staleness=0)] == ["logprob_mismatch"]
+
+
 def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch):
     tokenizer, model, task, rollouts = setup
     past = OnePast(model)
