@@ -99,13 +99,15 @@ def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str
 def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields: bool) -> HeteroConfig:
     """The config the roles `train` starts run on: each its threads (`cpu_budgets`), and when
     the samplers yield to the learner (`train.cpu_sharing: yield` on a CPU) they also wait for
-    its next version (every one published: `learner.sync_every: 1`), having nothing to overlap
-    with, and the evaluator scores after training."""
+    its next version, having nothing to overlap with (unless not every version is published,
+    `learner.sync_every` > 1, or a simulated refresh delay makes their groups stale on
+    purpose, `sampler.delays.refresh`), and the evaluator scores after training."""
+    waits = yields and cfg.learner.sync_every == 1 and cfg.sampler.delays.refresh.kind == "none"
     return cfg.model_copy(update={
         "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
         "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
                                                   "yield_to_learner": yields,
-                                                  "wait_for_next_version": yields and cfg.learner.sync_every == 1}),
+                                                  "wait_for_next_version": waits}),
         "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})
 
 

@@ -328,7 +328,7 @@ class SamplerConfig(_Strict):
     groups are then on-policy (staleness 0) and checked inside the training step, at no cost
     of their own. For a sampler that shares the learner's cores (`yield_to_learner`), which has
     nothing to overlap with: `heterorl train` turns both on under `train.cpu_sharing: yield`.
-    Needs every version published (`learner.sync_every: 1`)."""
+    Needs every version published (`learner.sync_every: 1`) and no simulated refresh delay."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
     spool_dir: Optional[str] = None
@@ -691,6 +691,9 @@ class HeteroConfig(_Strict):
         if self.sampler.wait_for_next_version and self.learner.sync_every != 1:
             raise ValueError(f"sampler.wait_for_next_version waits for every version, but learner.sync_every="
                              f"{self.learner.sync_every} publishes one in {self.learner.sync_every}: set it to 1")
+        if self.sampler.wait_for_next_version and self.sampler.delays.refresh.kind != "none":
+            raise ValueError("sampler.wait_for_next_version waits for each version, but sampler.delays.refresh "
+                             f"({self.sampler.delays.refresh.kind}) delays loading it: choose one")
         return self
 
     run: RunConfig = RunConfig()

@@ -128,3 +128,9 @@ def test_waiting_for_every_version_needs_every_version_published():
     with pytest.raises(ConfigError, match=r"sampler\.wait_for_next_version.*learner\.sync_every=2"):
         load_config(None, ["sampler.wait_for_next_version=true", "learner.sync_every=2"], env={})
     assert load_config(None, ["sampler.wait_for_next_version=true"], env={}).sampler.wait_for_next_version
+
+
+def test_waiting_for_each_version_and_a_simulated_refresh_delay_exclude_each_other():
+    with pytest.raises(ConfigError, match=r"sampler\.delays\.refresh \(fixed\) delays loading it"):
+        load_config(None, ["sampler.wait_for_next_version=true", "sampler.delays.refresh.kind=fixed",
+                           "sampler.delays.refresh.value=2"], env={})

@@ -140,6 +140,9 @@ def test_samplers_that_yield_to_the_learner_also_wait_for_its_next_version():
     assert sparse.sampler.yield_to_learner and not sparse.sampler.wait_for_next_version
     load_config(None, [f"sampler.wait_for_next_version={sparse.sampler.wait_for_next_version}",
                        "learner.sync_every=2"], env={})  # what the roles load is valid
+    # a simulated refresh delay makes groups stale on purpose (the delay study): no waiting
+    delayed = roles("train.cpu_sharing=yield", "sampler.delays.refresh.kind=fixed", "sampler.delays.refresh.value=2")
+    assert delayed.sampler.yield_to_learner and not delayed.sampler.wait_for_next_version
     # on a GPU, or another policy: samplers generate ahead of the learner
     ahead = roles("train.cpu_sharing=priority", yields=False)
     assert not (ahead.sampler.yield_to_learner or ahead.sampler.wait_for_next_version or ahead.eval.after_training)
