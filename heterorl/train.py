@@ -102,7 +102,7 @@ def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields:
     its next version, having nothing to overlap with (unless not every version is published,
     `learner.sync_every` > 1, or a simulated refresh delay makes their groups stale on
     purpose, `sampler.delays.refresh`), and the evaluator scores after training."""
-    waits = yields and cfg.learner.sync_every == 1 and cfg.sampler.delays.refresh.kind == "none"
+    waits = yields and cfg.why_no_waiting_for_each_version() is None
     return cfg.model_copy(update={
         "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
         "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],

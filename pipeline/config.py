@@ -686,14 +686,21 @@ class HeteroConfig(_Strict):
                              f"learner.idle_timeout_s={self.learner.idle_timeout_s:g}: raise the timeout")
         return self
 
+    def why_no_waiting_for_each_version(self) -> Optional[str]:
+        """Why `sampler.wait_for_next_version` cannot hold here (None: it can): not every
+        version is published, or a simulated refresh delay holds each one back on purpose."""
+        if self.learner.sync_every != 1:
+            return (f"learner.sync_every={self.learner.sync_every} publishes one version in "
+                    f"{self.learner.sync_every}: set it to 1")
+        if self.sampler.delays.refresh.kind != "none":
+            return f"sampler.delays.refresh ({self.sampler.delays.refresh.kind}) delays loading it: choose one"
+        return None
+
     @model_validator(mode="after")
     def _waiting_for_versions_that_are_published(self) -> "HeteroConfig":
-        if self.sampler.wait_for_next_version and self.learner.sync_every != 1:
-            raise ValueError(f"sampler.wait_for_next_version waits for every version, but learner.sync_every="
-                             f"{self.learner.sync_every} publishes one in {self.learner.sync_every}: set it to 1")
-        if self.sampler.wait_for_next_version and self.sampler.delays.refresh.kind != "none":
-            raise ValueError("sampler.wait_for_next_version waits for each version, but sampler.delays.refresh "
-                             f"({self.sampler.delays.refresh.kind}) delays loading it: choose one")
+        why = self.why_no_waiting_for_each_version() if self.sampler.wait_for_next_version else None
+        if why:
+            raise ValueError(f"sampler.wait_for_next_version waits for each version, but {why}")
         return self
 
     run: RunConfig = RunConfig()
