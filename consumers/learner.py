@@ -79,6 +79,7 @@ from pipeline.services import free_port
 from pipeline.update import FreshCheck, StepRefused, optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
+from pipeline.verdicts import GroupVerdict, VerdictVerifier, group_digest, verdicts_topic
 from pipeline.weights.policy import KeyframeRule, PolicyPublisher
 from pipeline.weights.publisher import BackgroundPublisher, Snapshot
 from pipeline.weights.recovery import RecoverySchedule, latest_state, recovery_store, resume_version
@@ -112,9 +113,13 @@ class DrainRequest:
 
     def __init__(self):
         self.requested = False
+        self.requested_at = 0.0
+        """time.monotonic() of the request."""
         signal.signal(signal.SIGUSR1, self._handle)
 
     def _handle(self, *_):
+        if not self.requested:
+            self.requested_at = time.monotonic()
         self.requested = True
 
 
@@ -170,6 +175,8 @@ class Learner:
         self.last_record_at = self.last_wait_log = time.monotonic()
         self.stage_totals: Counter = Counter()
         """Seconds of each stage over the run (the summary's `seconds`)."""
+        self.validated = cfg.validators.enabled
+        """Whether groups are checked by validators (their verdicts let groups in) rather than here."""
         self.clock = StageClock()
         """Where each step's time goes: intake (decode, signature, admission), screen (re-scoring
         rewards and stale groups' log-probs), train (the optimizer step, with the fresh groups'
@@ -183,6 +190,7 @@ class Learner:
                 records = self.source.poll(self.lcfg.poll_timeout_s)
                 touch_heartbeat_file()
                 self.refresh_registry()
+                self.read_verdicts()
                 if records:
                     self.take(records)
                 elif self.drain_due():
@@ -214,8 +222,9 @@ class Learner:
         self.state, self.bootstrap = self.handles.state, self.handles.services.kafka_bootstrap
         retention = self.cfg.run.topic_retention_ms
         self.kafka_security = self.handles.services.security
-        for topic, partitions in ((self.topic, self.cfg.run.topic_partitions), (updates_topic(self.topic), 1),
-                                  (dead_letter_topic(self.topic), 1)):
+        topics = [(self.topic, self.cfg.run.topic_partitions), (updates_topic(self.topic), 1),
+                  (dead_letter_topic(self.topic), 1)] + ([(verdicts_topic(self.topic), 1)] if self.validated else [])
+        for topic, partitions in topics:
             ensure_topic(self.bootstrap, topic, partitions, retention_ms=retention, security=self.kafka_security)
         self.state.register_run(self.topic)
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
@@ -311,6 +320,14 @@ class Learner:
         self.fresh_by_key: Counter = Counter()
         """Signed messages read per key, and those of staleness 0 (a quarantine records how many it took)."""
         self.registry_read_at = -float("inf")
+        self.verdict_verifier = VerdictVerifier(self.cfg.run.name, None) if self.validated else None
+        self.verdict_source = (RolloutSource(self.bootstrap, verdicts_topic(self.topic), security=self.kafka_security)
+                               if self.validated else None)  # every verdict from the start: a resumed learner too
+        self.verdicts: dict[str, GroupVerdict] = {}
+        """Valid verdicts whose group has not been decided yet, by rollout id (the first one wins)."""
+        self.awaiting_at: dict[str, tuple[int, int, str]] = {}
+        """Rollout id of each group waiting for its verdict -> (partition, offset, SHA-256 of the message)."""
+        self.verdict_counts: Counter = Counter()
         self.refresh_registry()
         self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
         # Groups of staleness 0 are checked by the step's own forward passes, unless the engine
@@ -352,6 +369,8 @@ class Learner:
             self.log.error("ignoring an older key registry (serial %d < %d): a rollback", registry.serial, old.serial)
             return
         self.verifier.registry = registry
+        if self.verdict_verifier is not None:
+            self.verdict_verifier.registry = registry
         revoked = {k for k, e in registry.keys.items() if e.status == "revoked"}
         if old is not None and revoked - {k for k, e in old.keys.items() if e.status == "revoked"}:
             n = self.admission.withdraw(lambda g: g.rollout.key_id not in revoked, lambda g: "revoked_key")
@@ -425,9 +444,13 @@ class Learner:
         if rollout.policy_version > self.version:
             self.strike(key_id, rollout.sampler_id, "future_version",
                         f"claims policy v{rollout.policy_version}, the learner is at v{self.version}")
-        admitted = self.admission.admit_rollout(rollout, record.partition, record.offset, self.version, now)
+        admitted = self.admission.admit_rollout(rollout, record.partition, record.offset, self.version, now,
+                                                hold=self.validated)
         if admitted.verdict == "malformed":
             self.strike(key_id, rollout.sampler_id, "invalid", admitted.reason)
+        elif admitted.verdict == "kept" and self.validated:  # it waits for its verdict
+            self.awaiting_at[rollout.rollout_id] = (record.partition, record.offset, group_digest(record.value))
+            self.apply_verdict(rollout.rollout_id)
         elif admitted.verdict == "kept":
             with self.clock.stage("screen"):
                 failures = self.screen.check(rollout, self.version - rollout.policy_version,
@@ -456,6 +479,68 @@ class Learner:
                                               "learner_version": self.version})
         self.log.error("quarantined sampler %s (key %s): %s; %d of its groups dropped from the batch", sampler_id,
                        key_id, quarantine.reason, dropped)
+
+    # ---- verdicts (validators.enabled) --------------------------------------------------
+    def read_verdicts(self) -> None:
+        """The validators' verdicts published since the last read: each valid one lets its group
+        into the batch or refuses it (now, or when the group arrives); a forged one is refused."""
+        if self.verdict_source is None:
+            return
+        records = self.verdict_source.poll(0.0)
+        if not records:
+            return
+        with self.busy():
+            for record in records:
+                self.take_verdict(record)
+            while self.train_ready():
+                self.report_position()
+
+    def take_verdict(self, record: RawRecord) -> None:
+        where = f"{verdicts_topic(self.topic)}[{record.partition}]@{record.offset}"
+        with self.clock.stage("intake"):
+            try:
+                verdict = self.verdict_verifier.check(record.value, time.time())
+            except Rejected as e:
+                self.verdict_counts[f"refused:{e.code}"] += 1
+                self.log.warning("refused the verdict at %s: %s", where, e.reason)
+                return
+        self.verdict_counts["valid"] += 1
+        decided = verdict.rollout_id in self.admission.seen_ids and verdict.rollout_id not in self.admission.awaiting
+        if decided or verdict.rollout_id in self.verdicts:
+            self.verdict_counts["not_first"] += 1  # another validator's (or a re-judged) verdict came first
+            return
+        self.verdicts[verdict.rollout_id] = verdict
+        self.apply_verdict(verdict.rollout_id)
+
+    def apply_verdict(self, rollout_id: str) -> None:
+        """Decide a waiting group once both it and its verdict are here: a passing verdict lets it
+        into the batch (its staleness judged again now), a failing one refuses it and strikes its key."""
+        verdict, group = self.verdicts.get(rollout_id), self.admission.awaiting.get(rollout_id)
+        if verdict is None or group is None:
+            return
+        del self.verdicts[rollout_id]
+        if (verdict.partition, verdict.offset, verdict.group_digest) != self.awaiting_at[rollout_id]:
+            self.verdict_counts["refused:other_content"] += 1  # it vouches for other bytes under this id
+            self.log.warning("refused verdict %s:%d on group %s: it is about other content (%s@%d)",
+                             verdict.validator_key_id, verdict.seq, rollout_id, verdict.partition, verdict.offset)
+            return
+        del self.awaiting_at[rollout_id]
+        ref = f"{verdict.validator_key_id}:{verdict.seq}"
+        if verdict.passed:
+            self.verdict_counts["passed"] += 1
+            self.admission.release(rollout_id, self.version, time.time(), ref)
+            return
+        self.verdict_counts[f"failed:{verdict.failure}"] += 1
+        self.admission.refuse_awaiting(rollout_id, f"failed_verdict:{verdict.failure}")
+        if verdict.strikes:
+            self.strike(group.rollout.key_id, group.rollout.sampler_id, verdict.failure,
+                        f"{verdict.detail} (verdict {ref} of validator {verdict.validator_id})")
+
+    def expire_awaiting(self) -> None:
+        """After a step: waiting groups past the staleness rule are dropped, as in the batch."""
+        if self.admission.awaiting:
+            self.admission.expire_awaiting(self.version, time.time())
+        self.awaiting_at = {k: v for k, v in self.awaiting_at.items() if k in self.admission.awaiting}
 
     def dead_letter(self, record: RawRecord, reason: str, where: str) -> None:
         self.send_retrying(self.dead_letters, record.value, headers=[
@@ -511,6 +596,8 @@ class Learner:
             self.screen.record_fresh(groups[i], gap)
         self.version += 1
         self.step += 1
+        if self.validated:
+            self.expire_awaiting()
         stages = {**self.clock.take(), **self.publisher.take_seconds()}
         self.stage_totals.update(stages)
         values = self.recorder.record(self.version, batch, {**step_metrics, **stages}, step=self.step)
@@ -547,7 +634,7 @@ class Learner:
             self.link.send(SAVE, {"state": state})
         with self.clock.stage("snapshot"):  # copies in memory; the publisher's thread writes them
             captured = capture(self.engine, self.tokenizer, state=state)
-        extra = {"offsets": dict(self.next_offsets), "step": self.step, "policy_version": self.version,
+        extra = {"offsets": self.resume_offsets(), "step": self.step, "policy_version": self.version,
                  "loss_type": self.lcfg.loss_type}
         if tail_verdicts:
             # Verdicts since the last step (no step logs them) travel with the final recovery state.
@@ -561,11 +648,22 @@ class Learner:
         if state:
             self.recovery.written(self.step, time.monotonic())
 
+    def resume_offsets(self) -> dict[int, int]:
+        """Where a learner resumed from this checkpoint reads on: the next offset per partition,
+        or the earliest group still waiting for its verdict (so none is lost with a restart;
+        the groups judged after it are known from the update log and ignored)."""
+        offsets = dict(self.next_offsets)
+        for group in self.admission.awaiting.values():
+            offsets[group.partition] = min(offsets.get(group.partition, group.offset), group.offset)
+        return offsets
+
     # ---- drain ----------------------------------------------------------------------
     def drain_due(self) -> bool:
         """Whether a drain was requested (SIGUSR1) and every message of the topic has been read
         (a broker too busy to say is asked again at the next poll)."""
         if not self.drain_request.requested:
+            return False
+        if self.admission.awaiting and not self.verdicts_waited_out():
             return False
         try:
             return self.source.lag() == 0
@@ -573,6 +671,18 @@ class Learner:
             self.log.warning("draining: Kafka at %s did not say where the topic ends (%s); asking again",
                              self.bootstrap, type(e).__name__)
             return False
+
+    def verdicts_waited_out(self) -> bool:
+        """Draining with groups still waiting for verdicts: whether `validators.verdict_wait_s`
+        has passed since the drain began (they are then dropped as `no_verdict`)."""
+        began = self.drain_request.requested_at
+        if time.monotonic() - began < self.cfg.validators.verdict_wait_s:
+            return False
+        for rollout_id in list(self.admission.awaiting):
+            self.admission.refuse_awaiting(rollout_id, "no_verdict")
+        self.log.warning("draining: dropped the groups still without a verdict after %.0fs",
+                         self.cfg.validators.verdict_wait_s)
+        return True
 
     def drain(self) -> None:
         """Train the last, smaller batch and publish, so every message read is accounted for."""
@@ -621,6 +731,8 @@ class Learner:
             except Exception as e:  # noqa: BLE001 - the original error matters more
                 self.log.error("%s", e)
         self.source.close()
+        if getattr(self, "verdict_source", None) is not None:
+            self.verdict_source.close()
         self.update_log.close()
         self.dead_letters.close()
         self.metrics.close()
@@ -633,6 +745,7 @@ class Learner:
                    "offsets": {str(p): o for p, o in self.next_offsets.items()},
                    **self.admission.counters.as_dict(),
                    "checks": self.screen.summary(), "precision": self.precision,
+                   **({"verdicts": dict(self.verdict_counts)} if self.validated else {}),
                    "seconds": {k: round(v, 1) for k, v in sorted(self.stage_totals.items())},
                    "outside_optimizer_share": outside_optimizer_share(self.stage_totals),
                    "quarantined": {k: asdict(q) for k, q in self.strikes.quarantined.items()}}

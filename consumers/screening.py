@@ -130,6 +130,9 @@ class GroupScreen:
         self.gaps: dict[str, list[float]] = {}
         """Sampler id -> the log-prob statistic of each of its checked groups (calibration data)."""
         self.counts: Counter = Counter()
+        self.checked_versions: Optional[dict[str, int]] = None
+        """Where set (a validator's screen): rollout id -> the version its log-probs were checked
+        with, for each group checked; its reader takes the entries out."""
 
     # ---- when a group is admitted ---------------------------------------------------------
     def check(self, rollout: Rollout, staleness: int, fresh_in_step: bool = False) -> list[tuple[str, str]]:
@@ -222,6 +225,8 @@ class GroupScreen:
 
     def _judge(self, rollout: Rollout, gap: float, count: str) -> Optional[tuple[str, str]]:
         self.checked[rollout.key_id or rollout.sampler_id] += 1
+        if self.checked_versions is not None:
+            self.checked_versions[rollout.rollout_id] = rollout.policy_version
         self.gaps.setdefault(rollout.sampler_id, []).append(gap)
         self.counts[count] += 1
         if gap > self.security.logprob_threshold:

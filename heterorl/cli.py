@@ -124,17 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     q = actions.add_parser("init", help="make the root and learner keys (in security.keys_dir) if missing")
     _add_config_args(q)
-    q = actions.add_parser("add", help="register a sampler key (a new key pair, or --public-key)")
+    q = actions.add_parser("add", help="register a sampler (or validator) key (a new key pair, or --public-key)")
     _add_config_args(q)
-    q.add_argument("sampler_id", metavar="SAMPLER_ID", help="the id the sampler runs with (`heterorl sampler --id`)")
+    q.add_argument("sampler_id", metavar="ID", help="the id the sampler runs with (`heterorl sampler --id`), or the "
+                                                    "validator's (`heterorl validator --id`)")
+    q.add_argument("--role", choices=("sampler", "validator"), default="sampler",
+                   help="what the key may sign: rollouts (sampler, the default) or verdicts on them (validator)")
     q.add_argument("--public-key", metavar="BASE64", help="register this public key instead of making a key pair")
     q.add_argument("--out", metavar="FILE", help="where to write the new private key "
-                                                 "(default: <keys_dir>/samplers/<SAMPLER_ID>.key)")
+                                                 "(default: <keys_dir>/<ROLE>s/<ID>.key)")
     q.add_argument("--days", type=float, metavar="N", help="lifetime (default: security.key_lifetime_days)")
     q = actions.add_parser("revoke", help="revoke a key (by key id, or every key of a sampler id)")
     _add_config_args(q)
     q.add_argument("name", metavar="KEY_ID|SAMPLER_ID")
-    q = actions.add_parser("list", help="the run's registered sampler keys and their status")
+    q = actions.add_parser("list", help="the run's registered sampler and validator keys and their status")
     _add_config_args(q)
 
     p = sub.add_parser("attack", help="train with honest samplers plus one adversary of each kind, then audit",
@@ -162,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
     p.add_argument("--key", metavar="FILE", help="its signing key file (default: security.sampler_key, else "
                                                  "<keys_dir>/samplers/<ID>.key; $HETERORL_SAMPLER_KEY wins)")
+
+    p = sub.add_parser("validator", help="check samplers' groups beside the learner and publish signed verdicts",
+                       description="Reads its share of the rollout topic's partitions (leases in Redis, divided "
+                                   "among the live validators), applies the learner's checks to every group and "
+                                   "publishes a signed verdict to <topic>.verdicts. The learner uses them with "
+                                   "validators.enabled. Its key must be registered: `heterorl keys add ID --role "
+                                   "validator`. See docs/security.md.")
+    _add_config_args(p)
+    p.add_argument("--id", dest="validator_id", required=True, metavar="ID",
+                   help="validator id (its key must be registered with --role validator)")
+    p.add_argument("--key", metavar="FILE", help="its signing key file (default: validators.validator_key, else "
+                                                 "<keys_dir>/validators/<ID>.key; $HETERORL_VALIDATOR_KEY wins)")
 
     p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)",
                        description="One learner process, or learner.num_processes of them: started without a "
@@ -383,7 +398,7 @@ def _cmd_keys(args) -> int:
         lines = keys.keys_init(_load(args, local_stack=False))
     elif args.action == "add":
         lines = keys.keys_add(_load(args), args.sampler_id, public_key=args.public_key,
-                              out=Path(args.out) if args.out else None, lifetime_days=args.days)
+                              out=Path(args.out) if args.out else None, lifetime_days=args.days, role=args.role)
     elif args.action == "revoke":
         lines = keys.keys_revoke(_load(args), args.name)
     else:
@@ -413,6 +428,15 @@ def _cmd_sampler(args) -> int:
     from producers.sampler import run_sampler
 
     return run_sampler(cfg, sampler_id=args.sampler_id)
+
+
+def _cmd_validator(args) -> int:
+    if args.key:
+        args.overrides.append(f"validators.validator_key={args.key}")
+    cfg = _load(args, role="validator")
+    from consumers.validator import run_validator
+
+    return run_validator(cfg, args.validator_id)
 
 
 def _cmd_learner(args) -> int:
@@ -561,7 +585,7 @@ def _cmd_train(args) -> int:
 
 
 COMMANDS = {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status,
-            "sampler": _cmd_sampler, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
+            "sampler": _cmd_sampler, "validator": _cmd_validator, "learner": _cmd_learner, "evaluator": _cmd_evaluator, "train": _cmd_train,
             "study": _cmd_study, "replay": _cmd_replay, "export": _cmd_export, "compare": _cmd_compare,
             "chaos": _cmd_chaos, "keys": _cmd_keys, "weights": _cmd_weights, "attack": _cmd_attack, "adversary": _cmd_adversary,
             "loadtest": _cmd_loadtest}

@@ -43,9 +43,9 @@ def keys_init(cfg: HeteroConfig) -> list[str]:
 
 
 def keys_add(cfg: HeteroConfig, sampler_id: str, *, public_key: Optional[str] = None, out: Optional[Path] = None,
-             lifetime_days: Optional[float] = None) -> list[str]:
-    """Register a key for `sampler_id`: the given public key, or a new key pair written to
-    `out` (default <keys_dir>/samplers/<id>.key)."""
+             lifetime_days: Optional[float] = None, role: str = "sampler") -> list[str]:
+    """Register a key for `sampler_id` (a validator's id with `role` validator): the given public
+    key, or a new key pair written to `out` (default <keys_dir>/<role>s/<id>.key)."""
     paths = key_paths(cfg)
     root = load_root_key(paths)
     client = _redis(cfg)
@@ -56,19 +56,21 @@ def keys_add(cfg: HeteroConfig, sampler_id: str, *, public_key: Optional[str] = 
         except SignatureError as e:
             raise ConfigError(f"--public-key: {e.reason}") from None
     else:
-        target = Path(out) if out else paths.sampler_key(sampler_id)
+        target = Path(out) if out else paths.role_key(sampler_id, role)
         if target.exists():
             raise ConfigError(f"{target} already exists: revoke its key first, or pass --out / --public-key")
         key = SigningKey.generate()
         write_key_file(key, target)
         public = key.public
         lines.append(f"wrote {target} (mode 0600): give it to the sampler as security.sampler_key, or its base64 "
-                     "key as HETERORL_SAMPLER_KEY")
+                     "key as HETERORL_SAMPLER_KEY" if role == "sampler" else
+                     f"wrote {target} (mode 0600): give it to the validator as validators.validator_key, or its "
+                     "base64 key as HETERORL_VALIDATOR_KEY")
     days = lifetime_days if lifetime_days is not None else cfg.security.key_lifetime_days
-    registry = add_key(_registry(cfg, client), sampler_id, public, days)
+    registry = add_key(_registry(cfg, client), sampler_id, public, days, role=role)
     write_registry(client, registry, root)
     entry = registry.keys[public.key_id]
-    lines.append(f"added key {entry.key_id} for sampler {sampler_id!r} to run {cfg.run.name}, expires "
+    lines.append(f"added key {entry.key_id} for {role} {sampler_id!r} to run {cfg.run.name}, expires "
                  f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(entry.expires_at))} (registry serial {registry.serial})")
     return lines
 
@@ -97,27 +99,28 @@ def keys_list(cfg: HeteroConfig) -> list[str]:
     if not registry.keys:
         return [f"no sampler keys registered for run {cfg.run.name} (heterorl keys add <sampler id>)"]
     now = time.time()
-    lines = [f"{'key id':16}  {'sampler':24}  {'status':8}  expires"]
+    lines = [f"{'key id':16}  {'role':9}  {'id':24}  {'status':8}  expires"]
     for k in sorted(registry.keys.values(), key=lambda k: k.added_at):
         status = k.status if k.status != "active" or now <= k.expires_at else "expired"
-        lines.append(f"{k.key_id:16}  {k.sampler_id:24}  {status:8}  "
+        lines.append(f"{k.key_id:16}  {k.role:9}  {k.sampler_id:24}  {status:8}  "
                      f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(k.expires_at))}")
     return lines
 
 
-def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str]) -> None:
-    """For samplers started by this machine's `train` / `chaos` (`client`: Redis as admin):
-    keys made if missing, and each sampler's key file written and registered unless an
+def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str], validator_ids: list[str] = ()) -> None:
+    """For samplers (and validators) started by this machine's `train` / `chaos` (`client`: Redis
+    as admin): keys made if missing, and each one's key file written and registered unless an
     active registration of it exists."""
-    if not cfg.security.require_signatures:
+    if not cfg.security.require_signatures and not validator_ids:
         return
     paths = key_paths(cfg)
     init_keys(paths)
     root = load_root_key(paths)
     registry = _registry(cfg, client)
     changed = False
-    for sampler_id in sampler_ids:
-        path = paths.sampler_key(sampler_id)
+    wanted = [(i, "sampler") for i in (sampler_ids if cfg.security.require_signatures else [])]
+    for sampler_id, role in wanted + [(i, "validator") for i in validator_ids]:
+        path = paths.role_key(sampler_id, role)
         key = read_key_file(path) if path.exists() else None
         entry: Optional[KeyEntry] = registry.keys.get(key.key_id) if key else None
         if entry is not None and entry.status == "active" and entry.expires_at > time.time() + 3600:
@@ -126,7 +129,7 @@ def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str]) -> None:
             path.unlink()  # revoked or expired: a fresh key
         key = SigningKey.generate()
         write_key_file(key, path)
-        registry = add_key(registry, sampler_id, key.public, cfg.security.key_lifetime_days)
+        registry = add_key(registry, sampler_id, key.public, cfg.security.key_lifetime_days, role=role)
         changed = True
     if changed:
         write_registry(client, registry, root)

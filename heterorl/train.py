@@ -101,9 +101,12 @@ def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields:
     the samplers yield to the learner (`train.cpu_sharing: yield` on a CPU) they also wait for
     its next version, having nothing to overlap with (unless not every version is published,
     `learner.sync_every` > 1, or a simulated refresh delay makes their groups stale on
-    purpose, `sampler.delays.refresh`), and the evaluator scores after training."""
+    purpose, `sampler.delays.refresh`), and the evaluator scores after training. With validators
+    started (`train.num_validators`) the learner uses their verdicts."""
     waits = yields and cfg.why_no_waiting_for_each_version() is None
     return cfg.model_copy(update={
+        "validators": cfg.validators.model_copy(update={"enabled": cfg.validators.enabled
+                                                        or cfg.train.num_validators > 0}),
         "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
         "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
                                                   "yield_to_learner": yields,
@@ -128,7 +131,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         init_keys(key_paths(cfg))  # the learner's key signs, samplers pin its public half
         handles = connect_run(cfg)
         sampler_ids = [f"{run_name}-s{i}" for i in range(cfg.train.num_samplers)]
-        provision_local(cfg, handles.state.client, sampler_ids)
+        validator_ids = [f"{run_name}-v{i}" for i in range(cfg.train.num_validators)]
+        provision_local(cfg, handles.state.client, sampler_ids, validator_ids)
         t0 = time.time()
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
@@ -159,10 +163,14 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             for i, sampler_id in enumerate(sampler_ids):
                 procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env,
                             nice=budgets["sampler"][1])
+            validator_env = child_env(as_role(services, data_dir, "validator"))
+            for i, validator_id in enumerate(validator_ids):
+                procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env,
+                            nice=budgets["sampler"][1])
             if cfg.eval.every:
                 procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
-            log.info("run %s: learner + %d samplers started, logs in %s/logs/; cores shared by %s: %s", run_name,
-                     cfg.train.num_samplers, run_dir, "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
+            log.info("run %s: learner + %d samplers%s started, logs in %s/logs/; cores shared by %s: %s", run_name,
+                     cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir, "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
                      ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
                                for role, (threads, nice) in budgets.items()))
             watch(cfg, procs, run_dir)

@@ -201,7 +201,8 @@ def wait_for(
 
 def stack_services(state: StackState, role: str = "admin") -> Services:
     """``state`` as the ``pipeline.services.Services`` a client of ``role`` connects with: its
-    Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``).
+    Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``,
+    ``validator``).
     A stack recorded without Redis users (started by an older version) gives its plain URL."""
     if role not in REDIS_ROLES:
         raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
@@ -640,13 +641,16 @@ def _spec(state: StackState, name: str) -> _Spec:
 
 # --------------------------------------------------------------------------- redis users
 
-REDIS_ROLES = ("admin", "learner", "sampler")
+REDIS_ROLES = ("admin", "learner", "sampler", "validator")
 REDIS_ACL_FILE = "users.acl"
 # Keys under heterorl:<run>: (pipeline/redis_state.py, pipeline/keyring.py) that a sampler
 # writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
                   "prompt_cursor", "claim_stats", "claims_sweep", "meta")
 SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine")
+# A validator (consumers/validator.py) writes its lease, the partition leases and where its
+# verdicts end; it reads what a sampler reads.
+VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets")
 # Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
 # command (the categories cover them); scripts and MULTI/EXEC stay, the product needs both.
 _ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting -@dangerous -@admin"
@@ -663,9 +667,9 @@ def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
         return "~* &* +@all"
     if role == "learner":
         return f"resetkeys ~heterorl:* resetchannels {_ROLE_COMMANDS}"
-    if role != "sampler":
+    if role not in ("sampler", "validator"):
         raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
-    writes = " ".join(f"~heterorl:*:{key}" for key in SAMPLER_WRITES)
+    writes = " ".join(f"~heterorl:*:{key}" for key in (SAMPLER_WRITES if role == "sampler" else VALIDATOR_WRITES))
     read_only = "%R~" if redis_version >= (7, 0) else "~"
     reads = " ".join(f"{read_only}heterorl:*:{key}" for key in SAMPLER_READS)
     deny_script_flush = " -script|flush -script|kill" if redis_version >= (7, 0) else ""
@@ -688,6 +692,8 @@ def _write_redis_acl(state: StackState, binary: str) -> Path:
     version = redis_server_version(binary)
     lines = ["user default off"]
     for role in REDIS_ROLES:
+        if role not in state.redis_passwords:  # a stack recorded before this role existed
+            continue
         digest = hashlib.sha256(state.redis_passwords[role].encode()).hexdigest()
         lines.append(f"user {role} on #{digest} {redis_acl_rules(role, version)}")
     path = Path(state.data_dir) / "redis" / REDIS_ACL_FILE

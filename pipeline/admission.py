@@ -11,7 +11,12 @@ staleness and age the original learner recorded. Either way one object:
   3. judges staleness τ = version − rollout version and the age with the learner's rule
      (`pipeline.staleness.decide_staleness`): "kept" groups wait in the pending batch,
      "dropped" ones are recorded with their reason;
-  4. hands out a batch once `groups_per_step` groups wait, after judging them again at use
+  4. with validators (`validators.enabled`), holds a kept group aside (`awaiting`) until its
+     verdict arrives: a passing one lets it into the batch after judging its staleness again
+     (`release`: it may have aged while waiting), a failing one refuses it; after every step
+     the waiting groups are judged again too (`expire_awaiting`), so waiting for a verdict
+     counts toward the staleness rule like waiting in the batch;
+  5. hands out a batch once `groups_per_step` groups wait, after judging them again at use
      (a wall-clock limit may have passed while the batch filled), or, when draining, a
      last smaller batch.
 
@@ -90,11 +95,13 @@ class PendingGroup:
     age_s: Optional[float]
     """Seconds from creation to judgement (None: a replayed group whose log did not record it)."""
     decision: StalenessDecision
+    verdict: Optional[str] = None
+    """The passing verdict that let it into the batch (`UsedGroup.verdict`), with validators."""
 
     def used(self) -> UsedGroup:
         """Its line in the update log's `used` list."""
         return UsedGroup(self.partition, self.offset, self.rollout.rollout_id, self.rollout.policy_version,
-                         self.staleness, self.decision.weight, self.age_s)
+                         self.staleness, self.decision.weight, self.age_s, self.verdict)
 
     def dropped(self) -> DroppedGroup:
         return DroppedGroup(self.partition, self.offset, self.rollout.rollout_id, self.rollout.policy_version,
@@ -163,6 +170,8 @@ class Admission:
         self.limits = limits
         self.seen_ids: set[str] = set(judged_ids)
         self.pending: list[PendingGroup] = []
+        self.awaiting: dict[str, PendingGroup] = {}
+        """Kept groups waiting for a validator's verdict, by rollout id (in arrival order)."""
         self.counters = AdmissionCounters()
         self._verdicts = Verdicts()
 
@@ -181,15 +190,18 @@ class Admission:
             return self._malformed(partition, offset, e.reason)
         return self.admit_rollout(rollout, partition, offset, version, now)
 
-    def admit_rollout(self, rollout: Rollout, partition: int, offset: int, version: int, now: float) -> Admitted:
-        """`admit_message` for a message already decoded (and its signature checked)."""
+    def admit_rollout(self, rollout: Rollout, partition: int, offset: int, version: int, now: float,
+                      hold: bool = False) -> Admitted:
+        """`admit_message` for a message already decoded (and its signature checked); with `hold`
+        a kept group waits in `awaiting` for its verdict instead of joining the batch."""
         self.counters.groups_consumed += 1
         try:
             if self.limits is not None:
                 self.limits.check(rollout, version)
         except RolloutDecodeError as e:
             return self._malformed(partition, offset, e.reason, rollout)
-        return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at)
+        return self._admit(rollout, partition, offset, version - rollout.policy_version, now - rollout.created_at,
+                           hold)
 
     def _malformed(self, partition: int, offset: int, reason: str, rollout: Optional[Rollout] = None) -> Admitted:
         self.counters.malformed += 1
@@ -217,7 +229,8 @@ class Admission:
         return Admitted("dropped", reason, rollout)
 
     def withdraw(self, keep, reason_of) -> int:
-        """Take the pending groups `keep` says no to out of the batch, dropped with `reason_of(group)`."""
+        """Take the pending (and awaiting) groups `keep` says no to out of the batch, dropped with
+        `reason_of(group)`."""
         still = []
         for group in self.pending:
             if keep(group):
@@ -225,7 +238,44 @@ class Admission:
             else:
                 self._refuse(group, reason_of(group))
         withdrawn, self.pending = len(self.pending) - len(still), still
+        for rollout_id, group in list(self.awaiting.items()):
+            if not keep(group):
+                self._refuse(self.awaiting.pop(rollout_id), reason_of(group))
+                withdrawn += 1
         return withdrawn
+
+    # ---- groups waiting for a verdict ------------------------------------------------
+    def release(self, rollout_id: str, version: int, now: Optional[float], verdict: str) -> Admitted:
+        """A waiting group whose passing `verdict` arrived: judged again at `version` (and its age
+        at `now`; None: a replay's recorded age) and into the batch, or dropped."""
+        group = self.awaiting.pop(rollout_id)
+        staleness = version - group.rollout.policy_version
+        age_s = group.age_s if now is None else now - group.rollout.created_at
+        group = PendingGroup(group.rollout, group.partition, group.offset, staleness, age_s,
+                             self.judge(staleness, age_s or 0.0), verdict)
+        if not group.decision.keep:
+            self._drop(group)
+            return Admitted("dropped", group.decision.reason, group.rollout)
+        self.pending.append(group)
+        return Admitted("kept", rollout=group.rollout)
+
+    def refuse_awaiting(self, rollout_id: str, reason: str) -> None:
+        """A waiting group not to be used (a failing verdict, or none in time): dropped with `reason`."""
+        self._refuse(self.awaiting.pop(rollout_id), reason)
+
+    def expire_awaiting(self, version: int, now: Optional[float]) -> int:
+        """Judge the waiting groups again at `version` (after a step): those past the staleness
+        rule are dropped, as they would be in the batch. How many were dropped."""
+        dropped = 0
+        for rollout_id, group in list(self.awaiting.items()):
+            staleness = version - group.rollout.policy_version
+            age_s = group.age_s if now is None else now - group.rollout.created_at
+            decision = self.judge(staleness, age_s or 0.0)
+            if not decision.keep:
+                del self.awaiting[rollout_id]
+                self._drop(PendingGroup(group.rollout, group.partition, group.offset, staleness, age_s, decision))
+                dropped += 1
+        return dropped
 
     def _refuse(self, group: PendingGroup, reason: str) -> None:
         self.counters.refused[reason.split(":")[0]] += 1
@@ -240,7 +290,7 @@ class Admission:
         return self._admit(rollout, partition, offset, staleness, age_s)
 
     def _admit(self, rollout: Rollout, partition: int, offset: int, staleness: int,
-               age_s: Optional[float]) -> Admitted:
+               age_s: Optional[float], hold: bool = False) -> Admitted:
         if rollout.rollout_id in self.seen_ids:
             self.counters.duplicates += 1
             self._verdicts.duplicates.append(DuplicateGroup(partition, offset, rollout.rollout_id))
@@ -250,7 +300,10 @@ class Admission:
         if not group.decision.keep:
             self._drop(group)
             return Admitted("dropped", group.decision.reason, rollout)
-        self.pending.append(group)
+        if hold:
+            self.awaiting[rollout.rollout_id] = group
+        else:
+            self.pending.append(group)
         return Admitted("kept", rollout=rollout)
 
     def take_batch(self, now: Optional[float], *, last: bool = False) -> list[PendingGroup]:
@@ -291,7 +344,7 @@ class Admission:
         for group in self.pending:
             age_s = now - group.rollout.created_at
             group = PendingGroup(group.rollout, group.partition, group.offset, group.staleness, age_s,
-                                 self.judge(group.staleness, age_s))
+                                 self.judge(group.staleness, age_s), group.verdict)
             if group.decision.keep:
                 still.append(group)
             else:

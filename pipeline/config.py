@@ -596,6 +596,9 @@ class EvalConfig(_Strict):
 class TrainConfig(_Strict):
     num_samplers: int = Field(2, ge=1)
     """Sampler processes started by `heterorl train`."""
+    num_validators: int = Field(0, ge=0)
+    """Validator processes started by `heterorl train` (docs/security.md "Validators"); with any,
+    `validators.enabled` is on: the learner uses only groups they passed."""
     out_dir: Optional[str] = None
     """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
     timeout_s: float = Field(1800.0, gt=0)
@@ -665,6 +668,29 @@ class SecurityConfig(_Strict):
     the key is not registered to quarantines at once."""
 
 
+class ValidatorsConfig(_Strict):
+    """Validators: processes beside the learner that check samplers' groups and publish signed
+    verdicts (`heterorl validator`, docs/security.md "Validators")."""
+
+    enabled: bool = False
+    """The learner uses a group only once a validator's passing verdict for it has arrived, and
+    strikes its key on a failing one, instead of checking groups itself. Off: the learner
+    checks every group as it always did."""
+    validator_key: Optional[str] = None
+    """A validator's private key file; default `<keys_dir>/validators/<validator id>.key`. The
+    environment variable HETERORL_VALIDATOR_KEY (the base64 key itself) takes precedence."""
+    lease_s: float = Field(10.0, gt=0)
+    """A validator holds each partition of the rollout topic it checks for this long unless it
+    renews it: a killed validator's partitions pass to the others within this time."""
+    poll_timeout_s: float = Field(0.5, gt=0)
+    """How long a validator waits for new groups in one poll."""
+    torch_threads: int = Field(1, ge=1)
+    """CPU threads of a validator's re-scoring passes."""
+    verdict_wait_s: float = Field(300.0, gt=0)
+    """How long a draining learner waits for the verdicts of groups it has read; those still
+    without one are dropped (`no_verdict`), so a drain ends even with every validator gone."""
+
+
 class HeteroConfig(_Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
@@ -721,6 +747,8 @@ class HeteroConfig(_Strict):
     """What `heterorl train` starts and where it writes."""
     security: SecurityConfig = SecurityConfig()
     """Signatures, key files and the checks of samplers' data."""
+    validators: ValidatorsConfig = ValidatorsConfig()
+    """Checks of samplers' data done by validators instead of the learner."""
     study: StudyConfig = StudyConfig()
     """The grid of `heterorl study delay` run on this config."""
     loadtest: LoadtestConfig = LoadtestConfig()

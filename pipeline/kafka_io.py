@@ -167,6 +167,11 @@ class RolloutSink:
                                   headers=headers or []).get(timeout=self.send_timeout_s)
         return meta.partition, meta.offset
 
+    def send_raw_many(self, values: list[bytes]) -> list[tuple[int, int]]:
+        """Publish arbitrary messages in order, pipelined; returns once every one is acknowledged."""
+        futures = [self.producer.send(self.topic, value=value) for value in values]
+        return [(m.partition, m.offset) for m in (f.get(timeout=self.send_timeout_s) for f in futures)]
+
     def close(self) -> None:
         self.producer.flush(timeout=self.send_timeout_s)
         self.producer.close(timeout=self.send_timeout_s)
@@ -193,11 +198,18 @@ class RolloutSource:
         if not partitions:
             self.consumer.close()
             raise ServiceUnavailable(f"topic {topic} does not exist on Kafka at {bootstrap}")
-        self.partitions = [TopicPartition(topic, p) for p in partitions]
+        self.all_partitions = partitions
+        """Every partition of the topic (`assign` may read a subset)."""
+        self.partitions: list[TopicPartition] = []
+        self.assign({p: (start_offsets or {}).get(p) for p in partitions})
+
+    def assign(self, start_offsets: dict[int, Optional[int]]) -> None:
+        """Read exactly these partitions from now on, each from its offset (None: the beginning).
+        A validator calls it whenever the partitions it holds change."""
+        self.partitions = [TopicPartition(self.topic, p) for p in sorted(start_offsets)]
         self.consumer.assign(self.partitions)
-        start_offsets = start_offsets or {}
         for tp in self.partitions:
-            if tp.partition in start_offsets:
+            if start_offsets[tp.partition] is not None:
                 self.consumer.seek(tp, int(start_offsets[tp.partition]))
             else:
                 self.consumer.seek_to_beginning(tp)

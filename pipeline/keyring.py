@@ -3,6 +3,7 @@
     <keys_dir>/root.key, root.pub         signs the key registry (keep root.key offline)
     <keys_dir>/learner.key, learner.pub   signs manifests and the policy pointer
     <keys_dir>/samplers/<id>.key          a sampler's key (`heterorl keys add <id>`)
+    <keys_dir>/validators/<id>.key        a validator's key (`heterorl keys add <id> --role validator`)
 
 A remote sampler needs only `learner.pub` and its own key file (or HETERORL_SAMPLER_KEY).
 """
@@ -24,6 +25,8 @@ from pipeline.trust import KeyEntry, KeyRegistry
 
 SAMPLER_KEY_ENV = "HETERORL_SAMPLER_KEY"
 """A sampler's private key, base64 (what `heterorl keys add --print` shows)."""
+VALIDATOR_KEY_ENV = "HETERORL_VALIDATOR_KEY"
+"""A validator's private key, base64."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,13 @@ class KeyPaths:
     learner_public: Path
 
     def sampler_key(self, sampler_id: str) -> Path:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", sampler_id):
-            raise ConfigError(f"sampler id {sampler_id!r} cannot name a key file: use letters, digits, '_', '.', '-'")
-        return self.keys_dir / "samplers" / f"{sampler_id}.key"
+        return self.role_key(sampler_id, "sampler")
+
+    def role_key(self, holder_id: str, role: str) -> Path:
+        """The key file of a sampler or validator (`role`) with this id."""
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", holder_id):
+            raise ConfigError(f"{role} id {holder_id!r} cannot name a key file: use letters, digits, '_', '.', '-'")
+        return self.keys_dir / f"{role}s" / f"{holder_id}.key"
 
 
 def key_paths(cfg: HeteroConfig) -> KeyPaths:
@@ -99,6 +106,17 @@ def load_sampler_key(paths: KeyPaths, sampler_id: str, configured: Optional[str]
     return read_key_file(path)
 
 
+def load_validator_key(paths: KeyPaths, validator_id: str, configured: Optional[str]) -> SigningKey:
+    """HETERORL_VALIDATOR_KEY, else validators.validator_key, else <keys_dir>/validators/<id>.key."""
+    if os.environ.get(VALIDATOR_KEY_ENV):
+        return SigningKey.from_seed_b64(os.environ[VALIDATOR_KEY_ENV], where=f"${VALIDATOR_KEY_ENV}")
+    path = Path(configured) if configured else paths.role_key(validator_id, "validator")
+    if not path.exists():
+        raise KeyFileError(f"no key for validator {validator_id!r} at {path}: `heterorl keys add {validator_id} "
+                           f"--role validator` makes one (or set {VALIDATOR_KEY_ENV} / validators.validator_key)")
+    return read_key_file(path)
+
+
 # ---- the registry in Redis ---------------------------------------------------------------------
 def registry_key(run: str) -> str:
     return f"heterorl:{run}:key_registry"
@@ -131,8 +149,10 @@ def write_registry(client, registry: KeyRegistry, root: SigningKey) -> None:
 
 
 def add_key(registry: KeyRegistry, sampler_id: str, public: PublicKey, lifetime_days: float,
-            now: Optional[float] = None) -> KeyRegistry:
+            now: Optional[float] = None, role: str = "sampler") -> KeyRegistry:
+    """`registry` with `public` registered to `sampler_id` (a validator's id for role `validator`)."""
     now = time.time() if now is None else now
     if public.key_id in registry.keys:
         raise ConfigError(f"key {public.key_id} is already registered (to {registry.keys[public.key_id].sampler_id!r})")
-    return registry.with_key(KeyEntry(public.key_id, sampler_id, public, "active", now + lifetime_days * 86400, now))
+    return registry.with_key(KeyEntry(public.key_id, sampler_id, public, "active", now + lifetime_days * 86400, now,
+                                      role=role))

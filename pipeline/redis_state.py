@@ -21,6 +21,14 @@ Keys (all under `heterorl:<run>:`):
 - `learner`           hash of the learner's latest progress (step, groups used/dropped), and
                       `busy_until`: while it checks and trains a batch (samplers on its machine
                       may pause meanwhile, `sampler.yield_to_learner`).
+- `validator:<id>`    hash {host, groups, started_at, heartbeat_at} with a TTL renewed by each
+                      heartbeat: the validator's lease (consumers/validator.py).
+- `partition_lease:<p>` the id of the validator that checks partition p of the rollout topic,
+                      with a TTL (`validators.lease_s`) its holder renews; a killed
+                      validator's partitions are free again once it runs out.
+- `validator_offsets` hash partition -> next offset whose verdict is not yet published (written
+                      by the partition's holder only, after its verdicts are acknowledged):
+                      where the next holder starts.
 - `meta`              hash {rollout_topic, started_at, epoch_size?} written by the learner
                       (epoch_size by samplers that know it); the run is also listed in the
                       global sorted set `heterorl:runs` (by start time).
@@ -169,6 +177,27 @@ return moved
 _CLAIM_COUNTERS = ("claimed", "completed", "reissued", "late_completions", "reissue_withdrawn")
 
 
+_HOLD_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+if holder == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+"""Take or renew the lease KEYS[1] for ARGV[1] (ttl ARGV[2] ms); 0 if another holds it."""
+
+_LET_GO_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) return 1 end
+return 0
+"""
+
+_RECORD_IF_HELD_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+"""HSET KEYS[2] ARGV[2] ARGV[3] only while ARGV[1] holds the lease KEYS[1]."""
+
+
 class RunState:
     """The run's shared state in Redis."""
 
@@ -185,6 +214,9 @@ class RunState:
         self._claim = client.register_script(_CLAIM_LUA)
         self._complete = client.register_script(_COMPLETE_LUA)
         self._reissue = client.register_script(_REISSUE_LUA)
+        self._hold = client.register_script(_HOLD_LUA)
+        self._let_go = client.register_script(_LET_GO_LUA)
+        self._record_if_held = client.register_script(_RECORD_IF_HELD_LUA)
 
     # ---- run registry ----------------------------------------------------------------
     def register_run(self, rollout_topic: str) -> None:
@@ -404,6 +436,48 @@ class RunState:
     def epoch_of(self, index: int) -> Optional[int]:
         """The epoch a prompt index belongs to, when the epoch size is known."""
         return index // self.epoch_size if self.epoch_size else None
+
+    # ---- validators ------------------------------------------------------------------
+    def renew_validator_lease(self, validator_id: str, info: dict, ttl_s: float) -> None:
+        key = f"{self.prefix}validator:{validator_id}"
+        pipe = self.client.pipeline()
+        pipe.hset(key, mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_at": time.time()})
+        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+        pipe.execute()
+
+    def release_validator_lease(self, validator_id: str) -> None:
+        self.client.delete(f"{self.prefix}validator:{validator_id}")
+
+    def live_validators(self) -> dict[str, dict]:
+        """Validators whose lease has not expired."""
+        out = {}
+        for key in self.client.scan_iter(match=f"{self.prefix}validator:*", count=100):
+            data = self.client.hgetall(key)
+            if data:
+                out[key[len(self.prefix) + len("validator:"):]] = data
+        return out
+
+    def partition_holders(self, partitions: list[int]) -> dict[int, Optional[str]]:
+        """Who holds each partition's lease (None: nobody)."""
+        values = self.client.mget([f"{self.prefix}partition_lease:{p}" for p in partitions]) if partitions else []
+        return dict(zip(partitions, values))
+
+    def hold_partition(self, partition: int, validator_id: str, ttl_s: float) -> bool:
+        """Take or renew the lease of a partition; False if another validator holds it."""
+        return bool(self._hold(keys=[f"{self.prefix}partition_lease:{partition}"],
+                               args=[validator_id, max(1, int(ttl_s * 1000))]))
+
+    def let_go_partition(self, partition: int, validator_id: str) -> None:
+        self._let_go(keys=[f"{self.prefix}partition_lease:{partition}"], args=[validator_id])
+
+    def record_validator_offset(self, partition: int, offset: int, validator_id: str) -> bool:
+        """Where the next holder of `partition` starts, written only while `validator_id` holds it."""
+        return bool(self._record_if_held(keys=[f"{self.prefix}partition_lease:{partition}",
+                                               self.prefix + "validator_offsets"],
+                                         args=[validator_id, str(partition), str(int(offset))]))
+
+    def validator_offsets(self) -> dict[int, int]:
+        return {int(p): int(o) for p, o in self.client.hgetall(self.prefix + "validator_offsets").items()}
 
     # ---- learner progress ------------------------------------------------------------
     def report_learner(self, progress: dict) -> None:

@@ -29,6 +29,10 @@ from pipeline.signing import PublicKey, SignatureError, SigningKey, sign_documen
 
 REGISTRY_FORMAT = "heterorl-key-registry/1"
 
+ROLES = ("sampler", "validator")
+"""What a registered key may sign: rollouts (a sampler's) or verdicts on them (a validator's,
+docs/security.md). A key signs for its own role only."""
+
 IMMEDIATE = frozenset({"future_version", "sequence_reused", "sampler_id_mismatch"})
 """Strike kinds that quarantine at once: a valid signature on something no honest sampler sends."""
 
@@ -48,12 +52,15 @@ class Rejected(Exception):
 class KeyEntry:
     key_id: str
     sampler_id: str
+    """The id of the sampler (or validator, for a validator key) it is registered to."""
     public_key: PublicKey
     status: str
     """`active` or `revoked`."""
     expires_at: float
     added_at: float
     revoked_at: Optional[float] = None
+    role: str = "sampler"
+    """One of ROLES."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,8 @@ class KeyRegistry:
     def to_document(self) -> dict:
         return {"format": REGISTRY_FORMAT, "run": self.run, "serial": self.serial, "keys": {
             k.key_id: {"sampler_id": k.sampler_id, "public_key": k.public_key.to_b64(), "status": k.status,
-                       "expires_at": k.expires_at, "added_at": k.added_at, "revoked_at": k.revoked_at}
+                       "expires_at": k.expires_at, "added_at": k.added_at, "revoked_at": k.revoked_at,
+                       **({} if k.role == "sampler" else {"role": k.role})}
             for k in self.keys.values()}}
 
     def signed(self, root: SigningKey) -> dict:
@@ -89,14 +97,16 @@ class KeyRegistry:
         try:
             keys = {kid: KeyEntry(kid, str(e["sampler_id"]), PublicKey.from_b64(e["public_key"]), str(e["status"]),
                                   float(e["expires_at"]), float(e["added_at"]),
-                                  None if e.get("revoked_at") is None else float(e["revoked_at"]))
+                                  None if e.get("revoked_at") is None else float(e["revoked_at"]),
+                                  str(e.get("role", "sampler")))
                     for kid, e in body["keys"].items()}
             serial = int(body["serial"])
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SignatureError(f"the key registry is malformed ({type(e).__name__}: {e})") from None
         for kid, entry in keys.items():
-            if entry.status not in ("active", "revoked") or entry.public_key.key_id != kid:
-                raise SignatureError(f"the key registry's entry {kid} is malformed (status {entry.status!r})")
+            if entry.status not in ("active", "revoked") or entry.public_key.key_id != kid or entry.role not in ROLES:
+                raise SignatureError(f"the key registry's entry {kid} is malformed (status {entry.status!r}, "
+                                     f"role {entry.role!r})")
         return cls(run, serial, keys)
 
     def with_key(self, entry: KeyEntry) -> "KeyRegistry":
@@ -104,7 +114,8 @@ class KeyRegistry:
 
     def with_revoked(self, key_id: str, now: float) -> "KeyRegistry":
         old = self.keys[key_id]
-        entry = KeyEntry(old.key_id, old.sampler_id, old.public_key, "revoked", old.expires_at, old.added_at, now)
+        entry = KeyEntry(old.key_id, old.sampler_id, old.public_key, "revoked", old.expires_at, old.added_at, now,
+                         old.role)
         return KeyRegistry(self.run, self.serial + 1, {**self.keys, key_id: entry})
 
     def find(self, name: str) -> list[KeyEntry]:
@@ -154,6 +165,9 @@ class RolloutVerifier:
         if not entry.public_key.verify(signature, body):
             raise Rejected("bad_signature", f"bad signature for {where}", key_id=rollout.key_id,
                            sampler_id=rollout.sampler_id)
+        if entry.role != "sampler":  # a validator's key vouches for verdicts, never for rollouts
+            raise Rejected("wrong_role", f"signed with a {entry.role} key ({entry.key_id}), not a sampler's",
+                           key_id=rollout.key_id, sampler_id=rollout.sampler_id)
         signed = dict(key_id=entry.key_id, sampler_id=rollout.sampler_id)
         if entry.status == "revoked":
             raise Rejected("revoked_key", f"{where} was revoked", **signed)

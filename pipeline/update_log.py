@@ -69,6 +69,9 @@ class UsedGroup:
     """Sequence weight of the group in the loss (1, or the stale-reweight factor)."""
     age_s: Optional[float] = None
     """Seconds from the group's creation to its use (what `max_delay_seconds` judged)."""
+    verdict: Optional[str] = None
+    """`<validator key id>:<sequence number>` of the passing verdict that let it in (None: the
+    learner checked it itself)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class DroppedGroup:
     policy_version: int
     staleness: int
     reason: str
-    """`too_stale_steps` or `too_old_seconds`."""
+    """`too_stale_steps` or `too_old_seconds`; `failed_check:<kind>`, `failed_verdict:<kind>`,
+    `quarantined`, `revoked_key`, `no_verdict` for a group refused."""
     age_s: Optional[float] = None
 
 

@@ -1,0 +1,268 @@
+"""Validator: check samplers' groups beside the learner and publish signed verdicts.
+
+Run: `heterorl validator --config demo [--id ID]` (any number, on any machine that reaches
+the three servers; start or stop them at any time). Its key must be registered with the role
+`validator` (`heterorl keys add ID --role validator`). The learner uses the verdicts when
+`validators.enabled` is on (docs/security.md, "Validators").
+
+`Validator.run` repeats `Validator.turn`, which reads top to bottom:
+  1. heartbeat: renew this validator's lease in Redis;
+  2. hold its share of the rollout topic's partitions (`PartitionShare`: the partitions divided
+     among the live validators): leases in Redis it renews, taken from where the verdicts of
+     their last holder end (`validator_offsets`), so a killed validator's partitions pass to
+     the others within `validators.lease_s` and no group is left without a verdict;
+  3. read the next groups of those partitions and judge each one with the learner's own checks:
+     the seal (`pipeline.trust.RolloutVerifier` against the root-signed key registry), the
+     prompt and every reward re-scored with the task's verifier, and the log-probs re-scored
+     with the version the group claims, fetched and verified through the weight path
+     (`consumers.screening`: probation, the secret draw of stale groups, the thresholds);
+  4. publish one verdict per group (`pipeline.verdicts`), signed with its key, to
+     `<topic>.verdicts`; once the broker acknowledged them, record in Redis where each
+     partition's verdicts end.
+
+A message whose seal does not hold gets no verdict: the learner checks seals itself and
+dead-letters it. Groups are judged at least once (a new holder may judge again the last
+groups of a killed one); the learner uses the first valid verdict on each group.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import redis
+import torch
+
+from consumers.screening import GroupScreen, PastPolicies
+from pipeline.config import HeteroConfig
+from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.keyring import key_paths, load_root_public, load_validator_key, read_registry
+from pipeline.models import load_policy
+from pipeline.rollout import Rollout, RolloutDecodeError
+from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
+                              touch_heartbeat_file)
+from pipeline.signing import SignatureError
+from pipeline.trust import Rejected, RolloutVerifier
+from pipeline.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+
+
+@dataclass(frozen=True)
+class PartitionShare:
+    """Which partitions a validator should hold, decided from who holds what. No I/O."""
+
+    partitions: tuple[int, ...]
+    me: str
+
+    def plan(self, holders: dict[int, Optional[str]], live_validators: int) -> tuple[list[int], list[int]]:
+        """(partitions to take, partitions to let go): each validator holds at most its fair
+        share, ceil(partitions / live validators); it takes free ones up to it and lets go of
+        those above it (the highest first), so a newcomer finds some free soon."""
+        share = math.ceil(len(self.partitions) / max(1, live_validators))
+        mine = [p for p in self.partitions if holders.get(p) == self.me]
+        free = [p for p in self.partitions if holders.get(p) is None]
+        if len(mine) > share:
+            return [], mine[share:]
+        return free[:share - len(mine)], []
+
+
+class Validator:
+    """One validator process: `run()` repeats `turn()`, whose steps are the methods below."""
+
+    def __init__(self, cfg: HeteroConfig, validator_id: str):
+        self.cfg, self.vcfg, self.validator_id = cfg, cfg.validators, validator_id
+        self.log = setup_logging(f"validator {validator_id}")
+        self.stopping = False
+        self.held: dict[int, int] = {}
+        """Partition held -> the next offset whose verdict is not yet acknowledged."""
+        self.counts: Counter = Counter()
+        self.started = time.time()
+        self.last_heartbeat = self.registry_read_at = -math.inf
+        self.check_s = 0.0
+        """Seconds spent judging groups (the rest: waiting for groups, I/O)."""
+
+    def run(self) -> int:
+        """Judge groups until stopped (SIGTERM/SIGINT)."""
+        self.start()
+        try:
+            while not self.stopping:
+                try:
+                    self.turn()
+                except redis.RedisError as e:
+                    self.log.warning("Redis unreachable (%s); retrying in 1s", type(e).__name__)
+                    time.sleep(1.0)
+        finally:
+            self.close()
+        return 0
+
+    def turn(self) -> None:
+        touch_heartbeat_file()
+        self.heartbeat_if_due()
+        self.hold_partitions()
+        if not self.held:
+            time.sleep(self.vcfg.poll_timeout_s)
+            return
+        records = self.source.poll(self.vcfg.poll_timeout_s)
+        if records:
+            self.judge(records)
+
+    # ---- start ------------------------------------------------------------------------
+    def start(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        torch.set_num_threads(self.vcfg.torch_threads)
+        self.key = load_validator_key(key_paths(self.cfg), self.validator_id, self.vcfg.validator_key)
+        self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
+        self.handles = connect_run(self.cfg)
+        self.state = self.handles.state
+        bootstrap, security = self.handles.services.kafka_bootstrap, self.handles.services.security
+        topic = self.cfg.run.topic
+        ensure_topic(bootstrap, verdicts_topic(topic), 1, retention_ms=self.cfg.run.topic_retention_ms,
+                     security=security)
+        self.source = RolloutSource(bootstrap, topic, security=security)
+        self.source.assign({})
+        self.share = PartitionShare(tuple(self.source.all_partitions), self.validator_id)
+        self.sink = RolloutSink(bootstrap, verdicts_topic(topic), security=security)
+        self.root_public = load_root_public(key_paths(self.cfg))
+        self.verifier = RolloutVerifier(self.cfg.run.name, None, self.cfg.security.require_signatures)
+        self.refresh_registry()
+        model_dir = resolve_base_model(self.cfg)
+        _, tokenizer = load_policy(model_dir)
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f".validator-{self.validator_id}-",
+                                              dir=self.cfg.services.data_dir))
+        self.past = PastPolicies(self.handles.store, self.work_dir, model_dir)
+        self.learner_version = 0
+        self.screen = GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
+                                  self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past)
+        self.screen.checked_versions = {}
+        self.log.info("validator %s started: key %s, topic %s (%d partitions), verdicts to %s", self.validator_id,
+                      self.key.key_id, topic, len(self.share.partitions), verdicts_topic(topic))
+
+    def _stop(self, *_) -> None:
+        self.stopping = True
+
+    def heartbeat_if_due(self) -> None:
+        if time.monotonic() - self.last_heartbeat < self.vcfg.lease_s / 3:
+            return
+        self.last_heartbeat = time.monotonic()
+        self.state.renew_validator_lease(self.validator_id, {"key_id": self.key.key_id, "groups": self.counts["judged"],
+                                                              "started_at": self.started}, self.vcfg.lease_s)
+        self.refresh_registry()
+
+    def refresh_registry(self) -> None:
+        if time.monotonic() - self.registry_read_at < self.cfg.security.registry_refresh_s:
+            return
+        self.registry_read_at = time.monotonic()
+        try:
+            registry = read_registry(self.state.client, self.cfg.run.name, self.root_public)
+        except SignatureError as e:
+            self.log.error("ignoring the key registry in Redis: %s; keeping the last valid one", e.reason)
+            return
+        old = self.verifier.registry
+        if old is None or registry.serial >= old.serial:
+            self.verifier.registry = registry
+
+    # ---- partitions -------------------------------------------------------------------
+    def hold_partitions(self) -> None:
+        """Renew the leases held, take free partitions up to this validator's share, let go of
+        any above it; re-read the topic from where each new partition's verdicts end."""
+        lost = [p for p in self.held if not self.state.hold_partition(p, self.validator_id, self.vcfg.lease_s)]
+        for p in lost:  # it ran out (a long pause): another holder judges from where it ended
+            self.log.warning("lost the lease of partition %d; its next holder goes on from there", p)
+            del self.held[p]
+        take, let_go = self.share.plan(self.state.partition_holders(list(self.share.partitions)),
+                                       len(self.state.live_validators()))
+        for p in let_go:
+            self.state.let_go_partition(p, self.validator_id)
+            del self.held[p]
+        taken = [p for p in take if self.state.hold_partition(p, self.validator_id, self.vcfg.lease_s)]
+        if taken or lost or let_go:
+            ends = self.state.validator_offsets()
+            for p in taken:
+                self.held[p] = ends.get(p, 0)
+            self.source.assign(dict(self.held))
+            self.log.info("holding partition(s) %s of %s (took %s, let go of %s, lost %s)", sorted(self.held),
+                          self.cfg.run.topic, taken, let_go, lost)
+
+    # ---- judge ------------------------------------------------------------------------
+    def judge(self, records: list[RawRecord]) -> None:
+        """One verdict per group read (none for a message whose seal fails), sent and
+        acknowledged, then each partition's progress recorded."""
+        started = time.monotonic()
+        self.learner_version = self.state.policy_version() or 0
+        verdicts: list[GroupVerdict] = []
+        judged: list[tuple[RawRecord, Rollout]] = []
+        for record in records:
+            if record.partition not in self.held:
+                continue  # let go of since the poll
+            rollout = self.open(record)
+            if rollout is None:
+                continue
+            failures = self.screen.check(rollout, max(0, self.learner_version - rollout.policy_version))
+            if failures:
+                verdicts.append(self.verdict(record, rollout, failures[0]))
+            else:
+                judged.append((record, rollout))
+        batch_failures, _ = self.screen.check_batch(
+            [(r, max(0, self.learner_version - r.policy_version)) for _, r in judged], fresh_in_step=False)
+        for record, rollout in judged:
+            failed = batch_failures.get(rollout.rollout_id)
+            verdicts.append(self.verdict(record, rollout, failed[0] if failed else None))
+        self.check_s += time.monotonic() - started
+        self.sink.send_raw_many([seal_verdict(v, self.key) for v in verdicts])
+        self.counts["judged"] += len(verdicts)
+        self.counts["failed"] += sum(not v.passed for v in verdicts)
+        for record in records:
+            if record.partition in self.held:
+                self.held[record.partition] = record.offset + 1
+        for p, offset in self.held.items():
+            self.state.record_validator_offset(p, offset, self.validator_id)
+
+    def open(self, record: RawRecord) -> Optional[Rollout]:
+        """The group, if its seal holds and it is not from the future; else None (no verdict)."""
+        try:
+            rollout = self.verifier.check(record.value, time.time())
+        except (Rejected, RolloutDecodeError) as e:
+            self.counts[f"no_verdict:{getattr(e, 'code', 'malformed')}"] += 1
+            return None
+        if rollout.policy_version > self.learner_version:
+            self.counts["no_verdict:future_version"] += 1  # the learner strikes it at once
+            return None
+        return rollout
+
+    def verdict(self, record: RawRecord, rollout: Rollout, failure: Optional[tuple[str, str]]) -> GroupVerdict:
+        version = self.screen.checked_versions.pop(rollout.rollout_id, None)
+        checks = (("rewards",) if self.cfg.security.rescore_rewards else ()) + (("logprobs",) if version is not None
+                                                                                else ())
+        self.next_seq += 1
+        return GroupVerdict(run=self.cfg.run.name, rollout_id=rollout.rollout_id, partition=record.partition,
+                            offset=record.offset, group_digest=group_digest(record.value),
+                            sampler_id=rollout.sampler_id, key_id=rollout.key_id, passed=failure is None,
+                            failure=failure[0] if failure else "", detail=failure[1] if failure else "",
+                            checks=checks, version_used=version, validator_id=self.validator_id,
+                            validator_key_id=self.key.key_id, seq=self.next_seq)
+
+    # ---- stop -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leases let go (the others take the partitions at once), lease released, totals logged."""
+        try:
+            for p in list(self.held):
+                self.state.let_go_partition(p, self.validator_id)
+            self.state.release_validator_lease(self.validator_id)
+        except redis.RedisError as e:
+            self.log.warning("could not let go of the leases in Redis (%s): they run out in %.0fs",
+                             type(e).__name__, self.vcfg.lease_s)
+        self.sink.close()
+        self.source.close()
+        self.log.info("validator %s stopped after %d verdicts (%s; checks: %s), %.1fs judging", self.validator_id,
+                      self.counts["judged"], ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())),
+                      ", ".join(f"{k} {v}" for k, v in sorted(self.screen.counts.items())), self.check_s)
+
+
+def run_validator(cfg: HeteroConfig, validator_id: str) -> int:
+    return Validator(cfg, validator_id).run()
