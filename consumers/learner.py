@@ -82,7 +82,7 @@ from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, r
 from pipeline.verdicts import GroupVerdict, VerdictVerifier, group_digest, verdicts_topic
 from pipeline.weights.policy import KeyframeRule, PolicyPublisher
 from pipeline.weights.publisher import BackgroundPublisher, Snapshot
-from pipeline.weights.recovery import RecoverySchedule, latest_state, recovery_store, resume_version
+from pipeline.weights.recovery import RecoverySchedule, fetch_newest_state, recovery_store, resume_version
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
@@ -243,11 +243,16 @@ class Learner:
         """Start from the newest recovery state (or the base model), under a version never published before."""
         store = self.handles.store
         self.states = recovery_store(store)
-        state = latest_state(self.states)
+        def skipped(step: int, error: Exception) -> None:
+            self.log.error("cannot resume from the recovery state of step %d (%s); trying the one before it", step,
+                           error)
+
+        found = fetch_newest_state(self.states, self.work_dir, on_skip=skipped)
+        state = None if found is None else found[1]
         if state is None:
             model_dir, state_version, offsets = resolve_base_model(self.cfg), 0, {}
         else:
-            model_dir, _ = self.states.fetch(state.key, self.work_dir / f"resume-s{state.version}", learner_state=True)
+            model_dir = found[0]
             self.step, state_version = state.version, int(state.extra["policy_version"])
             offsets = {int(p): int(o) for p, o in state.extra.get("offsets", {}).items()}
             self.log.info("resuming from the recovery state of step %d (policy v%d) at offsets %s", self.step,
@@ -410,7 +415,7 @@ class Learner:
     def report_position(self) -> None:
         """What the learner has judged, and how much of the topic it has not (samplers pace on both)."""
         self.state.report_learner_offsets(self.next_offsets, self.source.unread(self.next_offsets),
-                                          len(self.admission.pending))
+                                          len(self.admission.pending) + len(self.admission.awaiting))
 
     def admit(self, record: RawRecord) -> None:
         """Check the seal, then admit; a kept group's content is checked before it may be used."""

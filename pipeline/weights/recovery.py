@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, Manifest
+from typing import Callable
+
+from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, Manifest
 
 STATE_PREFIX = "state"
 STATE_LABEL = "s"
@@ -42,6 +44,29 @@ def latest_state(store: CheckpointStore) -> Optional[Manifest]:
             return store.read_manifest(store.manifest_key(step))
         except CheckpointNotFound:  # pruned between the listing and the read
             continue
+    return None
+
+
+def fetch_newest_state(store: CheckpointStore, work_dir: Path,
+                       on_skip: Optional[Callable[[int, Exception], None]] = None) -> Optional[tuple[Path, Manifest]]:
+    """The newest recovery state that downloads whole (every file as its manifest says), in a
+    directory under `work_dir`, with its manifest; the one before it when the newest cannot be
+    had (its files gone or altered while its manifest still reads: `on_skip(step, error)` is
+    told); None for a run that never wrote one. CorruptCheckpointError if none of those it wrote
+    can be had (starting over from the base model would silently undo the run)."""
+    steps = store.list_versions()
+    for step in reversed(steps):
+        try:
+            manifest = store.read_manifest(store.manifest_key(step))
+            model_dir, _ = store.fetch(manifest.key, Path(work_dir) / f"resume-s{manifest.version}",
+                                       learner_state=True)
+            return model_dir, manifest
+        except (CheckpointNotFound, CorruptCheckpointError) as e:
+            if on_skip is not None:
+                on_skip(step, e)
+    if steps:
+        raise CorruptCheckpointError(f"none of the recovery states of steps {steps} in s3://{store.bucket}/"
+                                     f"{store.run}/ can be downloaded whole")
     return None
 
 

@@ -64,6 +64,30 @@ def test_tampered_file_is_refused_and_nothing_is_left_to_load(local_stack, tiny_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".fetch-")]
 
 
+def test_a_learner_resumes_from_the_state_before_a_newest_that_cannot_be_downloaded(local_stack, tiny_model_dir,
+                                                                                    tmp_path):
+    from pipeline.weights.recovery import fetch_newest_state, recovery_store
+
+    states = recovery_store(_store(local_stack, "ckpt-fallback"))
+    for step in (4, 5):
+        states.publish(step, tiny_model_dir, extra={"offsets": {"0": 10 * step}})
+    # the newest state's weights altered, then gone, while its manifest still reads
+    name = "ckpt-fallback/state/s5/model.safetensors"
+    data = b"\x00" * states.client.stat_object(states.bucket, name).size
+    states.client.put_object(states.bucket, name, io.BytesIO(data), len(data))
+    skipped = []
+    model_dir, manifest = fetch_newest_state(states, tmp_path / "a", on_skip=lambda step, e: skipped.append(step))
+    assert manifest.version == 4 and manifest.extra["offsets"] == {"0": 40} and skipped == [5]
+    assert (model_dir / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    states.client.remove_object(states.bucket, name)
+    assert fetch_newest_state(states, tmp_path / "b")[1].version == 4
+    # none can be had: an error, never a silent start from the base model
+    states.client.remove_object(states.bucket, "ckpt-fallback/state/s4/model.safetensors")
+    with pytest.raises(CorruptCheckpointError, match=r"none of the recovery states of steps \[4, 5\]"):
+        fetch_newest_state(states, tmp_path / "c")
+    assert fetch_newest_state(recovery_store(_store(local_stack, "ckpt-no-state")), tmp_path / "d") is None
+
+
 def test_version_without_manifest_does_not_exist(local_stack, tiny_model_dir):
     store = _store(local_stack, "ckpt-partial")
     store.publish(1, tiny_model_dir)
