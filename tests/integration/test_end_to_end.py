@@ -1,5 +1,9 @@
-"""`heterorl train` as a user runs it (its sampler on vLLM where installed), then `status`, `env` and
-`down` on the stack it kept."""
+"""`heterorl train` as a user runs it (its sampler on vLLM where installed, its learner as two
+processes), then `status`, `env` and `down` on the stack it kept.
+
+That two learner ranks compute the same step as one is proven number for number in
+tests/unit/test_ranks.py; the train run here proves the command starts the second rank and feeds
+it every step."""
 
 import json
 import math
@@ -46,7 +50,7 @@ def _train_inspect_and_stop(tmp_path):
     backend = "vllm" if vllm_installed() else "hf"
     proc = heterorl("train", "--config", "smoke", "--out", str(out), "--data-dir", str(data),
                     "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2",
-                    "--set", f"sampler.backend={backend}")
+                    "--set", f"sampler.backend={backend}", "--set", "learner.num_processes=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "held-out accuracy" in proc.stdout
     log = (out / "logs" / "sampler-0.log").read_text()
@@ -55,6 +59,7 @@ def _train_inspect_and_stop(tmp_path):
     assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it in place
     assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
     assert "rebuilt from" in log  # each version came through the weight path (docs/weights.md)
+    assert "rank 1 of 2 ready" in (out / "logs" / "learner.log").read_text()  # the second learner process
 
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_accuracy_before", "eval_accuracy_after", "final_policy_version", "final_checkpoint",
