@@ -139,16 +139,20 @@ class GroupScreen:
         """(kind, detail) of each failed check; the group's rewards are the learner's afterwards.
 
         A group of a key on probation has its log-probs checked here and now, so that a forger
-        is quarantined within its first groups, unless it is fresh and the step will check it
-        (`fresh_in_step`: before any of the step's gradients is applied, so that is as soon);
-        any other is planned for `check_batch` (every one of staleness 0, a drawn share of the
-        stale ones) or left unchecked."""
+        is quarantined within its first groups, unless it is fresh, the step will check it
+        (`fresh_in_step`: before any of the step's gradients is applied) and the key already
+        had as many groups checked as it takes to quarantine it (`security.strikes_to_quarantine`:
+        a forger's first groups are still judged one by one as they are read, before a batch
+        fills with them); any other is planned for `check_batch` (every one of staleness 0, a
+        drawn share of the stale ones) or left unchecked."""
         failures = self._rescore(rollout) if self.security.rescore_rewards else []
         if failures or not self.security.check_logprobs:
             return failures
         who = rollout.key_id or rollout.sampler_id
         on_probation = self.checked[who] < self.security.probation_groups
-        if on_probation and not (staleness == 0 and fresh_in_step):
+        step_checks_it = (staleness == 0 and fresh_in_step
+                          and self.checked[who] >= self.security.strikes_to_quarantine)
+        if on_probation and not step_checks_it:
             model = self.current_policy() if staleness == 0 else self._model_for(rollout.policy_version, 1)
             if model is not None:
                 failure = self._judge(rollout, self._gaps([rollout], model)[0],

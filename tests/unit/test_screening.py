@@ -128,25 +128,33 @@ def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not
     assert [k for k, _ in blind.check(rollouts()[0], staleness=3)] == ["unverifiable"]
 
 
-def test_on_probation_a_fresh_group_is_left_to_the_step_that_can_check_it(setup, monkeypatch):
-    """No pass of its own at admission: the step checks it before applying anything (a forged
-    one refuses the step, `record_fresh` reports the failure and strikes it)."""
-    s = screen(setup, probation_groups=50)
+def test_on_probation_a_keys_first_groups_are_checked_as_read_then_fresh_ones_by_their_step(setup, monkeypatch):
+    """A key's first `strikes_to_quarantine` groups are judged one by one as they are read, so a
+    forger is quarantined before a batch fills with its groups; after that a fresh group costs
+    no pass of its own: the step checks it before applying anything (a forged one refuses the
+    step, `record_fresh` reports the failure and strikes it)."""
+    s = screen(setup, probation_groups=50, strikes_to_quarantine=2)
     honest, lying = setup[3]()[0], setup[3]()[1]
     lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
+    first = setup[3]()[2]
+    first.sampler_logps = lying.sampler_logps
+    assert [k for k, _ in s.check(first, staleness=0, fresh_in_step=True)] == ["logprob_mismatch"]
+    assert s.check(setup[3]()[0], staleness=0, fresh_in_step=True) == []
+    assert s.checked["s"] == 2
     passes = []
     monkeypatch.setattr(s, "_gaps", lambda rollouts, model: passes.append(len(rollouts)) or [0.0] * len(rollouts))
     assert s.check(honest, staleness=0, fresh_in_step=True) == []
     assert s.check(lying, staleness=0, fresh_in_step=True) == []
-    assert passes == []
+    assert passes == []  # left to the step
     failures, in_step = s.check_batch([(honest, 0), (lying, 0)], fresh_in_step=True)
     assert failures == {} and in_step == [0, 1]
     monkeypatch.undo()
     assert s.record_fresh(lying, 4.0)[0] == "logprob_mismatch" and s.record_fresh(honest, 0.0) is None
-    assert s.checked["s"] == 2  # both count toward the key's probation
+    assert s.checked["s"] == 4  # every check counts toward the key's probation
     # where the step cannot check (ZeRO-2, or no fresh check): checked at admission, as before
     other = screen(setup, probation_groups=50)
-    assert [k for k, _ in other.check(lying, staleness=0)] == ["logprob_mismatch"]
+    for _ in range(3):
+        assert [k for k, _ in other.check(lying, staleness=0)] == ["logprob_mismatch"]
 
 
 def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch):
