@@ -39,8 +39,12 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
     added = heterorl("keys", "add", "box-1", *common, env=env).stdout
     key_id = re.search(r"added key (\w+) for sampler 'box-1'", added).group(1)
     assert oct((tmp_path / "keys/samplers/box-1.key").stat().st_mode)[-3:] == "600"
+    added = heterorl("keys", "add", "val-1", "--role", "validator", *common, env=env).stdout
+    validator_key_id = re.search(r"added key (\w+) for validator 'val-1'", added).group(1)
+    assert (tmp_path / "keys/validators/val-1.key").exists()
     listed = heterorl("keys", "list", *common, env=env).stdout
-    assert re.search(rf"{key_id}\s+box-1\s+active", listed)
+    assert re.search(rf"{key_id}\s+sampler\s+box-1\s+active", listed)
+    assert re.search(rf"{validator_key_id}\s+validator\s+val-1\s+active", listed)
     missing = heterorl("sampler", *common, "--id", "box-2", env=env, check=False)
     assert missing.returncode == 2 and "heterorl keys add box-2" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
@@ -60,7 +64,7 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
         day = datetime.now()
         revoked_at = time.time()
         assert f"revoked key {key_id}" in heterorl("keys", "revoke", "box-1", *common, env=env).stdout
-        assert re.search(rf"{key_id}\s+box-1\s+revoked", heterorl("keys", "list", *common, env=env).stdout)
+        assert re.search(rf"{key_id}\s+sampler\s+box-1\s+revoked", heterorl("keys", "list", *common, env=env).stdout)
         while "was revoked" not in (logs / "learner.log").read_text():
             assert time.time() < revoked_at + 60, "the learner never refused the revoked key"
             time.sleep(0.5)
