@@ -1,4 +1,5 @@
-"""`heterorl train` with a task read from a file (the vLLM backend's run is test_end_to_end's)."""
+"""`heterorl train` with a task read from a file, its groups checked by a validator (the vLLM
+backend's run is test_end_to_end's)."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 
 from pipeline.config import ENV_OVERRIDES
 from pipeline.metrics import read_metrics
+from pipeline.update_log import read_entries_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +27,15 @@ def train(tmp_path, *overrides, timeout=600):
 
 
 def test_train_on_a_dataset_whose_fields_are_not_prompt_and_answer(tmp_path):
+    """Its groups are checked by a validator (docs/security.md "Validators"): the dataset's
+    verifier runs there, and the learner uses only the groups it passed."""
     proc = train(tmp_path, "task.name=dataset", f"task.path={SUMS3}", "task.prompt_field=question",
                  "task.answer_field=target", "task.verifier=numeric", "learner.max_steps=4", "eval.every=2",
                  "model.warmup_steps=600",  # smoke's 20 warm-up steps get no sum right
-                 "learner.groups_per_step=4")  # 64 completions a step: at ~10 % right, never all wrong by chance
+                 "learner.groups_per_step=4",  # 64 completions a step: at ~10 % right, never all wrong by chance
+                 "train.num_validators=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_only_groups_a_validator_passed_were_used(tmp_path / "run", tmp_path / "data")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_policy_version"] == 4 and summary["groups_used"] >= 16
     steps = read_metrics(tmp_path / "run" / "metrics.jsonl", "learner")
@@ -47,3 +53,17 @@ def test_a_dataset_field_that_does_not_exist_is_one_line_naming_the_field_and_th
     message = proc.stderr.strip()
     assert len(message.splitlines()) == 1, message
     assert "sums3.jsonl:1" in message and "'prompt'" in message and "question" in message
+
+
+def assert_only_groups_a_validator_passed_were_used(run: Path, data: Path) -> None:
+    learner = json.loads((run / "learner_summary.json").read_text())
+    verdicts = learner["verdicts"]
+    assert verdicts["passed"] >= learner["groups_used"] > 0
+    assert not any(k.startswith("refused:") for k in verdicts), verdicts  # the honest validator's all accepted
+    assert not any(k.startswith("logprobs_checked") for k in learner["checks"])  # the learner checked nothing itself
+    assert len(list((data / "keys" / "validators").glob("*.key"))) == 1  # made and registered by train
+    used = [g for e in read_entries_file(run / "updates.jsonl") if e.kind == "step" for g in e.used]
+    assert len(used) == learner["groups_used"]
+    assert all(g.verdict and ":" in g.verdict for g in used)  # each let in by a recorded verdict
+    log = (run / "logs" / "validator-0.log").read_text()
+    assert "holding partition(s) [0]" in log and "stopped after" in log
