@@ -95,6 +95,9 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=Non
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
+VERDICT_POLLS = 16
+"""Polls of the verdicts topic at most per turn of the loop (each up to 64 verdicts)."""
+
 BUSY_FOR_S = 600.0
 """How long samplers yielding to the learner wait at most for one `busy` stretch (a learner that
 dies in one is not waited for longer)."""
@@ -324,6 +327,10 @@ class Learner:
         self.groups_by_key: Counter = Counter()
         self.fresh_by_key: Counter = Counter()
         """Signed messages read per key, and those of staleness 0 (a quarantine records how many it took)."""
+        self.judged_by_key: Counter = Counter()
+        self.fresh_judged_by_key: Counter = Counter()
+        """With validators: groups per key whose verdict was applied, and those of staleness 0 when
+        read (groups are read ahead of their verdicts, so these count what the checks had seen)."""
         self.registry_read_at = -float("inf")
         self.verdict_verifier = VerdictVerifier(self.cfg.run.name, None) if self.validated else None
         self.verdict_source = (RolloutSource(self.bootstrap, verdicts_topic(self.topic), security=self.kafka_security)
@@ -481,6 +488,8 @@ class Learner:
         self.state.record_quarantine(key_id, {**asdict(quarantine), "dropped_in_flight": dropped,
                                               "groups_seen": self.groups_by_key[key_id],
                                               "fresh_groups_seen": self.fresh_by_key[key_id],
+                                              "groups_judged": self.judged_by_key[key_id],
+                                              "fresh_groups_judged": self.fresh_judged_by_key[key_id],
                                               "learner_version": self.version})
         self.log.error("quarantined sampler %s (key %s): %s; %d of its groups dropped from the batch", sampler_id,
                        key_id, quarantine.reason, dropped)
@@ -491,14 +500,17 @@ class Learner:
         into the batch or refuses it (now, or when the group arrives); a forged one is refused."""
         if self.verdict_source is None:
             return
-        records = self.verdict_source.poll(0.0)
-        if not records:
-            return
-        with self.busy():
-            for record in records:
-                self.take_verdict(record)
-            while self.train_ready():
-                self.report_position()
+        for _ in range(VERDICT_POLLS):  # a full poll may leave more behind it
+            records = self.verdict_source.poll(0.0)
+            if not records:
+                return
+            with self.busy():
+                for record in records:
+                    self.take_verdict(record)
+                while self.train_ready():
+                    self.report_position()
+            if len(records) < self.verdict_source.max_records:
+                return
 
     def take_verdict(self, record: RawRecord) -> None:
         where = f"{verdicts_topic(self.topic)}[{record.partition}]@{record.offset}"
@@ -510,8 +522,10 @@ class Learner:
                 self.log.warning("refused the verdict at %s: %s", where, e.reason)
                 return
         self.verdict_counts["valid"] += 1
-        decided = verdict.rollout_id in self.admission.seen_ids and verdict.rollout_id not in self.admission.awaiting
-        if decided or verdict.rollout_id in self.verdicts:
+        if verdict.rollout_id in self.admission.seen_ids and verdict.rollout_id not in self.admission.awaiting:
+            self.verdict_counts["group_already_decided"] += 1  # quarantined, dropped, or another verdict first
+            return
+        if verdict.rollout_id in self.verdicts:
             self.verdict_counts["not_first"] += 1  # another validator's (or a re-judged) verdict came first
             return
         self.verdicts[verdict.rollout_id] = verdict
@@ -530,6 +544,8 @@ class Learner:
                              verdict.validator_key_id, verdict.seq, rollout_id, verdict.partition, verdict.offset)
             return
         del self.awaiting_at[rollout_id]
+        self.judged_by_key[group.rollout.key_id] += 1
+        self.fresh_judged_by_key[group.rollout.key_id] += group.staleness == 0
         ref = f"{verdict.validator_key_id}:{verdict.seq}"
         if verdict.passed:
             self.verdict_counts["passed"] += 1
@@ -670,6 +686,8 @@ class Learner:
             return False
         if self.admission.awaiting and not self.verdicts_waited_out():
             return False
+        if self.verdict_source is not None and self.verdict_source.lag() > 0:
+            return False  # every verdict written before the drain is read (and forged ones refused)
         try:
             return self.source.lag() == 0
         except KafkaError as e:

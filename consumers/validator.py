@@ -28,6 +28,7 @@ groups of a killed one); the learner uses the first valid verdict on each group.
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import tempfile
 import time
@@ -40,6 +41,7 @@ import redis
 import torch
 
 from consumers.screening import GroupScreen, PastPolicies
+from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
 from pipeline.keyring import key_paths, load_root_public, load_validator_key, read_registry
@@ -131,17 +133,26 @@ class Validator:
         self.root_public = load_root_public(key_paths(self.cfg))
         self.verifier = RolloutVerifier(self.cfg.run.name, None, self.cfg.security.require_signatures)
         self.refresh_registry()
+        self.learner_version = 0
+        """The newest version the learner is known to have published (monotonic, each one's signed
+        manifest verified: a pointer rolled back or forged in Redis moves nothing)."""
+        self.published: set[int] = set()
+        self.screen = self.make_screen()
+        self.screen.checked_versions = {}
+        self.log.info("validator %s started: key %s, topic %s (%d partitions), verdicts to %s", self.validator_id,
+                      self.key.key_id, topic, len(self.share.partitions), verdicts_topic(topic))
+
+    def make_screen(self) -> GroupScreen:
+        """The learner's checks, with the base model's tokenizer and the published versions (the
+        one a group claims, fetched and verified through the weight path, loaded on one scratch
+        model: `PastPolicies`)."""
         model_dir = resolve_base_model(self.cfg)
         _, tokenizer = load_policy(model_dir)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f".validator-{self.validator_id}-",
                                               dir=self.cfg.services.data_dir))
         self.past = PastPolicies(self.handles.store, self.work_dir, model_dir)
-        self.learner_version = 0
-        self.screen = GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
-                                  self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past)
-        self.screen.checked_versions = {}
-        self.log.info("validator %s started: key %s, topic %s (%d partitions), verdicts to %s", self.validator_id,
-                      self.key.key_id, topic, len(self.share.partitions), verdicts_topic(topic))
+        return GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
+                           self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past)
 
     def _stop(self, *_) -> None:
         self.stopping = True
@@ -151,6 +162,7 @@ class Validator:
             return
         self.last_heartbeat = time.monotonic()
         self.state.renew_validator_lease(self.validator_id, {"key_id": self.key.key_id, "groups": self.counts["judged"],
+                                                              "judging_s": round(self.check_s, 3),
                                                               "started_at": self.started}, self.vcfg.lease_s)
         self.refresh_registry()
 
@@ -194,7 +206,9 @@ class Validator:
         """One verdict per group read (none for a message whose seal fails), sent and
         acknowledged, then each partition's progress recorded."""
         started = time.monotonic()
-        self.learner_version = self.state.policy_version() or 0
+        version, manifest_key = self.state.policy()
+        if version is not None and manifest_key:
+            self.is_published(version, manifest_key)
         verdicts: list[GroupVerdict] = []
         judged: list[tuple[RawRecord, Rollout]] = []
         for record in records:
@@ -202,6 +216,10 @@ class Validator:
                 continue  # let go of since the poll
             rollout = self.open(record)
             if rollout is None:
+                continue
+            if not self.is_published(rollout.policy_version):
+                verdicts.append(self.verdict(record, rollout, (
+                    "unverifiable", f"v{rollout.policy_version} is not a published version")))
                 continue
             failures = self.screen.check(rollout, max(0, self.learner_version - rollout.policy_version))
             if failures:
@@ -230,10 +248,23 @@ class Validator:
         except (Rejected, RolloutDecodeError) as e:
             self.counts[f"no_verdict:{getattr(e, 'code', 'malformed')}"] += 1
             return None
-        if rollout.policy_version > self.learner_version:
-            self.counts["no_verdict:future_version"] += 1  # the learner strikes it at once
-            return None
         return rollout
+
+    def is_published(self, version: int, manifest_key: Optional[str] = None) -> bool:
+        """Whether the learner published `version` (its manifest reads and carries the learner's
+        signature); the known newest version rises with it. A group may claim a version the policy
+        pointer does not show yet: the pointer is written a moment after the manifest."""
+        if version in self.published:
+            return True
+        try:
+            manifest = self.handles.store.read_manifest(manifest_key or self.handles.store.manifest_key(version))
+        except (CheckpointNotFound, CorruptCheckpointError):
+            return False
+        if manifest.version != version:
+            return False
+        self.published.add(version)
+        self.learner_version = max(self.learner_version, version)
+        return True
 
     def verdict(self, record: RawRecord, rollout: Rollout, failure: Optional[tuple[str, str]]) -> GroupVerdict:
         version = self.screen.checked_versions.pop(rollout.rollout_id, None)
@@ -253,12 +284,16 @@ class Validator:
         try:
             for p in list(self.held):
                 self.state.let_go_partition(p, self.validator_id)
+            self.state.record_validator_stats(self.validator_id, {**self.counts, "judging_s": round(self.check_s, 1),
+                                                                  "checks": self.screen.summary()})
             self.state.release_validator_lease(self.validator_id)
         except redis.RedisError as e:
             self.log.warning("could not let go of the leases in Redis (%s): they run out in %.0fs",
                              type(e).__name__, self.vcfg.lease_s)
         self.sink.close()
         self.source.close()
+        if getattr(self, "work_dir", None) is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
         self.log.info("validator %s stopped after %d verdicts (%s; checks: %s), %.1fs judging", self.validator_id,
                       self.counts["judged"], ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())),
                       ", ".join(f"{k} {v}" for k, v in sorted(self.screen.counts.items())), self.check_s)

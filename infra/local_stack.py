@@ -650,7 +650,7 @@ SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats",
 SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine")
 # A validator (consumers/validator.py) writes its lease, the partition leases and where its
 # verdicts end; it reads what a sampler reads.
-VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets")
+VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")
 # Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
 # command (the categories cover them); scripts and MULTI/EXEC stay, the product needs both.
 _ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting -@dangerous -@admin"

@@ -26,6 +26,7 @@ Keys (all under `heterorl:<run>:`):
 - `partition_lease:<p>` the id of the validator that checks partition p of the rollout topic,
                       with a TTL (`validators.lease_s`) its holder renews; a killed
                       validator's partitions are free again once it runs out.
+- `validator_stats`   hash validator id -> JSON of its totals and checks, written when it stops.
 - `validator_offsets` hash partition -> next offset whose verdict is not yet published (written
                       by the partition's holder only, after its verdicts are acknowledged):
                       where the next holder starts.
@@ -444,6 +445,13 @@ class RunState:
         pipe.hset(key, mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_at": time.time()})
         pipe.pexpire(key, max(1, int(ttl_s * 1000)))
         pipe.execute()
+
+    def record_validator_stats(self, validator_id: str, stats: dict) -> None:
+        """A stopping validator's totals and its checks' statistics (`GroupScreen.summary`)."""
+        self.client.hset(self.prefix + "validator_stats", validator_id, json.dumps(stats))
+
+    def validator_stats(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "validator_stats").items()}
 
     def release_validator_lease(self, validator_id: str) -> None:
         self.client.delete(f"{self.prefix}validator:{validator_id}")
