@@ -14,7 +14,11 @@ Attackers run as threads of `heterorl attack`:
 
 - `Replayer`:        re-sends copies of earlier messages of the topic;
 - `ManifestTamperer`: with write access to S3 and Redis, rewrites a checkpoint in place,
-                     publishes a checkpoint of its own, and rolls the policy pointer back.
+                     publishes a checkpoint of its own, and rolls the policy pointer back;
+- `VerdictForger`:   with validators (`heterorl attack --validators K`), writes verdicts that
+                     would let the adversaries' groups in: unsigned, signed with an adversary's
+                     sampler key, a genuine verdict moved onto another group, and genuine
+                     verdicts sent again.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from producers.sampler import Sampler
 
 SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
 ATTACKER_KINDS = ("replay", "tampered_manifest")
+FORGED_VERDICT_KINDS = ("unsigned", "sampler_key", "other_group", "replayed")
+"""What `VerdictForger` sends, and the learner's refusal code for each."""
+FORGED_VERDICT_REFUSALS = {"unsigned": "unsigned_verdict", "sampler_key": "wrong_role",
+                           "other_group": "bad_signature", "replayed": "replayed_verdict"}
 
 
 class ForgedRewards(Sampler):
@@ -256,3 +264,82 @@ class ManifestTamperer(threading.Thread):
             return None
         self.state.client.hset(self.state.prefix + "policy", mapping=self.old_pointer)
         return f"pointer rolled back to v{self.old_pointer['version']}"
+
+
+class VerdictForger(threading.Thread):
+    """An attacker that can write to the verdicts topic and holds an adversary's sampler key.
+    Every `every_s`, for the adversaries' groups read since (`adversary_ids`) it sends passing
+    verdicts: one unsigned, one signed with `sampler_key`, and a genuine verdict of another group
+    rewritten to name this one (its signature kept); and it re-sends genuine verdicts verbatim.
+    The learner must refuse every one (`FORGED_VERDICT_REFUSALS`)."""
+
+    def __init__(self, bootstrap: str, topic: str, run: str, adversary_ids: set[str], sampler_key: SigningKey,
+                 every_s: float = 2.0):
+        super().__init__(name="verdict-forger", daemon=True)
+        self.bootstrap, self.topic, self.run_name, self.every_s = bootstrap, topic, run, every_s
+        self.adversary_ids, self.sampler_key = adversary_ids, sampler_key
+        self.sent: dict[str, int] = {kind: 0 for kind in FORGED_VERDICT_KINDS}
+        self.stopped = threading.Event()
+        self.errors = 0
+        self.seen_groups: set[tuple[int, int]] = set()
+        self.replayed: set[tuple[int, int]] = set()
+        self.own: set[tuple[int, int]] = set()
+        """Where its own messages landed in the verdicts topic (never taken for genuine ones)."""
+        self.seq = 0
+
+    def run(self) -> None:
+        from pipeline.rollout import decode_rollout
+        from pipeline.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+
+        sink: Optional[RolloutSink] = None
+        while not self.stopped.wait(self.every_s):
+            try:
+                sink = sink or RolloutSink(self.bootstrap, verdicts_topic(self.topic))
+                genuine = [r for r in read_topic(self.bootstrap, verdicts_topic(self.topic), timeout_s=10.0)
+                           if (r.partition, r.offset) not in self.own]
+                for record in read_topic(self.bootstrap, self.topic, timeout_s=10.0):
+                    if (record.partition, record.offset) in self.seen_groups:
+                        continue
+                    self.seen_groups.add((record.partition, record.offset))
+                    try:
+                        group = decode_rollout(record.value)
+                    except ValueError:
+                        continue
+                    if group.sampler_id not in self.adversary_ids:
+                        continue
+                    self.seq += 1
+                    forged = GroupVerdict(run=self.run_name, rollout_id=group.rollout_id, partition=record.partition,
+                                          offset=record.offset, group_digest=group_digest(record.value),
+                                          sampler_id=group.sampler_id, key_id=group.key_id, passed=True,
+                                          checks=("rewards", "logprobs"), version_used=group.policy_version,
+                                          validator_id=group.sampler_id, validator_key_id=self.sampler_key.key_id,
+                                          seq=self.seq)
+                    signed = json.loads(seal_verdict(forged, self.sampler_key))
+                    unsigned = {k: v for k, v in signed.items() if k != "signature"}
+                    self.own.update(sink.send_raw_many([json.dumps(unsigned).encode(), json.dumps(signed).encode()]))
+                    self.sent["unsigned"] += 1
+                    self.sent["sampler_key"] += 1
+                    passing = [v for v in map(_json_or_none, (r.value for r in genuine))
+                               if isinstance(v, dict) and v.get("passed") is True and "signature" in v]
+                    if passing:  # a validator's real signature, on another group's verdict
+                        moved = {**passing[-1], "rollout_id": group.rollout_id, "partition": record.partition,
+                                 "offset": record.offset, "group_digest": group_digest(record.value),
+                                 "sampler_id": group.sampler_id, "key_id": group.key_id}
+                        self.own.add(sink.send_raw(json.dumps(moved).encode()))
+                        self.sent["other_group"] += 1
+                again = [r for r in genuine if (r.partition, r.offset) not in self.replayed][:4]
+                for r in again:
+                    self.replayed.add((r.partition, r.offset))
+                    self.own.add(sink.send_raw(r.value))
+                    self.sent["replayed"] += 1
+            except Exception:  # noqa: BLE001 - an attacker keeps trying
+                self.errors += 1
+        if sink is not None:
+            sink.close()
+
+
+def _json_or_none(value: bytes):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None

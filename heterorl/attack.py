@@ -13,7 +13,10 @@ Then the samplers stop, the learner drains, and OUT/attack_audit.json says:
   staleness 0, the fresh data checked against the learner's own weights);
 - honest samplers quarantined (target: none);
 - the checkpoints the tamperer rewrote and how often samplers refused them;
-- held-out accuracy before and after (it should still rise).
+- held-out accuracy before and after (it should still rise);
+- with `--validators K` (the checks done by K validators, docs/security.md "Validators"):
+  the forged verdicts the `VerdictForger` sent, by kind, and the learner's refusals of
+  them (target: every one refused, none let a group in).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from heterorl.adversaries import SAMPLER_KINDS, ManifestTamperer, Replayer
+from heterorl.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
+                                  VerdictForger)
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run
 from pipeline.audit import audit_topic
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.keyring import init_keys, key_paths
+from pipeline.signing import read_key_file
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 
@@ -47,7 +52,7 @@ UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 
 
-def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int:
+def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, validators: int = 0) -> int:
     log = setup_logging("attack")
     started = time.time()
     run_name = f"{cfg.run.name}-attack-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -60,13 +65,17 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
                                                     "redis_url": None, "s3_endpoint": None}),
         "learner": cfg.learner.model_copy(update={"max_steps": 10**9}),
         "model": cfg.model.model_copy(update={"base": str(base)}),
+        "validators": cfg.validators.model_copy(update={"enabled": validators > 0}),
     })
+    if validators > cfg.run.topic_partitions:  # one partition each, so that every validator works
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"topic_partitions": validators})})
     with services_for_run(cfg, keep=False) as (cfg, services, _):
         init_keys(key_paths(cfg))
         handles = connect_run(cfg)
         honest_ids = [f"{run_name}-s{i}" for i in range(honest)]
         adversary_ids = {kind: f"{run_name}-adv-{kind}" for kind in SAMPLER_KINDS}
-        provision_local(cfg, handles.state.client, honest_ids + list(adversary_ids.values()))
+        validator_ids = [f"{run_name}-v{i}" for i in range(validators)]
+        provision_local(cfg, handles.state.client, honest_ids + list(adversary_ids.values()), validator_ids)
         before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         config_file = out / "config.yaml"
@@ -74,7 +83,11 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
         procs = Processes(out, child_env(as_role(services, cfg.services.data_dir, "sampler")))
         common = ["--config", str(config_file), "--data-dir", cfg.services.data_dir]
         replayer = Replayer(services.kafka_bootstrap, cfg.run.topic, seed=cfg.run.seed)
-        tamperer = ManifestTamperer(handles.store, handles.state)
+        tamperer = ManifestTamperer(handles.store, handles.state, every_s=min(10.0, minutes * 60 / 8))
+        forger = (VerdictForger(services.kafka_bootstrap, cfg.run.topic, run_name, set(adversary_ids.values()),
+                                read_key_file(key_paths(cfg).sampler_key(adversary_ids["forged_rewards"])))
+                  if validators else None)
+        attackers = [a for a in (replayer, tamperer, forger) if a is not None]
         try:
             procs.start("learner", ["learner", *common, "--out", str(out)],
                         env=child_env(as_role(services, cfg.services.data_dir, "learner")))
@@ -82,17 +95,20 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
                 procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id])
             for kind, sampler_id in adversary_ids.items():
                 procs.start(f"adversary-{kind}", ["adversary", kind, *common, "--id", sampler_id])
-            replayer.start()
-            tamperer.start()
+            validator_env = child_env(as_role(services, cfg.services.data_dir, "validator"))
+            for i, validator_id in enumerate(validator_ids):
+                procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env)
+            for attacker in attackers:
+                attacker.start()
             _wait(procs, handles.state, minutes * 60)
             log.info("stopping samplers and attackers, then draining the learner")
-            replayer.stopped.set()
-            tamperer.stopped.set()
-            procs.stop([n for n in procs.procs if n != "learner"], grace_s=120.0)
-            _drain(procs)
+            for attacker in attackers:
+                attacker.stopped.set()
+            procs.stop([n for n in procs.procs if n != "learner" and not n.startswith("validator")], grace_s=120.0)
+            _drain(procs)  # the validators judge what the learner still reads
         finally:
-            replayer.stopped.set()
-            tamperer.stopped.set()
+            for attacker in attackers:
+                attacker.stopped.set()
             procs.stop()
         version, _ = handles.state.policy()
         # The learner's last weights (and the offsets and verdicts it reached), from its final
@@ -101,11 +117,18 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int) -> int
         reports = handles.state.sampler_stats()
         data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
                            honest_sampler_ids=set(honest_ids), forged_messages=frozenset(replayer.copies))
-        audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports)
-        audit.update(run=run_name, minutes=minutes, honest_samplers=honest, final_policy_version=version,
+        learner_summary = json.loads((out / "learner_summary.json").read_text())
+        audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
+                       validators)
+        if forger is not None:
+            audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}))
+            audit["targets_met"] = audit["targets_met"] and audit["adversaries"]["forged_verdicts"]["target_met"]
+        audit.update(run=run_name, minutes=minutes, honest_samplers=honest, validators=validators,
+                     final_policy_version=version,
                      eval_accuracy_before=before["accuracy_sampled"], eval_accuracy_after=after["accuracy_sampled"],
                      eval_greedy_before=before["accuracy_greedy"], eval_greedy_after=after["accuracy_greedy"],
-                     learner_checks=json.loads((out / "learner_summary.json").read_text()).get("checks"),
+                     learner_checks=learner_summary.get("checks"), learner_verdicts=learner_summary.get("verdicts"),
+                     validator_checks={v: stats.get("checks") for v, stats in handles.state.validator_stats().items()},
                      wall_seconds=round(time.time() - started, 1))
     (out / "attack_audit.json").write_text(json.dumps(audit, indent=2))
     print(_report(audit, out))
@@ -139,19 +162,24 @@ def _drain(procs: Processes, timeout_s: float = 600.0) -> None:
 
 
 def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: dict[str, str], replayer: Replayer,
-           tamperer: ManifestTamperer, reports: dict) -> dict:
+           tamperer: ManifestTamperer, reports: dict, validators: int = 0) -> dict:
+    """The audit's numbers and targets. With validators the quarantine counts are of the groups
+    whose verdicts the learner applied (it reads groups ahead of their verdicts); without, of the
+    groups it read (it checks them as it reads them)."""
+    seen, fresh = ("groups_judged", "fresh_groups_judged") if validators else ("groups_seen", "fresh_groups_seen")
     by_sampler = data.get("by_sampler", {})
     quarantined_by_sampler = {q["sampler_id"]: q for q in quarantines.values()}
     adversaries = {}
     for kind, sampler_id in adversary_ids.items():
         row = by_sampler.get(sampler_id, {"produced": 0, "used": 0})
         q = quarantined_by_sampler.get(sampler_id)
-        in_time = q is not None and q["groups_seen"] <= QUARANTINE_WITHIN and (
-            kind not in FRESH_WITHIN or q["fresh_groups_seen"] <= FRESH_WITHIN[kind])
+        in_time = q is not None and q[seen] <= QUARANTINE_WITHIN and (
+            kind not in FRESH_WITHIN or q[fresh] <= FRESH_WITHIN[kind])
         adversaries[kind] = {
             "sampler_id": sampler_id, "groups_produced": row["produced"], "groups_used": row["used"],
-            "quarantined": q is not None, "quarantined_after_groups": q.get("groups_seen") if q else None,
-            "quarantined_after_fresh_groups": q.get("fresh_groups_seen") if q else None,
+            "quarantined": q is not None, "quarantined_after_groups": q.get(seen) if q else None,
+            "quarantined_after_fresh_groups": q.get(fresh) if q else None,
+            "groups_read_before_quarantine": q.get("groups_seen") if q else None,
             "reason": q.get("reason") if q else None,
             "quarantine_within": None if kind in UNATTRIBUTABLE else QUARANTINE_WITHIN,
             "quarantine_within_fresh": FRESH_WITHIN.get(kind),
@@ -178,14 +206,24 @@ def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: 
             "quarantines": quarantines}
 
 
+def _forged_verdicts(forger: VerdictForger, learner_verdicts: dict) -> dict:
+    """What the forger sent by kind, and the learner's refusals under the code each should get:
+    met if it sent every kind and the learner refused at least as many under each code (a
+    refusal it had not read before draining would be missing) and let none in."""
+    refused = {kind: int(learner_verdicts.get(f"refused:{code}", 0)) for kind, code in FORGED_VERDICT_REFUSALS.items()}
+    return {"sent": dict(forger.sent), "refused_by_the_learner": refused, "errors": forger.errors,
+            "target_met": all(forger.sent[k] > 0 and refused[k] >= forger.sent[k] for k in FORGED_VERDICT_REFUSALS)}
+
+
 def _report(audit: dict, out: Path) -> str:
     lines = [f"\nattack {audit['run']}: forged groups used {audit['forged_used_in_updates']}, honest samplers "
              f"quarantined {len(audit['honest_quarantined'])}, held-out accuracy {audit['eval_accuracy_before']:.3f}"
              f" -> {audit['eval_accuracy_after']:.3f}; targets {'met' if audit['targets_met'] else 'MISSED'}"]
     for kind, a in audit["adversaries"].items():
         if "groups_produced" in a:
-            q = (f"quarantined after {a['quarantined_after_groups']} groups, {a['quarantined_after_fresh_groups']} "
-                 f"of staleness 0 ({a['reason']})" if a["quarantined"]
+            judged = " judged by validators" if audit.get("validators") else ""
+            q = (f"quarantined after {a['quarantined_after_groups']} groups{judged}, "
+                 f"{a['quarantined_after_fresh_groups']} of staleness 0 ({a['reason']})" if a["quarantined"]
                  else "every message refused, not attributable" if a["quarantine_within"] is None else "NOT quarantined")
             lines.append(f"  {kind:16} produced {a['groups_produced']:4}, used {a['groups_used']}, {q}")
     r = audit["adversaries"]["replay"]
@@ -193,6 +231,9 @@ def _report(audit: dict, out: Path) -> str:
     t = audit["adversaries"]["tampered_manifest"]
     lines.append(f"  {'tampered_manifest':16} {len(t['attacks'])} attacks on S3/Redis, refused "
                  f"{t['honest_sampler_refusals']} times by honest samplers")
+    v = audit["adversaries"].get("forged_verdicts")
+    if v is not None:
+        lines.append(f"  {'forged_verdicts':16} sent {v['sent']}, refused by the learner {v['refused_by_the_learner']}")
     lines.append(f"audit: {out}/attack_audit.json")
     return "\n".join(lines)
 

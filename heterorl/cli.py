@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="where the audit, logs and the run's data go")
     p.add_argument("--minutes", type=float, default=3.0, help="how long to train before draining (default 3)")
     p.add_argument("--samplers", type=int, default=2, help="honest samplers (default 2)")
+    p.add_argument("--validators", type=int, default=0, metavar="K",
+                   help="check groups by K validators (and forge verdicts too) instead of in the learner (default 0)")
 
     p = sub.add_parser("adversary", help="run one adversarial sampler (what `heterorl attack` starts)",
                        description="A sampler with a registered key that lies in one way: " +
@@ -301,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samplers", type=int, default=3, help="samplers at the start (default 3)")
     p.add_argument("--partition-s", type=float, default=30.0,
                    help="length of the window in which the samplers reach nothing (default 30)")
+    p.add_argument("--validators", type=int, default=0, metavar="K",
+                   help="check groups by K validators instead of in the learner, and kill one mid-run (default 0)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="new directory: logs, metrics, the servers' data (OUT/data), audit.json; --data-dir "
                         "only locates the cached base model")
@@ -322,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "case's logs and measurements, the servers' data")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the async-against-lock-step comparison (loadtest.compare_fleets)")
+    p.add_argument("--validators", type=int, default=0, metavar="K",
+                   help="K modeled validators check the groups instead of the learner, in the rows of --samplers "
+                        "(default 0)")
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
 
     p = sub.add_parser("weights", help="published policy weights: take any version home as a plain model directory")
@@ -411,7 +418,7 @@ def _cmd_attack(args) -> int:
     cfg = _load(args, local_stack=False)
     from heterorl.attack import run_attack
 
-    return run_attack(cfg, Path(args.out), args.minutes, args.samplers)
+    return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators)
 
 
 def _cmd_adversary(args) -> int:
@@ -530,7 +537,7 @@ def _cmd_chaos(args) -> int:
     from heterorl.chaos import run_chaos
 
     return run_chaos(cfg, Path(args.out), args.minutes, args.samplers, args.partition_s,
-                     keep_stack=args.keep_stack)
+                     keep_stack=args.keep_stack, validators=args.validators)
 
 
 def _sampler_counts(text: str) -> list[int]:
@@ -548,7 +555,8 @@ def _cmd_loadtest(args) -> int:
     cfg = _load(args, local_stack=False)
     from heterorl.loadtest.rig import run_loadtest
 
-    return run_loadtest(cfg, Path(args.out), args.samplers, compare=not args.no_compare, keep_stack=args.keep_stack)
+    return run_loadtest(cfg, Path(args.out), args.samplers, compare=not args.no_compare, keep_stack=args.keep_stack,
+                        validators=args.validators)
 
 
 def _cmd_weights(args) -> int:

@@ -88,12 +88,15 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
 
 
 @pytest.mark.slow
-def test_two_minute_attack_run_meets_every_target(tmp_path, demo_data_dir):
+def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_data_dir):
+    """`heterorl attack --validators 1`: the groups' content is checked by a validator, and
+    forged verdicts come on top of the forged groups (the learner's own checks of the same
+    adversaries are GroupScreen's, tests/unit/test_screening.py; README shows a run of each)."""
     out = tmp_path / "attack"
     started = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # its own stack
     proc = subprocess.run([sys.executable, "-m", "heterorl", "attack", "--config", "demo", "--minutes", "2",
-                           "--out", str(out), "--data-dir", str(demo_data_dir)],
+                           "--validators", "1", "--out", str(out), "--data-dir", str(demo_data_dir)],
                           capture_output=True, text=True, timeout=1200, env=env)
     audit = json.loads((out / "attack_audit.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -107,8 +110,17 @@ def test_two_minute_attack_run_meets_every_target(tmp_path, demo_data_dir):
     assert audit["adversaries"]["bad_signature"]["groups_produced"] > 20
     assert audit["adversaries"]["replay"]["copies_sent"] > 0 and audit["adversaries"]["replay"]["copies_used"] == 0
     assert audit["adversaries"]["tampered_manifest"]["honest_sampler_refusals"] > 0
+    # every kind of forged verdict was sent and every one refused under its reason
+    forged = audit["adversaries"]["forged_verdicts"]
+    assert all(forged["sent"][k] > 0 for k in ("unsigned", "sampler_key", "other_group", "replayed")), forged
+    assert forged["refused_by_the_learner"] == forged["sent"] and forged["target_met"]
+    verdicts = audit["learner_verdicts"]
+    assert verdicts["passed"] >= audit["accounting"]["used_in_updates"] > 0  # each group used had a passing verdict
+    assert not any(k.startswith("logprobs_checked") for k in audit["learner_checks"])  # the learner checked none
     assert audit["eval_accuracy_after"] > audit["eval_accuracy_before"]
-    for sampler, gaps in audit["learner_checks"]["logprob_gap_by_sampler"].items():
+    gaps_by_sampler, = [checks["logprob_gap_by_sampler"] for checks in audit["validator_checks"].values()]
+    assert any("-adv-" in s for s in gaps_by_sampler)
+    for sampler, gaps in gaps_by_sampler.items():
         if "-adv-" not in sampler:
             assert gaps["max"] < 0.01, (sampler, gaps)  # honest samplers: float noise, far below 0.10
     assert time.monotonic() - started < 900
