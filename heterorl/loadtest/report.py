@@ -60,6 +60,8 @@ def name_bottleneck(row: dict) -> str:
     if row["learner_utilization"] + sum(shares.get(s, 0.0) for s in STAGES if s != "train") >= 0.9:
         stage = max((s for s in STAGES if s != "train"), key=lambda s: shares.get(s, 0.0))
         return f"learner: its {stage} stage"
+    if (row.get("validator_utilization") or 0.0) >= 0.9:
+        return "validators: their checks (the learner waits for verdicts; add validators)"
     if row["machine_cpu_busy"] >= 0.9:
         return "this machine's CPU (the rig itself: the servers, the samplers' processes and the learner)"
     if row["redis_p99_ms"] is not None and row["redis_p99_ms"] >= 50:
@@ -150,7 +152,15 @@ def case_row(m: dict, cfg: HeteroConfig) -> dict:
         "pending": audit["pending_at_end"], "dead_lettered": audit["dead_lettered"],
         "lost": audit["lost"], "used_twice": audit["used_twice"],
         "run": m["case"]["run"], "exit_codes": m["exit_codes"],
+        "validators": m["case"].get("validators", 0),
     }
+    if row["validators"]:
+        latency = m.get("verdict_latency_s") or []
+        judging = {v: after["validators_judging_s"].get(v, 0.0) - before.get("validators_judging_s", {}).get(v, 0.0)
+                   for v in after.get("validators_judging_s", {})}
+        row.update(verdict_latency_p50_s=quantile(latency, 0.5) if latency else None,
+                   verdict_latency_p95_s=quantile(latency, 0.95) if latency else None,
+                   validator_utilization=(sum(judging.values()) / (len(judging) * window)) if judging else None)
     row["bottleneck"] = name_bottleneck(row)
     return row
 
@@ -177,15 +187,20 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
+    checked_by_validators = any(r.get("validators") for r in rows)
     head = ("samplers", "groups/s", "steps/min", "util", "stale p50/p95/max", "dropped", "redis cmd/smp/s",
-            "redis p99 ms", "broker MB/s", "lost", "twice", "bottleneck")
+            "redis p99 ms", "broker MB/s", "lost", "twice", "bottleneck") + (
+        ("validators", "verdict p50/p95 s", "validator util") if checked_by_validators else ())
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
+        extra = ([str(r.get("validators") or 0),
+                  f"{_fmt(r.get('verdict_latency_p50_s'))}/{_fmt(r.get('verdict_latency_p95_s'))}",
+                  _fmt(r.get("validator_utilization"))] if checked_by_validators else [])
         lines.append(" | ".join([
             str(r["samplers"]), _fmt(r["groups_per_s"]), _fmt(r["steps_per_min"], 1), _fmt(r["learner_utilization"]),
             f"{_fmt(r['staleness_p50'])}/{_fmt(r['staleness_p95'])}/{_fmt(r['staleness_max'])}",
             _fmt(r["dropped_share"], 3), _fmt(r["redis_commands_per_sampler_per_s"]), _fmt(r["redis_p99_ms"], 1),
-            _fmt(r["broker_in_mb_per_s"]), str(r["lost"]), str(r["used_twice"]), r["bottleneck"]]))
+            _fmt(r["broker_in_mb_per_s"]), str(r["lost"]), str(r["used_twice"]), r["bottleneck"], *extra]))
     return "\n".join(lines)
 
 

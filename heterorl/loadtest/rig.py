@@ -61,10 +61,12 @@ class Case:
     samplers: int
     fleet: str
     mode: str  # "async" | "sync"
+    validators: int = 0
+    """Modeled validators checking the groups instead of the learner (`heterorl.loadtest.validator`)."""
 
     @property
     def label(self) -> str:
-        return f"{self.mode}-{self.fleet}-n{self.samplers}"
+        return f"{self.mode}-{self.fleet}-n{self.samplers}" + (f"-v{self.validators}" if self.validators else "")
 
 
 def services_update(services: Services) -> dict:
@@ -164,13 +166,18 @@ class Rig:
         learner_update = {"max_steps": 10**9, "idle_timeout_s": max(600.0, self.cfg.learner.idle_timeout_s)}
         if case.mode == "sync":
             learner_update["max_delay_steps"] = 0  # lock-step: every group is of the current version
+        run_update = {"name": name, "rollout_topic": None}
+        if case.validators > self.cfg.run.topic_partitions:  # a partition each, so that every one works
+            run_update["topic_partitions"] = case.validators
         cfg = self.cfg.model_copy(update={
-            "run": self.cfg.run.model_copy(update={"name": name, "rollout_topic": None}),
-            "learner": self.cfg.learner.model_copy(update=learner_update)})
+            "run": self.cfg.run.model_copy(update=run_update),
+            "learner": self.cfg.learner.model_copy(update=learner_update),
+            "validators": self.cfg.validators.model_copy(update={"enabled": case.validators > 0})})
         ids = [f"{case.mode[0]}{case.samplers}-{i:04d}" for i in range(case.samplers)]
+        validator_ids = [f"{case.mode[0]}{case.samplers}-v{i}" for i in range(case.validators)]
         classes = assign_classes(lt.fleets[case.fleet], case.samplers)
         quotas = lockstep_quotas(cfg.learner.groups_per_step, case.samplers)
-        provision_local(cfg, self.admin_redis, ids)
+        provision_local(cfg, self.admin_redis, ids, validator_ids)
 
         learner_cfg = case_dir / "learner.json"
         learner_cfg.write_text(self.role_config(cfg, "learner").model_dump_json())
@@ -187,6 +194,10 @@ class Rig:
         state = RunState(self.admin_redis, name)
         try:
             start("learner", "heterorl.loadtest.learner", str(learner_cfg), str(case_dir))
+            validator_cfg = case_dir / "validator.json"
+            validator_cfg.write_text(self.role_config(cfg, "validator").model_dump_json())
+            for validator_id in validator_ids:
+                start(f"validator-{validator_id}", "heterorl.loadtest.validator", str(validator_cfg), validator_id)
             sampler_cfg = json.loads(self.role_config(cfg, "sampler").model_dump_json())
             workers = []
             per = lt.samplers_per_process
@@ -212,11 +223,15 @@ class Rig:
             produced_bytes = message_bytes(self.bootstrap, cfg.run.topic, before["time"], after["time"])
             audit = audit_topic(self.bootstrap, cfg.run.topic, final.extra if final else {},
                                 {**state.expired_samplers(within_s=10**9), **state.sampler_stats()})
+            verdict_latency = (verdict_latencies_s(self.bootstrap, cfg.run.topic, before["time"], after["time"])
+                               if case.validators else [])
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
-        measurement = {"case": {"samplers": case.samplers, "fleet": case.fleet, "mode": case.mode, "run": name},
+        measurement = {"case": {"samplers": case.samplers, "fleet": case.fleet, "mode": case.mode, "run": name,
+                                "validators": case.validators},
+                       "verdict_latency_s": verdict_latency,
                        "before": before, "after": after, "redis_probe_s": latencies, "audit": audit,
                        "exit_codes": ended, "broker_bytes_in_window": produced_bytes,
                        "updates": [asdict(e) for e in read_entries_file(case_dir / "updates.jsonl")],
@@ -266,7 +281,9 @@ class Rig:
             path = case_dir / f"{w}.stats.json"
             workers_stats[w] = json.loads(path.read_text()) if path.exists() else {}
         busy, total = machine_busy()
+        judging = {v: float(info.get("judging_s", 0)) for v, info in state.live_validators().items()}
         return {"time": time.time(), "redis_commands": info["total_commands_processed"], "redis_by_command": commands,
+                "validators_judging_s": judging,
                 "workers": workers_stats,
                 "policy_version": state.policy_version(),
                 "learner_offsets": sum(state.learner_offsets().values()),
@@ -275,7 +292,8 @@ class Rig:
                 "machine_busy": busy, "machine_total": total}
 
     def _stop(self, procs: dict, workers: list[str]) -> dict:
-        """Samplers first (they flush their spools), then the learner's drain."""
+        """Samplers first (they flush their spools), then the learner's drain (the validators
+        judge what it still reads), then the validators."""
         for w in workers:
             procs[w].send_signal(signal.SIGTERM)
         codes = {}
@@ -291,11 +309,36 @@ class Rig:
         except subprocess.TimeoutExpired:
             procs["learner"].kill()
             codes["learner"] = "killed"
+        for name in [n for n in procs if n.startswith("validator-")]:
+            procs[name].send_signal(signal.SIGTERM)
+            try:
+                codes[name] = procs[name].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                procs[name].kill()
+                codes[name] = "killed"
         return codes
 
 
+def verdict_latencies_s(bootstrap: str, topic: str, t0: float, t1: float) -> list[float]:
+    """Seconds from each group's arrival at the broker to its first verdict's, for the verdicts
+    appended in [t0, t1] (broker timestamps of both messages)."""
+    from pipeline.verdicts import verdicts_topic
+
+    arrived = {(r.partition, r.offset): r.timestamp_ms for r in read_topic(bootstrap, topic, timeout_s=120)}
+    first: dict[tuple[int, int], int] = {}
+    for r in read_topic(bootstrap, verdicts_topic(topic), timeout_s=120):
+        try:
+            verdict = json.loads(r.value)
+            where = (int(verdict["partition"]), int(verdict["offset"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if where in arrived and where not in first and t0 * 1000 <= r.timestamp_ms <= t1 * 1000:
+            first[where] = r.timestamp_ms
+    return sorted((ms - arrived[where]) / 1000 for where, ms in first.items())
+
+
 def run_loadtest(cfg: HeteroConfig, out: Path, samplers: Optional[list[int]] = None, compare: bool = True,
-                 keep_stack: bool = False) -> int:
+                 keep_stack: bool = False, validators: int = 0) -> int:
     log = setup_logging("loadtest")
     logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)
     out = Path(out)
@@ -308,7 +351,7 @@ def run_loadtest(cfg: HeteroConfig, out: Path, samplers: Optional[list[int]] = N
     cfg = cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"base": str(base)}),
         "services": cfg.services.model_copy(update={"data_dir": str(out / "data")})})
-    cases = [Case(n, lt.fleet, "async") for n in counts]
+    cases = [Case(n, lt.fleet, "async", validators) for n in counts]
     if compare:
         for fleet in lt.compare_fleets:
             for mode in ("async", "sync"):

@@ -89,6 +89,8 @@ def _row(**changes):
 def test_the_bottleneck_is_named_in_order():
     assert name_bottleneck(_row(learner_utilization=0.93)).startswith("learner: its optimizer step")
     assert name_bottleneck(_row(learner_wall_share={"intake": 0.3, "screen": 0.15})) == "learner: its intake stage"
+    assert name_bottleneck(_row(validators=4, validator_utilization=0.95, machine_cpu_busy=0.92)).startswith(
+        "validators: their checks")
     assert name_bottleneck(_row(machine_cpu_busy=0.92)).startswith("this machine's CPU")
     assert name_bottleneck(_row(redis_p99_ms=80.0)).startswith("Redis")
     assert name_bottleneck(_row()).startswith("fleet: too few samplers")
