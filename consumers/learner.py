@@ -75,7 +75,7 @@ from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_m
                               touch_heartbeat_file, with_machine_precision)
 from pipeline.signing import SignatureError
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy
-from pipeline.services import free_port
+from pipeline.services import ServiceUnavailable, free_port
 from pipeline.update import FreshCheck, StepRefused, optimizer_step
 from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
@@ -292,7 +292,7 @@ class Learner:
         self.start_version = self.published_version = self.version
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
-        self.source = RolloutSource(self.bootstrap, self.topic, start_offsets=offsets, security=self.kafka_security)
+        self.source = self.open_source(self.topic, offsets)
         self.next_offsets = self.source.positions()
 
     def _open_logs(self) -> None:
@@ -333,7 +333,7 @@ class Learner:
         read (groups are read ahead of their verdicts, so these count what the checks had seen)."""
         self.registry_read_at = -float("inf")
         self.verdict_verifier = VerdictVerifier(self.cfg.run.name, None) if self.validated else None
-        self.verdict_source = (RolloutSource(self.bootstrap, verdicts_topic(self.topic), security=self.kafka_security)
+        self.verdict_source = (self.open_source(verdicts_topic(self.topic), {})
                                if self.validated else None)  # every verdict from the start: a resumed learner too
         self.verdicts: dict[str, GroupVerdict] = {}
         """Valid verdicts whose group has not been decided yet, by rollout id (the first one wins)."""
@@ -349,6 +349,17 @@ class Learner:
                                   (lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
                                   PastPolicies(self.handles.store, self.work_dir, self.start_dir,
                                                dtype=self.rescoring_dtype(), policies=self.policies))
+
+    def open_source(self, topic: str, offsets: dict[int, int]) -> RolloutSource:
+        """A reader of `topic` from `offsets`, waiting out a broker that does not answer (a
+        restart, a network partition) for up to `learner.idle_timeout_s`."""
+        def on_retry(error: BaseException, wait_s: float, _failures: int) -> None:
+            self.log.warning("%s; retrying in %.1fs", error, wait_s)
+
+        return retry_call(lambda: RolloutSource(self.bootstrap, topic, start_offsets=offsets,
+                                                security=self.kafka_security),
+                          retry_on=(ServiceUnavailable,), first_s=1.0, max_s=15.0,
+                          give_up_after_s=self.lcfg.idle_timeout_s, on_retry=on_retry)
 
     def rescoring_dtype(self) -> torch.dtype:
         """What stale groups are re-scored in: the published policy's dtype where this machine

@@ -14,7 +14,11 @@
      after its last recovery state (those are lost, never reused);
   4. at the end: samplers stopped (they flush their spools), the learner drained
      (SIGUSR1: read to the end of the log, train the rest, publish), held-out accuracy of
-     the final checkpoint, and the audit (`pipeline.audit`) written to OUT/audit.json.
+     the final checkpoint, and the audit (`pipeline.audit`) written to OUT/audit.json;
+  5. with `--validators K` (the checks done by validators, docs/security.md "Validators"):
+     K validators beside the learner, reaching the servers through the proxy like the
+     samplers, the rollout topic with a partition each, and one more fault: a validator
+     killed (SIGKILL) mid-run and restarted later; its partitions pass to the others.
 
 Exit status 1 if the audit finds a lost or twice-used rollout.
 """
@@ -62,12 +66,14 @@ class ChaosEvent:
     at_s: float
     kind: str
     """kill_sampler | add_sampler | remove_sampler | kill_learner | restart_broker | partition |
-    corrupt_delta | kill_sampler_mid_download"""
+    corrupt_delta | kill_sampler_mid_download | kill_validator"""
 
 
-def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> list[ChaosEvent]:
+def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0,
+                   validators: int = 0) -> list[ChaosEvent]:
     """The faults of one run, reproducible from `seed`: the one-off faults at fixed fractions
-    of the run (so they never overlap), sampler churn at seeded random times between them."""
+    of the run (so they never overlap), sampler churn at seeded random times between them;
+    with validators, one of them killed at 40 % of the run."""
     rng = random.Random(seed)
     events = [ChaosEvent(0.20 * duration_s, "partition"),
               ChaosEvent(0.20 * duration_s + partition_s + 0.10 * duration_s, "kill_learner"),
@@ -82,13 +88,15 @@ def chaos_schedule(seed: int, duration_s: float, partition_s: float = 30.0) -> l
     for _ in range(max(0, int(duration_s / 60) - 3)):
         events.append(ChaosEvent(rng.uniform(0.05, 0.85) * duration_s,
                                  rng.choice(["kill_sampler", "add_sampler", "remove_sampler"])))
+    if validators:
+        events.append(ChaosEvent(0.40 * duration_s, "kill_validator"))
     return sorted(events, key=lambda e: e.at_s)
 
 
 class ChaosRun:
     """The processes and servers of one chaos run, and the faults applied to them."""
 
-    def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, partition_s: float, log):
+    def __init__(self, cfg: HeteroConfig, out: Path, samplers: int, partition_s: float, log, validators: int = 0):
         self.cfg, self.out, self.log, self.partition_s = cfg, out, log, partition_s
         self.data_dir = out / "data"
         # The proxy listens first: the broker advertises it and is probed through it.
@@ -121,6 +129,13 @@ class ChaosRun:
         self.corrupted: list[int] = []
         self.config_path = out / "config.yaml"
         self.config_path.write_text(dump_config(cfg))
+        validator_redis = stack_services(self.stack, "validator").redis_url
+        self.validator_env = child_env(self._services(
+            redis=validator_redis.replace(f"{LOOPBACK}:{self.stack.port('redis')}", self.proxy.address("redis")),
+            s3=f"http://{self.proxy.address('s3')}"))
+        self.validator_ids = [f"{cfg.run.name}-v{i}" for i in range(validators)]
+        if validators:
+            provision_local(cfg, self.admin_redis, [], self.validator_ids)
         self.slots = list(range(samplers))  # sampler slots alive; each has a stable spool
         self.incarnation: dict[int, int] = {}
         self.next_slot = samplers
@@ -149,6 +164,10 @@ class ChaosRun:
         self.procs.start(name, ["sampler", "--config", str(self.config_path), "--id",
                                 sampler_id, "--set", f"sampler.spool_dir={spool}"],
                          env=self.sampler_env)
+
+    def start_validator(self, index: int) -> None:
+        self.procs.start(f"validator-{index}", ["validator", "--config", str(self.config_path), "--id",
+                                                 self.validator_ids[index]], env=self.validator_env)
 
     def sampler_alive(self, slot: int) -> bool:
         return self.procs.alive(f"sampler-{slot}")
@@ -180,6 +199,11 @@ class ChaosRun:
             slot, self.next_slot = self.next_slot, self.next_slot + 1
             self.slots.append(slot)
             self.start_sampler(slot)
+        elif event.kind == "kill_validator":
+            index = rng.randrange(len(self.validator_ids))
+            self.procs.kill(f"validator-{index}")  # its leases run out; the others take its partitions
+            time.sleep(self.cfg.validators.lease_s * 2)
+            self.start_validator(index)
         elif event.kind == "remove_sampler":
             alive = [s for s in self.slots if self.sampler_alive(s)]
             if len(alive) <= 1:
@@ -301,7 +325,7 @@ def weight_path_audit(bootstrap: str, topic: str, learner_kills: list[dict], cor
 
 
 def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, partition_s: float = 30.0,
-              keep_stack: bool = False) -> int:
+              keep_stack: bool = False, validators: int = 0) -> int:
     log = setup_logging("chaos")
     logging.getLogger("infra.fault_proxy").setLevel(logging.ERROR)  # its refusals are counted in its stats
     out = Path(out)
@@ -320,13 +344,16 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         "services": cfg.services.model_copy(update={"data_dir": str(out / "data"), "kafka_bootstrap": None,
                                                     "redis_url": None, "s3_endpoint": None}),
         "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "idle_timeout_s": max(600.0, 4 * partition_s)}),
+        "validators": cfg.validators.model_copy(update={"enabled": validators > 0}),
     })
-    schedule = chaos_schedule(cfg.run.seed, duration_s, partition_s)
+    if validators > cfg.run.topic_partitions:  # one partition each, so that every validator works
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"topic_partitions": validators})})
+    schedule = chaos_schedule(cfg.run.seed, duration_s, partition_s, validators)
     (out / "schedule.json").write_text(json.dumps([asdict(e) for e in schedule], indent=1))
     started = time.time()
     run: Optional[ChaosRun] = None
     try:
-        run = ChaosRun(cfg, out, samplers, partition_s, log)
+        run = ChaosRun(cfg, out, samplers, partition_s, log, validators)
         s = run.stack
         services = stack_services(s)
         state = RunState(connect_redis(s.redis_url), run_name)
@@ -335,6 +362,8 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         run.start_learner()
+        for index in range(validators):
+            run.start_validator(index)
         for slot in run.slots:
             run.start_sampler(slot)
         rng = random.Random(cfg.run.seed + 1)
@@ -383,7 +412,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         weights = weight_path_audit(s.kafka_bootstrap, cfg.run.topic, run.learner_kills, run.corrupted, reports)
         proxy_stats = run.proxy.stats()
         audit = {
-            "run": run_name, "minutes": minutes, "samplers": samplers, "seed": cfg.run.seed,
+            "run": run_name, "minutes": minutes, "samplers": samplers, "validators": validators, "seed": cfg.run.seed,
             "faults": {**run.faults, "connection_resets": sum(r["connections_reset"] for r in proxy_stats.values()),
                        "blackholed_windows": max(r["blackholed_windows"] for r in proxy_stats.values())},
             **audit,
@@ -397,12 +426,14 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         }
         (out / "audit.json").write_text(json.dumps(audit, indent=2))
         ok = (audit["lost"] == 0 and audit["used_twice"] == 0 and audit["unaccounted_count"] == 0
-              and audit["forged_used_in_updates"] == 0 and weights["versions_reused"] == 0)
+              and audit["forged_used_in_updates"] == 0 and weights["versions_reused"] == 0
+              and not (validators and audit["used_without_verdict"]))  # with validators: no group used unchecked
         print(f"\nchaos {run_name}: {sum(run.faults.values())} scheduled faults {run.faults}, "
               f"{audit['faults']['connection_resets']} connection resets; produced {audit['produced']}, "
               f"used {audit['used_in_updates']}, dropped {audit['dropped_stale']}, dead-lettered "
               f"{audit['dead_lettered']}, duplicates {audit['duplicates_ignored']}, pending {audit['pending_at_end']}"
-              f" -> lost {audit['lost']}, used twice {audit['used_twice']}, forged used "
+              f" -> lost {audit['lost']}, used twice {audit['used_twice']}, "
+              + (f"used without a verdict {audit['used_without_verdict']}, " if validators else "") + f"forged used "
               f"{audit['forged_used_in_updates']}, versions reused {weights['versions_reused']}, delta paths "
               f"refused {weights['sampler_refused_delta_paths']}; policy v{version}; held-out accuracy "
               f"{before['accuracy_sampled']:.3f} -> {after['accuracy_sampled']:.3f}\naudit: {out}/audit.json")

@@ -67,6 +67,9 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
     dropped |= {(g["partition"], g["offset"], g["rollout_id"]) for g in tail.get("dropped", [])}
     duplicates = {(g.partition, g.offset, g.rollout_id) for e in entries for g in e.duplicates}
     duplicates |= {(g["partition"], g["offset"], g["rollout_id"]) for g in tail.get("duplicates", [])}
+    # A message judged before a restart and read again after it (a learner resumes at its
+    # earliest group still waiting for a verdict) counts once, as what was decided first.
+    duplicates -= set(used) | dropped
     pending = {m for m in messages if m[1] >= int(final_offsets.get(m[0], 0))}
     accounted = set(used) | dropped | duplicates | dead | pending
     unaccounted = sorted((m for m in messages if m not in accounted), key=lambda m: (m[0], m[1]))
@@ -99,6 +102,7 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
         **forged,
         **counts,
         "used_twice": max(messages_twice, ids_twice),
+        "used_without_verdict": sum(1 for e in entries for g in e.used if g.verdict is None),
         "unaccounted_offsets": [f"{p}:{o}:{i}" for p, o, i in unaccounted[:100]],
         "unaccounted_count": len(unaccounted),
         "discarded_at_source": sum(int(r.get("discarded_at_source", 0)) for r in reports.values()),
