@@ -124,8 +124,9 @@ class Validator:
         self.state = self.handles.state
         bootstrap, security = self.handles.services.kafka_bootstrap, self.handles.services.security
         topic = self.cfg.run.topic
-        ensure_topic(bootstrap, verdicts_topic(topic), 1, retention_ms=self.cfg.run.topic_retention_ms,
-                     security=security)
+        for name, partitions in ((topic, self.cfg.run.topic_partitions), (verdicts_topic(topic), 1)):
+            # idempotent: a validator may start before the learner has made the run's topics
+            ensure_topic(bootstrap, name, partitions, retention_ms=self.cfg.run.topic_retention_ms, security=security)
         self.source = RolloutSource(bootstrap, topic, security=security)
         self.source.assign({})
         self.share = PartitionShare(tuple(self.source.all_partitions), self.validator_id)
