@@ -95,6 +95,12 @@ def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=Non
     return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
+VERDICT_WAIT_POLL_S = 0.02
+"""How long the learner waits for rollouts in one poll while groups wait for their verdicts
+(`learner.poll_timeout_s` otherwise): the verdicts are read between polls, and a batch one
+verdict short should not wait a whole poll (measured: 11 % of the learner's time at 64
+samplers with a 1 s poll)."""
+
 VERDICT_POLLS = 16
 """Polls of the verdicts topic at most per turn of the loop (each up to 64 verdicts)."""
 
@@ -190,7 +196,8 @@ class Learner:
         self.resume()
         try:
             while self.step < self.lcfg.max_steps:
-                records = self.source.poll(self.lcfg.poll_timeout_s)
+                # groups waiting for verdicts: back soon to read them (a batch may be one verdict short)
+                records = self.source.poll(VERDICT_WAIT_POLL_S if self.admission.awaiting else self.lcfg.poll_timeout_s)
                 touch_heartbeat_file()
                 self.refresh_registry()
                 self.read_verdicts()
@@ -518,8 +525,8 @@ class Learner:
             with self.busy():
                 for record in records:
                     self.take_verdict(record)
-                while self.train_ready():
-                    self.report_position()
+                    if self.train_ready():  # at every verdict: a batch is never more than groups_per_step
+                        self.report_position()
             if len(records) < self.verdict_source.max_records:
                 return
 

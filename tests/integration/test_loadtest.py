@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ENV_OVERRIDES
+from pipeline.update_log import read_entries_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,9 @@ def test_four_samplers_and_a_validator_every_group_accounted_for(tmp_path):
     # what was measured is there, and plausible
     assert row["groups_per_s"] > 0 and 0 < row["learner_utilization"] < 1
     assert row["staleness_max"] is not None and row["staleness_max"] <= 2  # never past learner.max_delay_steps
+    case_dir, = [p for p in out.iterdir() if p.name.startswith("async-")]
+    steps = [e for e in read_entries_file(case_dir / "updates.jsonl") if e.kind == "step"]
+    assert all(len(e.used) <= 8 for e in steps)  # learner.groups_per_step, however the verdicts arrive
     assert row["redis_commands_per_sampler_per_s"] > 0 and row["redis_p99_ms"] is not None
     assert row["policy_versions"] > 0 and row["weights_bytes_per_sampler_per_version"] > 0
     validator, = [k for k in row["exit_codes"] if k.startswith("validator-")]

@@ -62,7 +62,9 @@ def assert_only_groups_a_validator_passed_were_used(run: Path, data: Path) -> No
     assert not any(k.startswith("refused:") for k in verdicts), verdicts  # the honest validator's all accepted
     assert not any(k.startswith("logprobs_checked") for k in learner["checks"])  # the learner checked nothing itself
     assert len(list((data / "keys" / "validators").glob("*.key"))) == 1  # made and registered by train
-    used = [g for e in read_entries_file(run / "updates.jsonl") if e.kind == "step" for g in e.used]
+    steps = [e for e in read_entries_file(run / "updates.jsonl") if e.kind == "step"]
+    assert all(len(e.used) <= 4 for e in steps)  # learner.groups_per_step: verdicts never make a batch bigger
+    used = [g for e in steps for g in e.used]
     assert len(used) == learner["groups_used"]
     assert all(g.verdict and ":" in g.verdict for g in used)  # each let in by a recorded verdict
     log = (run / "logs" / "validator-0.log").read_text()
