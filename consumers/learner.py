@@ -342,10 +342,12 @@ class Learner:
         self.verdict_verifier = VerdictVerifier(self.cfg.run.name, None) if self.validated else None
         self.verdict_source = (self.open_source(verdicts_topic(self.topic), {})
                                if self.validated else None)  # every verdict from the start: a resumed learner too
-        self.verdicts: dict[str, GroupVerdict] = {}
-        """Valid verdicts whose group has not been decided yet, by rollout id (the first one wins)."""
-        self.awaiting_at: dict[str, tuple[int, int, str]] = {}
-        """Rollout id of each group waiting for its verdict -> (partition, offset, SHA-256 of the message)."""
+        self.verdicts: dict[str, dict[str, GroupVerdict]] = {}
+        """Valid verdicts whose group has not been decided yet: rollout id -> SHA-256 of the message
+        they judged -> the first such verdict (a verbatim copy of a group, elsewhere in the topic,
+        is the same bytes: its verdict holds for the original too)."""
+        self.awaiting_at: dict[str, str] = {}
+        """Rollout id of each group waiting for its verdict -> SHA-256 of its message."""
         self.verdict_counts: Counter = Counter()
         self.refresh_registry()
         self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
@@ -479,8 +481,10 @@ class Learner:
         if admitted.verdict == "malformed":
             self.strike(key_id, rollout.sampler_id, "invalid", admitted.reason)
         elif admitted.verdict == "kept" and self.validated:  # it waits for its verdict
-            self.awaiting_at[rollout.rollout_id] = (record.partition, record.offset, group_digest(record.value))
+            self.awaiting_at[rollout.rollout_id] = group_digest(record.value)
             self.apply_verdict(rollout.rollout_id)
+        elif self.validated:
+            self.verdicts.pop(rollout.rollout_id, None)  # decided without one: its early verdict is moot
         elif admitted.verdict == "kept":
             with self.clock.stage("screen"):
                 failures = self.screen.check(rollout, self.version - rollout.policy_version,
@@ -543,24 +547,29 @@ class Learner:
         if verdict.rollout_id in self.admission.seen_ids and verdict.rollout_id not in self.admission.awaiting:
             self.verdict_counts["group_already_decided"] += 1  # quarantined, dropped, or another verdict first
             return
-        if verdict.rollout_id in self.verdicts:
+        by_digest = self.verdicts.setdefault(verdict.rollout_id, {})
+        if verdict.group_digest in by_digest:
             self.verdict_counts["not_first"] += 1  # another validator's (or a re-judged) verdict came first
             return
-        self.verdicts[verdict.rollout_id] = verdict
+        by_digest[verdict.group_digest] = verdict
         self.apply_verdict(verdict.rollout_id)
 
     def apply_verdict(self, rollout_id: str) -> None:
         """Decide a waiting group once both it and its verdict are here: a passing verdict lets it
         into the batch (its staleness judged again now), a failing one refuses it and strikes its key."""
-        verdict, group = self.verdicts.get(rollout_id), self.admission.awaiting.get(rollout_id)
-        if verdict is None or group is None:
+        group = self.admission.awaiting.get(rollout_id)
+        if group is None or rollout_id not in self.verdicts:
+            return
+        by_digest = self.verdicts[rollout_id]
+        verdict = by_digest.pop(self.awaiting_at[rollout_id], None)
+        for other in by_digest.values():  # they vouch for other bytes under this id
+            self.verdict_counts["refused:other_content"] += 1
+            self.log.warning("refused verdict %s:%d on group %s: it is about other content (%s@%d)",
+                             other.validator_key_id, other.seq, rollout_id, other.partition, other.offset)
+        by_digest.clear()
+        if verdict is None:
             return
         del self.verdicts[rollout_id]
-        if (verdict.partition, verdict.offset, verdict.group_digest) != self.awaiting_at[rollout_id]:
-            self.verdict_counts["refused:other_content"] += 1  # it vouches for other bytes under this id
-            self.log.warning("refused verdict %s:%d on group %s: it is about other content (%s@%d)",
-                             verdict.validator_key_id, verdict.seq, rollout_id, verdict.partition, verdict.offset)
-            return
         del self.awaiting_at[rollout_id]
         self.judged_by_key[group.rollout.key_id] += 1
         self.fresh_judged_by_key[group.rollout.key_id] += group.staleness == 0
@@ -580,6 +589,11 @@ class Learner:
         if self.admission.awaiting:
             self.admission.expire_awaiting(self.version, time.time())
         self.awaiting_at = {k: v for k, v in self.awaiting_at.items() if k in self.admission.awaiting}
+        # verdicts that came before groups read and decided since (or never to be read: a message
+        # behind the learner's position) are moot
+        self.verdicts = {k: v for k, v in self.verdicts.items()
+                         if k in self.admission.awaiting or any(
+                             x.offset >= self.next_offsets.get(x.partition, 0) for x in v.values())}
 
     def dead_letter(self, record: RawRecord, reason: str, where: str) -> None:
         self.send_retrying(self.dead_letters, record.value, headers=[
@@ -704,8 +718,13 @@ class Learner:
             return False
         if self.admission.awaiting and not self.verdicts_waited_out():
             return False
-        if self.verdict_source is not None and self.verdict_source.lag() > 0:
-            return False  # every verdict written before the drain is read (and forged ones refused)
+        try:
+            if self.verdict_source is not None and self.verdict_source.lag() > 0:
+                return False  # every verdict written before the drain is read (and forged ones refused)
+        except KafkaError as e:
+            self.log.warning("draining: Kafka at %s did not say where the verdicts end (%s); asking again",
+                             self.bootstrap, type(e).__name__)
+            return False
         try:
             return self.source.lag() == 0
         except KafkaError as e:

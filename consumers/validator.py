@@ -222,16 +222,16 @@ class Validator:
                 verdicts.append(self.verdict(record, rollout, (
                     "unverifiable", f"v{rollout.policy_version} is not a published version")))
                 continue
-            failures = self.screen.check(rollout, max(0, self.learner_version - rollout.policy_version))
+            try:
+                failures = self.screen.check(rollout, self.staleness(rollout))
+            except Exception as e:  # noqa: BLE001 - a group the checks cannot read must not stop the validator
+                failures = [self.unreadable(rollout, e)]
             if failures:
                 verdicts.append(self.verdict(record, rollout, failures[0]))
             else:
                 judged.append((record, rollout))
-        batch_failures, _ = self.screen.check_batch(
-            [(r, max(0, self.learner_version - r.policy_version)) for _, r in judged], fresh_in_step=False)
-        for record, rollout in judged:
-            failed = batch_failures.get(rollout.rollout_id)
-            verdicts.append(self.verdict(record, rollout, failed[0] if failed else None))
+        for record, rollout, failure in self.check_logprobs(judged):
+            verdicts.append(self.verdict(record, rollout, failure))
         self.check_s += time.monotonic() - started
         self.sink.send_raw_many([seal_verdict(v, self.key) for v in verdicts])
         self.counts["judged"] += len(verdicts)
@@ -242,10 +242,45 @@ class Validator:
         for p, offset in self.held.items():
             self.state.record_validator_offset(p, offset, self.validator_id)
 
+    def staleness(self, rollout: Rollout) -> int:
+        return max(0, self.learner_version - rollout.policy_version)
+
+    def check_logprobs(self, judged: list[tuple[RawRecord, Rollout]]):
+        """(record, group, its failure or None) for each group, the planned log-prob checks done in
+        batched passes; if a batch cannot be checked (a group the model cannot read), group by group."""
+        try:
+            failures, _ = self.screen.check_batch([(r, self.staleness(r)) for _, r in judged], fresh_in_step=False)
+            return [(record, r, (failures.get(r.rollout_id) or [None])[0]) for record, r in judged]
+        except Exception:  # noqa: BLE001 - find the group that breaks the batch
+            if len(judged) == 1:
+                raise
+        out = []
+        for record, rollout in judged:
+            try:
+                out += self.check_logprobs([(record, rollout)])
+            except Exception as e:  # noqa: BLE001
+                out.append((record, rollout, self.unreadable(rollout, e)))
+        return out
+
+    def unreadable(self, rollout: Rollout, error: Exception) -> tuple[str, str]:
+        """A failing verdict that strikes nobody: the checks could not read the group (the learner
+        refuses such a group as malformed itself, so the verdict is only for the record)."""
+        self.counts["unreadable"] += 1
+        self.log.warning("group %s of %s cannot be checked (%s: %s)", rollout.rollout_id, rollout.sampler_id,
+                         type(error).__name__, error)
+        return ("unverifiable", f"the checks cannot read it ({type(error).__name__})")
+
     def open(self, record: RawRecord) -> Optional[Rollout]:
         """The group, if its seal holds and it is not from the future; else None (no verdict)."""
         try:
-            rollout = self.verifier.check(record.value, time.time())
+            try:
+                rollout = self.verifier.check(record.value, time.time())
+            except Rejected as e:
+                if e.code not in ("unknown_key", "expired_key", "revoked_key"):
+                    raise
+                self.registry_read_at = -math.inf  # a key added (or renewed) since the last read: read again
+                self.refresh_registry()
+                rollout = self.verifier.check(record.value, time.time())
         except (Rejected, RolloutDecodeError) as e:
             self.counts[f"no_verdict:{getattr(e, 'code', 'malformed')}"] += 1
             return None

@@ -87,7 +87,7 @@ def decode_verdict(value: bytes) -> tuple[GroupVerdict, dict]:
     """(the verdict, the signed document) of a message; Rejected("malformed_verdict") if it is not one."""
     try:
         document = json.loads(value)
-    except (UnicodeError, ValueError):
+    except (UnicodeError, ValueError, RecursionError, TypeError):
         raise Rejected("malformed_verdict", "a verdict that is not JSON") from None
     if not isinstance(document, dict) or document.get("format") != VERDICT_FORMAT:
         raise Rejected("malformed_verdict", f"not a {VERDICT_FORMAT} document")
