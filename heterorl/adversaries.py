@@ -320,7 +320,8 @@ class VerdictForger(threading.Thread):
                     self.sent["unsigned"] += 1
                     self.sent["sampler_key"] += 1
                     passing = [v for v in map(_json_or_none, (r.value for r in genuine))
-                               if isinstance(v, dict) and v.get("passed") is True and "signature" in v]
+                               if isinstance(v, dict) and v.get("passed") is True and "signature" in v
+                               and v.get("rollout_id") != group.rollout_id]  # moved: onto another group
                     if passing:  # a validator's real signature, on another group's verdict
                         moved = {**passing[-1], "rollout_id": group.rollout_id, "partition": record.partition,
                                  "offset": record.offset, "group_digest": group_digest(record.value),
