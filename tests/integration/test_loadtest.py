@@ -16,7 +16,7 @@ from pipeline.update_log import read_entries_file
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
-FAST = ["--set", "loadtest.warmup_s=3", "--set", "loadtest.warmup_steps=3", "--set", "loadtest.measure_s=15", "--set", "loadtest.learner_step_s=0.5",
+FAST = ["--set", "loadtest.warmup_s=2", "--set", "loadtest.warmup_steps=3", "--set", "loadtest.measure_s=10", "--set", "loadtest.learner_step_s=0.5",
         "--set", "learner.groups_per_step=8", "--set", "learner.max_delay_steps=2"]
 
 
