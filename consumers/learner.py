@@ -52,7 +52,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-import redis
 import torch
 from kafka.errors import KafkaError
 
@@ -64,7 +63,7 @@ from pipeline.config import HeteroConfig, dump_config
 from pipeline.engine import (Ranks, can_discard_gradients, init_distributed, machine_precision, make_engine,
                              resolve_device)
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
-from pipeline.keyring import key_paths, load_learner_key, load_root_public, read_registry
+from pipeline.keyring import RegistryFollower, key_paths, load_learner_key, load_root_public
 from pipeline.weights.learner_state import capture, load_learner_state
 from pipeline.metrics import MetricsWriter, StageClock
 from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
@@ -73,7 +72,6 @@ from pipeline.retry import retry_call
 from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
                               touch_heartbeat_file, with_machine_precision)
-from pipeline.signing import SignatureError
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy
 from pipeline.services import ServiceUnavailable, free_port
 from pipeline.update import FreshCheck, StepRefused, optimizer_step
@@ -338,7 +336,9 @@ class Learner:
         self.fresh_judged_by_key: Counter = Counter()
         """With validators: groups per key whose verdict was applied, and those of staleness 0 when
         read (groups are read ahead of their verdicts, so these count what the checks had seen)."""
-        self.registry_read_at = -float("inf")
+        self.registry_follower = (None if self.root_public is None else
+                                  RegistryFollower(self.state.client, self.cfg.run.name, self.root_public,
+                                                   sec.registry_refresh_s, self.log))
         self.verdict_verifier = VerdictVerifier(self.cfg.run.name, None) if self.validated else None
         self.verdict_source = (self.open_source(verdicts_topic(self.topic), {})
                                if self.validated else None)  # every verdict from the start: a resumed learner too
@@ -385,20 +385,11 @@ class Learner:
     def refresh_registry(self) -> None:
         """Re-read the signed key registry every `security.registry_refresh_s`: a revoked key's
         groups waiting in the batch are dropped, its later messages rejected."""
-        if self.root_public is None or time.monotonic() - self.registry_read_at < self.cfg.security.registry_refresh_s:
-            return
-        self.registry_read_at = time.monotonic()
-        try:
-            registry = read_registry(self.state.client, self.cfg.run.name, self.root_public)
-        except SignatureError as e:
-            self.log.error("ignoring the key registry in Redis: %s; keeping the last valid one", e.reason)
-            return
-        except redis.RedisError as e:
-            self.log.warning("could not read the key registry (%s); keeping the last one", type(e).__name__)
+        if self.registry_follower is None:
             return
         old = self.verifier.registry
-        if old is not None and registry.serial < old.serial:
-            self.log.error("ignoring an older key registry (serial %d < %d): a rollback", registry.serial, old.serial)
+        registry = self.registry_follower.refresh()
+        if registry is None:
             return
         self.verifier.registry = registry
         if self.verdict_verifier is not None:

@@ -44,12 +44,11 @@ from consumers.screening import GroupScreen, PastPolicies
 from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
 from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
-from pipeline.keyring import key_paths, load_root_public, load_validator_key, read_registry
+from pipeline.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
 from pipeline.models import load_policy
 from pipeline.rollout import Rollout, RolloutDecodeError
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
                               touch_heartbeat_file)
-from pipeline.signing import SignatureError
 from pipeline.trust import Rejected, RolloutVerifier
 from pipeline.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
 
@@ -84,7 +83,7 @@ class Validator:
         """Partition held -> the next offset whose verdict is not yet acknowledged."""
         self.counts: Counter = Counter()
         self.started = time.time()
-        self.last_heartbeat = self.registry_read_at = -math.inf
+        self.last_heartbeat = -math.inf
         self.check_s = 0.0
         """Seconds spent judging groups (the rest: waiting for groups, I/O)."""
 
@@ -131,7 +130,9 @@ class Validator:
         self.source.assign({})
         self.share = PartitionShare(tuple(self.source.all_partitions), self.validator_id)
         self.sink = RolloutSink(bootstrap, verdicts_topic(topic), security=security)
-        self.root_public = load_root_public(key_paths(self.cfg))
+        self.registry_follower = RegistryFollower(self.state.client, self.cfg.run.name,
+                                                  load_root_public(key_paths(self.cfg)),
+                                                  self.cfg.security.registry_refresh_s, self.log)
         self.verifier = RolloutVerifier(self.cfg.run.name, None, self.cfg.security.require_signatures)
         self.refresh_registry()
         self.learner_version = 0
@@ -167,17 +168,9 @@ class Validator:
                                                               "started_at": self.started}, self.vcfg.lease_s)
         self.refresh_registry()
 
-    def refresh_registry(self) -> None:
-        if time.monotonic() - self.registry_read_at < self.cfg.security.registry_refresh_s:
-            return
-        self.registry_read_at = time.monotonic()
-        try:
-            registry = read_registry(self.state.client, self.cfg.run.name, self.root_public)
-        except SignatureError as e:
-            self.log.error("ignoring the key registry in Redis: %s; keeping the last valid one", e.reason)
-            return
-        old = self.verifier.registry
-        if old is None or registry.serial >= old.serial:
+    def refresh_registry(self, force: bool = False) -> None:
+        registry = self.registry_follower.refresh(force)
+        if registry is not None:
             self.verifier.registry = registry
 
     # ---- partitions -------------------------------------------------------------------
@@ -278,8 +271,7 @@ class Validator:
             except Rejected as e:
                 if e.code not in ("unknown_key", "expired_key", "revoked_key"):
                     raise
-                self.registry_read_at = -math.inf  # a key added (or renewed) since the last read: read again
-                self.refresh_registry()
+                self.refresh_registry(force=True)  # a key added (or renewed) since the last read
                 rollout = self.verifier.check(record.value, time.time())
         except (Rejected, RolloutDecodeError) as e:
             self.counts[f"no_verdict:{getattr(e, 'code', 'malformed')}"] += 1

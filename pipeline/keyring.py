@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import redis
+
 from pipeline.config import ConfigError, HeteroConfig
 from pipeline.signing import (KeyFileError, PublicKey, SignatureError, SigningKey, read_key_file, read_public_file,
                               write_key_file, write_public_file)
@@ -133,6 +135,37 @@ def read_registry(client, run: str, root: PublicKey) -> KeyRegistry:
     except ValueError:
         raise SignatureError("the key registry in Redis is not JSON") from None
     return KeyRegistry.from_signed(document, root, run)
+
+
+class RegistryFollower:
+    """A role's copy of the run's signed key registry, re-read from Redis at most every
+    `refresh_s` (the learner and validators check seals against it): one not signed by the
+    root key, or older (a lower serial) than the copy held, is ignored and logged."""
+
+    def __init__(self, client, run: str, root: PublicKey, refresh_s: float, log):
+        self.client, self.run, self.root, self.refresh_s, self.log = client, run, root, refresh_s, log
+        self.registry: Optional[KeyRegistry] = None
+        self.read_at = -float("inf")
+
+    def refresh(self, force: bool = False) -> Optional[KeyRegistry]:
+        """The registry just read if it replaced the one held (None: not due, unreadable or refused)."""
+        if not force and time.monotonic() - self.read_at < self.refresh_s:
+            return None
+        self.read_at = time.monotonic()
+        try:
+            registry = read_registry(self.client, self.run, self.root)
+        except SignatureError as e:
+            self.log.error("ignoring the key registry in Redis: %s; keeping the last valid one", e.reason)
+            return None
+        except redis.RedisError as e:
+            self.log.warning("could not read the key registry (%s); keeping the last one", type(e).__name__)
+            return None
+        if self.registry is not None and registry.serial < self.registry.serial:
+            self.log.error("ignoring an older key registry (serial %d < %d): a rollback", registry.serial,
+                           self.registry.serial)
+            return None
+        self.registry = registry
+        return registry
 
 
 def write_registry(client, registry: KeyRegistry, root: SigningKey) -> None:
