@@ -310,11 +310,15 @@ class RunState:
 
     def live_samplers(self) -> dict[str, dict]:
         """Samplers whose lease has not expired."""
+        return self._live_leases("sampler")
+
+    def _live_leases(self, role: str) -> dict[str, dict]:
+        """Id -> lease info of each `role:<id>` lease key that has not expired."""
         out = {}
-        for key in self.client.scan_iter(match=f"{self.prefix}sampler:*", count=100):
+        for key in self.client.scan_iter(match=f"{self.prefix}{role}:*", count=100):
             data = self.client.hgetall(key)
             if data:
-                out[key[len(self.prefix) + len("sampler:"):]] = data
+                out[key[len(self.prefix) + len(role) + 1:]] = data
         return out
 
     def expired_samplers(self, within_s: float = 3600) -> dict[str, dict]:
@@ -458,12 +462,7 @@ class RunState:
 
     def live_validators(self) -> dict[str, dict]:
         """Validators whose lease has not expired."""
-        out = {}
-        for key in self.client.scan_iter(match=f"{self.prefix}validator:*", count=100):
-            data = self.client.hgetall(key)
-            if data:
-                out[key[len(self.prefix) + len("validator:"):]] = data
-        return out
+        return self._live_leases("validator")
 
     def partition_holders(self, partitions: list[int]) -> dict[int, Optional[str]]:
         """Who holds each partition's lease (None: nobody)."""
