@@ -6,6 +6,8 @@ evaluator on) with the cell's loss, max delay and seed, on one shared local stac
 - DIR/delay_study.json: one record per (loss, max_delay, seed);
 - DIR/delay_study.md: the paper-shaped table (rows loss, columns max delay, Best / Last),
   best-to-last gap per loss, GEPO's degradation from delay 0 to the largest delay;
+- DIR/delay_verdict.json: the first claim per loss, with a 95 % interval over seeds
+  (heterorl/study_verdict.py), also a section of delay_study.md;
 - DIR/accuracy_curves.png, DIR/iw_variance_vs_kl.png, DIR/staleness_histogram.png.
 
 Cells already finished in DIR with the same config and overrides (recorded in each cell's
@@ -37,6 +39,7 @@ import yaml
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
+from heterorl.study_verdict import verdict_lines
 from pipeline.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.metrics import read_metrics
@@ -295,6 +298,9 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
             lines += ["", f"GEPO degradation (Last) from max delay {delays[0]} to {delays[-1]}: "
                           f"{100 * (statistics.fmean(first) - statistics.fmean(last)):.1f} points."]
         lines += ["", "## The paper's bars, computed", "", *_bars(claims(records, delays))]
+        first_claim, first_claim_data = verdict_lines(records, losses, delays)
+        (out / "delay_verdict.json").write_text(json.dumps(first_claim_data, indent=1))
+        lines += ["", *first_claim] if first_claim else []
         smoothed = [_smoothed(r) for r in records]
         lines += ["", f"## The same on a {SMOOTHING}-evaluation moving average", "",
                   f"A single evaluation is noisy, and Best is the largest of many, so it is biased upward. Here "

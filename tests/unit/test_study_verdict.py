@@ -1,0 +1,90 @@
+"""The delay study's verdict on the first claim (heterorl/study_verdict.py), against hand and
+scipy computations."""
+
+import math
+import statistics
+
+import pytest
+from scipy import stats
+
+from heterorl.study_verdict import (degradation, difference, pooled_spread, seeds_to_decide, t975, t_interval,
+                                    verdict, verdict_lines)
+
+
+def cell(loss, delay, seed, best, last):
+    return {"loss": loss, "max_delay": delay, "seed": seed, "best_accuracy": best, "last_accuracy": last}
+
+
+def grid(values):
+    """values: {(loss, seed): (best at 0, last at 32)}: the two cells of each seed."""
+    out = []
+    for (loss, seed), (best0, last32) in values.items():
+        out += [cell(loss, 0, seed, best0, best0), cell(loss, 32, seed, last32 + 0.05, last32)]
+    return out
+
+
+def test_t_quantiles_are_students():
+    for df in range(1, 31):
+        assert t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
+    assert t975(200) == 1.96
+
+
+def test_degradation_per_seed_mean_and_interval_match_a_hand_computation():
+    records = grid({("gepo", 0): (0.50, 0.49), ("gepo", 1): (0.40, 0.38), ("gepo", 2): (0.60, 0.60)})
+    v = degradation(records, "gepo", 32)
+    per_seed = [100 * 0.01 / 0.50, 100 * 0.02 / 0.40, 0.0]
+    assert v["seeds"] == [0, 1, 2]
+    assert v["per_seed_pct"] == pytest.approx(per_seed)
+    low, high = stats.t.interval(0.95, 2, loc=statistics.fmean(per_seed), scale=stats.sem(per_seed))
+    assert v["ci95_pct"] == pytest.approx([low, high], abs=1e-3)
+    assert v["verdict"] == ("holds" if high < 3 else "undecided")
+
+
+def test_verdict_holds_fails_or_stays_undecided():
+    assert verdict(-1.0, 2.9) == "holds"
+    assert verdict(3.1, 9.0) == "fails"
+    assert verdict(1.0, 4.0) == "undecided"
+    assert verdict(float("nan"), float("nan")) == "undecided"
+
+
+def test_one_seed_decides_nothing():
+    v = degradation(grid({("gepo", 0): (0.30, 0.25)}), "gepo", 32)
+    assert v["per_seed_pct"] == pytest.approx([100 * 0.05 / 0.30])
+    assert all(math.isnan(x) for x in v["ci95_pct"])
+    assert v["verdict"] == "undecided" and v["seeds_to_decide"] is None
+
+
+def test_pooled_spread_is_the_within_group_variance_over_its_degrees_of_freedom():
+    groups = [[1.0, 3.0], [0.0, 0.0], [2.0, 5.0, 8.0]]
+    sd, df = pooled_spread(groups)
+    assert df == 1 + 1 + 2
+    assert sd == pytest.approx(math.sqrt((2.0 + 0.0 + 18.0) / 4))
+    # two seeds that happen to agree get the pooled spread, not a zero-width interval
+    low, high = t_interval([0.6, 0.6], (sd, df))
+    assert high - low == pytest.approx(2 * t975(4) * sd / math.sqrt(2))
+
+
+def test_seeds_to_decide_is_the_first_count_whose_interval_excludes_the_bar():
+    per_seed = [1.0, 2.5, 0.5, 2.0]
+    n = seeds_to_decide(per_seed, bar=3.0)
+    sd, mean = statistics.stdev(per_seed), statistics.fmean(per_seed)
+    assert mean + t975(n - 1) * sd / math.sqrt(n) < 3.0
+    assert n == len(per_seed) or mean + t975(n - 2) * sd / math.sqrt(n - 1) >= 3.0
+    assert seeds_to_decide([3.0, 3.0], bar=3.0) == math.inf
+
+
+def test_difference_is_paired_by_seed_and_uses_only_shared_seeds():
+    records = grid({("gepo", 0): (0.50, 0.49), ("gepo", 1): (0.40, 0.40), ("gepo", 2): (0.5, 0.4),
+                    ("gspo", 0): (0.50, 0.45), ("gspo", 1): (0.40, 0.36)})
+    v = difference(records, "gepo", "gspo", 32)
+    assert v["seeds"] == [0, 1]
+    assert v["per_seed_pct"] == pytest.approx([2.0 - 10.0, 0.0 - 10.0])
+    assert v["verdict"] in {"gepo degrades less", "undecided"}
+
+
+def test_report_section_lists_every_loss_and_pair():
+    records = grid({(loss, s): (0.5, 0.49 - 0.01 * s) for loss in ("gepo", "gspo", "grpo") for s in (0, 1, 2)})
+    lines, data = verdict_lines(records, ["gepo", "gspo", "grpo"], [0, 32])
+    assert [v["loss"] for v in data["degradation"]] == ["gepo", "gspo", "grpo"]
+    assert [v["losses"] for v in data["differences"]] == [["gepo", "gspo"], ["gepo", "grpo"]]
+    assert sum(line.startswith("| gepo |") for line in lines) == 1
