@@ -3,7 +3,8 @@
 At RL learning rates about 99 % of a bf16 model's elements keep their exact bit pattern from
 one version to the next, so a version can travel as what changed against a version the
 sampler already holds. Per tensor, `encode_delta` measures three encodings and keeps the
-smallest:
+smallest (sparse only where at most half the elements changed), the tensors side by side in
+threads:
 
 - ``same``: no element changed; nothing is sent.
 - ``sparse``: the flat indices of the changed elements, delta-coded (gaps between
@@ -33,6 +34,8 @@ caller stores the payload (as uint8 tensors in a safetensors file) and signs the
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -112,38 +115,23 @@ def describe(tensor: torch.Tensor) -> dict:
 
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
-                 level: int = ZSTD_LEVEL) -> Delta:
+                 level: int = ZSTD_LEVEL, workers: int = 0) -> Delta:
     """What turns `base` into `new`, per tensor the smallest of `same`, `sparse` and `xor`.
 
     Both must hold the same names with the same dtypes and shapes (a version changes values,
-    never the architecture); otherwise DeltaError."""
+    never the architecture); otherwise DeltaError. Tensors are encoded by `workers` threads
+    (0: `codec_workers()`): hashing, numpy and zstd let go of the GIL, so a model's tensors
+    encode side by side, and the result is the same bytes whatever the count."""
     if set(base) != set(new):
         missing, extra = sorted(set(new) - set(base)), sorted(set(base) - set(new))
         raise DeltaError(f"cannot encode a delta between models with different tensors "
                          f"(only in the new one: {missing[:3]}; only in the base: {extra[:3]})")
-    compressor = zstandard.ZstdCompressor(level=level)
+    names = sorted(new)
+    with ThreadPoolExecutor(max_workers=workers or codec_workers()) as pool:
+        encoded = list(pool.map(lambda name: _encode_tensor(name, base[name], new[name], level), names))
     delta = Delta()
-    for name in sorted(new):
-        old_t, new_t = base[name], new[name]
-        if old_t.dtype != new_t.dtype or tuple(old_t.shape) != tuple(new_t.shape):
-            raise DeltaError(f"tensor {name!r} is {old_t.dtype} {tuple(old_t.shape)} in the base and "
-                             f"{new_t.dtype} {tuple(new_t.shape)} in the new model")
-        old_bits, new_bits = bits(old_t), bits(new_t)
-        entry = {"dtype": _dtype_name(new_t.dtype), "shape": list(new_t.shape),
-                 "sha256": hashlib.sha256(new_bits.tobytes()).hexdigest()}
-        changed = np.flatnonzero(old_bits != new_bits)
-        entry["changed"] = int(changed.size)
-        if changed.size == 0:
-            delta.entries[name] = {**entry, "encoding": "same", "parts": {}}
-            continue
-        flips = old_bits ^ new_bits
-        candidates = [("xor", {"xor": compressor.compress(byte_planes(flips))})]
-        if new_bits.size <= MAX_SPARSE_ELEMENTS:  # gaps are uint32
-            gaps = np.diff(changed, prepend=0).astype(np.uint32)  # first gap is the first index itself
-            candidates.append(("sparse", {"indices": compressor.compress(byte_planes(gaps)),
-                                          "flips": compressor.compress(byte_planes(flips[changed]))}))
-        chosen, parts = min(candidates, key=lambda c: sum(len(b) for b in c[1].values()))
-        delta.entries[name] = {**entry, "encoding": chosen, "parts": {}}
+    for name, (entry, parts) in zip(names, encoded):
+        delta.entries[name] = {**entry, "parts": {}}
         for part, blob in parts.items():
             key = f"{name}.{part}"
             delta.entries[name]["parts"][part] = key
@@ -151,8 +139,40 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     return delta
 
 
-def apply_delta(base: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, torch.Tensor]:
-    """The tensors `delta` rebuilds from `base`, each checked bit for bit against its sha256.
+def codec_workers() -> int:
+    """Threads that encode or rebuild a delta's tensors: this process's cores, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _encode_tensor(name: str, old_t: torch.Tensor, new_t: torch.Tensor, level: int) -> tuple[dict, dict]:
+    """One tensor's delta entry (without its part keys) and its compressed parts."""
+    if old_t.dtype != new_t.dtype or tuple(old_t.shape) != tuple(new_t.shape):
+        raise DeltaError(f"tensor {name!r} is {old_t.dtype} {tuple(old_t.shape)} in the base and "
+                         f"{new_t.dtype} {tuple(new_t.shape)} in the new model")
+    compressor = zstandard.ZstdCompressor(level=level)
+    old_bits, new_bits = bits(old_t), bits(new_t)
+    entry = {"dtype": _dtype_name(new_t.dtype), "shape": list(new_t.shape),
+             "sha256": hashlib.sha256(new_bits.tobytes()).hexdigest()}
+    changed = np.flatnonzero(old_bits != new_bits)
+    entry["changed"] = int(changed.size)
+    if changed.size == 0:
+        return {**entry, "encoding": "same"}, {}
+    flips = old_bits ^ new_bits
+    candidates = [("xor", {"xor": compressor.compress(byte_planes(flips))})]
+    # Sparse pays a gap per changed element on top of its flips, and xor's unchanged elements are
+    # zero bytes that zstd all but removes: past half the elements changed (every element, in an
+    # fp32 step) sparse saves next to nothing and would double the work.
+    if new_bits.size <= MAX_SPARSE_ELEMENTS and 2 * changed.size <= new_bits.size:  # gaps are uint32
+        gaps = np.diff(changed, prepend=0).astype(np.uint32)  # first gap is the first index itself
+        candidates.append(("sparse", {"indices": compressor.compress(byte_planes(gaps)),
+                                      "flips": compressor.compress(byte_planes(flips[changed]))}))
+    chosen, parts = min(candidates, key=lambda c: sum(len(b) for b in c[1].values()))
+    return {**entry, "encoding": chosen}, parts
+
+
+def apply_delta(base: Mapping[str, torch.Tensor], delta: Delta, workers: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors `delta` rebuilds from `base`, each checked bit for bit against its sha256
+    (by `workers` threads, 0: `codec_workers()`).
 
     Raises DeltaError for anything that does not rebuild exactly what the entries declare."""
     if set(base) != set(delta.entries):
@@ -160,40 +180,42 @@ def apply_delta(base: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, tor
         extra = sorted(set(base) - set(delta.entries))
         raise DeltaError(f"the delta does not fit its base model (tensors it needs but the base lacks: "
                          f"{missing[:3]}; in the base but not in the delta: {extra[:3]})")
+    names = sorted(delta.entries)
+    with ThreadPoolExecutor(max_workers=workers or codec_workers()) as pool:
+        return dict(zip(names, pool.map(lambda name: _rebuild_tensor(name, base[name], delta), names)))
+
+
+def _rebuild_tensor(name: str, old_t: torch.Tensor, delta: Delta) -> torch.Tensor:
     decompressor = zstandard.ZstdDecompressor()
-    rebuilt = {}
-    for name in sorted(delta.entries):
-        entry = delta.entries[name]
-        if not isinstance(entry, dict):
-            raise DeltaError(f"tensor {name!r}: the delta entry is not an object")
-        dtype, shape = _entry_dtype_shape(name, entry)
-        old_t = base[name]
-        if old_t.dtype != dtype or list(old_t.shape) != shape:
-            raise DeltaError(f"tensor {name!r}: the delta is for {entry['dtype']} {shape}, the base holds "
-                             f"{old_t.dtype} {list(old_t.shape)}")
-        raw = bits(old_t)
-        encoding = entry.get("encoding")
-        if encoding == "sparse":
-            count = _int_field(name, entry, "changed")
-            if not 1 <= count <= raw.size:
-                raise DeltaError(f"tensor {name!r}: the delta claims {count} changed elements of {raw.size}")
-            gaps = from_byte_planes(_part(decompressor, delta, name, entry, "indices", count * 4), np.uint32)
-            flips = from_byte_planes(_part(decompressor, delta, name, entry, "flips", count * raw.itemsize),
-                                     raw.dtype)
-            indices = np.cumsum(gaps, dtype=np.int64)
-            if count and (indices[-1] >= raw.size or (count > 1 and np.any(gaps[1:] == 0))):
-                raise DeltaError(f"tensor {name!r}: the delta's indices fall outside the tensor or repeat")
-            raw[indices] ^= flips
-        elif encoding == "xor":
-            raw ^= from_byte_planes(_part(decompressor, delta, name, entry, "xor", raw.nbytes), raw.dtype)
-        elif encoding != "same":
-            raise DeltaError(f"tensor {name!r}: unknown delta encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
-        digest = hashlib.sha256(raw.tobytes()).hexdigest()
-        if digest != entry.get("sha256"):
-            raise DeltaError(f"tensor {name!r} rebuilt with sha256 {digest[:12]}…, the manifest says "
-                             f"{str(entry.get('sha256'))[:12]}…: refused")
-        rebuilt[name] = from_bits(raw, dtype, shape)
-    return rebuilt
+    entry = delta.entries[name]
+    if not isinstance(entry, dict):
+        raise DeltaError(f"tensor {name!r}: the delta entry is not an object")
+    dtype, shape = _entry_dtype_shape(name, entry)
+    if old_t.dtype != dtype or list(old_t.shape) != shape:
+        raise DeltaError(f"tensor {name!r}: the delta is for {entry['dtype']} {shape}, the base holds "
+                         f"{old_t.dtype} {list(old_t.shape)}")
+    raw = bits(old_t)
+    encoding = entry.get("encoding")
+    if encoding == "sparse":
+        count = _int_field(name, entry, "changed")
+        if not 1 <= count <= raw.size:
+            raise DeltaError(f"tensor {name!r}: the delta claims {count} changed elements of {raw.size}")
+        gaps = from_byte_planes(_part(decompressor, delta, name, entry, "indices", count * 4), np.uint32)
+        flips = from_byte_planes(_part(decompressor, delta, name, entry, "flips", count * raw.itemsize),
+                                 raw.dtype)
+        indices = np.cumsum(gaps, dtype=np.int64)
+        if count and (indices[-1] >= raw.size or (count > 1 and np.any(gaps[1:] == 0))):
+            raise DeltaError(f"tensor {name!r}: the delta's indices fall outside the tensor or repeat")
+        raw[indices] ^= flips
+    elif encoding == "xor":
+        raw ^= from_byte_planes(_part(decompressor, delta, name, entry, "xor", raw.nbytes), raw.dtype)
+    elif encoding != "same":
+        raise DeltaError(f"tensor {name!r}: unknown delta encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
+    digest = hashlib.sha256(raw.tobytes()).hexdigest()
+    if digest != entry.get("sha256"):
+        raise DeltaError(f"tensor {name!r} rebuilt with sha256 {digest[:12]}…, the manifest says "
+                         f"{str(entry.get('sha256'))[:12]}…: refused")
+    return from_bits(raw, dtype, shape)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -238,3 +238,19 @@ def test_a_bf16_step_costs_little_more_than_a_byte_per_changed_element():
     assert_bit_equal(apply_delta(base, delta), new)
     words = np.arange(7, dtype=np.uint32) * 0x01020304
     assert np.array_equal(from_byte_planes(byte_planes(words), np.uint32), words)
+
+
+def test_tensors_encoded_and_rebuilt_by_several_threads_give_the_same_delta():
+    base = model_weights(torch.float32)
+    new = adam_like_step(base, lr=1e-5)
+    one, three = encode_delta(base, new, workers=1), encode_delta(base, new, workers=3)
+    assert one.entries == three.entries and one.payload == three.payload
+    assert_bit_equal(apply_delta(base, three, workers=3), new)
+
+
+def test_a_step_that_changes_every_fp32_element_is_sent_as_xor():
+    base = model_weights(torch.float32)
+    new = {name: w + 1e-3 for name, w in base.items()}  # every element moves
+    delta = encode_delta(base, new)
+    assert {e["encoding"] for e in delta.entries.values()} == {"xor"}
+    assert_bit_equal(apply_delta(base, delta), new)
