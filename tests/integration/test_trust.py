@@ -91,7 +91,7 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
 def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_data_dir):
     """`heterorl attack --validators 1`: the groups' content is checked by a validator, and
     forged verdicts come on top of the forged groups (the learner's own checks of the same
-    adversaries are GroupScreen's, tests/unit/test_screening.py; README shows a run of each)."""
+    adversaries are GroupScreen's, tests/unit/test_screening.py; docs/results/attack_and_chaos.md shows a run of each)."""
     out = tmp_path / "attack"
     started = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # its own stack

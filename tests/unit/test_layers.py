@@ -1,4 +1,4 @@
-"""The package layers (README "Layout"), checked with import-linter on every import, including
+"""The package layers (docs/architecture.md, "Layout"), checked with import-linter on every import, including
 those inside functions: commands on top, then roles and infra, then the library; no cycles."""
 
 import subprocess
