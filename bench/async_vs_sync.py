@@ -56,11 +56,11 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     the clock started, accuracies) and the seconds spent generating, training and evaluating."""
     import torch
 
-    from pipeline.engine import make_engine, resolve_device
-    from pipeline.metrics import StageClock
+    from pipeline.learning.engine import make_engine, resolve_device
+    from pipeline.records.metrics import StageClock
     from pipeline.models import DTYPES, load_policy, sample_groups
     from pipeline.runtime import evaluate_model, make_task_from_config, resolve_base_model, with_machine_precision
-    from pipeline.update import optimizer_step
+    from pipeline.learning.update import optimizer_step
     from producers.sampler import score_groups
 
     torch.set_num_threads(threads)
@@ -116,7 +116,7 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
               eval_every: Optional[int] = None) -> dict:
     """`heterorl train`: `times` of each step; with `eval_every`, `evals` as in run_sync and where
     the learner's and the samplers' time went."""
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
 
     cmd = [sys.executable, "-m", "heterorl", "train", "--config", config, "--out", str(out),
            "--set", f"learner.max_steps={steps}", "--set", f"train.num_samplers={samplers}"]

@@ -31,7 +31,7 @@ POLICIES = ("yield", "priority", "split", "none")
 
 
 def run_policy(config: str, policy: str, steps: int, overrides: list[str], out: Path) -> dict:
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
 
     cmd = [sys.executable, "-m", "heterorl", "train", "--config", config, "--out", str(out),
            "--set", f"learner.max_steps={steps}", "--set", f"train.cpu_sharing={policy}",

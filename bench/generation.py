@@ -5,7 +5,7 @@
         [--precision fp32|bf16] [--threads T] [--rounds R] [--device auto|cpu|cuda] [--json FILE]
 
 Every backend samples the same batch from the same random-init model through the
-sampler's own engines (`pipeline.generation.make_engine`): N prompts of P random tokens,
+sampler's own engines (`pipeline.sampling.generation.make_engine`): N prompts of P random tokens,
 G completions each, C new tokens (a random-init model almost never ends early; tokens are
 counted as generated). `smollm2` is the real SmolLM2-135M-Instruct instead, asked the
 smollm2 config's questions through its chat template (P is then the prompts' own length,
@@ -89,8 +89,8 @@ def worker(args) -> dict:
 
     import torch
 
-    from pipeline.engine import resolve_device
-    from pipeline.generation import SamplingSettings, make_engine
+    from pipeline.learning.engine import resolve_device
+    from pipeline.sampling.generation import SamplingSettings, make_engine
 
     torch.set_num_threads(args.threads)
     prompts, group, prompt_tokens, new_tokens = batch_of(args)
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
-    from pipeline.generation import vllm_installed
+    from pipeline.sampling.generation import vllm_installed
 
     backends = args.backends.split(",") if args.backends else ["hf"] + (["vllm"] if vllm_installed() else [])
     prompts, group, prompt_tokens, new_tokens = batch_of(args)

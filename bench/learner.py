@@ -10,8 +10,8 @@ SmolLM2-135M-Instruct of `model.base: smollm2-135m-instruct`) and train on the s
 `groups` prompt groups of `group-size` sequences of P prompt + C completion tokens, with
 random rewards and sampler log-probs near the model's (about log 1/vocabulary).
 
-- product: `pipeline.update.optimizer_step` on a DeepSpeed engine from
-  `pipeline.engine.make_engine` with the same settings the learner reads from
+- product: `pipeline.learning.update.optimizer_step` on a DeepSpeed engine from
+  `pipeline.learning.engine.make_engine` with the same settings the learner reads from
   `learner.*` (loss grpo, so both sides compute the same objective);
 - reference: what one would write by hand in plain PyTorch: `torch.optim.AdamW`, the same
   micro-batches (rows of equal length, as many as fit the token budget), `torch.autocast`
@@ -87,7 +87,7 @@ def make_groups(args, vocab: int):
     """The batch both sides train on, from a fixed seed."""
     import random
 
-    from pipeline.rollout import Rollout
+    from pipeline.wire.rollout import Rollout
 
     rng = random.Random(1)
     near = -math.log(vocab)
@@ -111,17 +111,17 @@ def learner_settings(args):
 
 
 class ProductStep:
-    """The learner's step: DeepSpeed engine + pipeline.update.optimizer_step."""
+    """The learner's step: DeepSpeed engine + pipeline.learning.update.optimizer_step."""
 
     def __init__(self, model, args, device):
-        from pipeline.engine import make_engine
+        from pipeline.learning.engine import make_engine
 
         self.cfg = learner_settings(args)
         self.engine = make_engine(model, self.cfg, device)
         self.max_len = args.completion_tokens
 
     def __call__(self, groups) -> float:
-        from pipeline.update import optimizer_step
+        from pipeline.learning.update import optimizer_step
 
         metrics = optimizer_step(self.engine, groups, [1.0] * len(groups), self.cfg, temperature=1.0,
                                  max_completion_length=self.max_len)
@@ -184,7 +184,7 @@ def worker(args) -> dict:
     """One side, in this process: build, warm up, time `--steps` steps; a JSON record."""
     import torch
 
-    from pipeline.engine import resolve_device
+    from pipeline.learning.engine import resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cuda":

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.losses import LOSS_TYPES, compute_policy_loss, group_advantages  # noqa: E402
+from pipeline.learning.losses import LOSS_TYPES, compute_policy_loss, group_advantages  # noqa: E402
 
 GEPO_BUDGET = 3.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

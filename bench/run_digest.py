@@ -27,7 +27,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def digest(run_dir: Path) -> list[str]:
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
 
     summary = json.loads((run_dir / "summary.json").read_text())
     learner = json.loads((run_dir / "learner_summary.json").read_text())

@@ -174,7 +174,7 @@ def rollout_times(data_dir: Path, topic: str) -> list[tuple[float, str]]:
     import msgpack
 
     from infra.local_stack import load_stack
-    from pipeline.kafka_io import read_topic
+    from pipeline.servers.kafka_io import read_topic
 
     stack = load_stack(data_dir)
     if stack is None:
@@ -194,7 +194,7 @@ def measure(run_dir: Path, skip: int, data_dir: Path) -> dict:
     the run's rollout topic."""
     from bisect import bisect_right
 
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
 
     records = sorted(read_metrics(run_dir / "metrics.jsonl", "learner"), key=lambda r: r["step"])
     window = [r for r in records if r["step"] >= skip]

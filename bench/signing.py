@@ -58,14 +58,14 @@ def main(argv=None) -> int:
 
     from consumers.screening import GroupScreen
     from pipeline.config import load_config
-    from pipeline.engine import make_engine
+    from pipeline.learning.engine import make_engine
     from pipeline.models import sample_groups
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
-    from pipeline.rollout import decode_rollout, encode_rollout, seal_rollout
-    from pipeline.signing import SigningKey
+    from pipeline.wire.rollout import decode_rollout, encode_rollout, seal_rollout
+    from pipeline.wire.signing import SigningKey
     from pipeline.tasks import make_task
     from pipeline.trust import KeyEntry, KeyRegistry, RolloutVerifier
-    from pipeline.update import optimizer_step
+    from pipeline.learning.update import optimizer_step
     from producers.sampler import score_groups
 
     torch.set_num_threads(1)

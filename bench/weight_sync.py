@@ -12,7 +12,7 @@
    nothing: its prompts are random token ids and a completion's reward is 1 when its mean
    log-prob is above the group's median, a stand-in signal so that every group has a gradient.
 2. **Learner steps.** For each learning rate, a fresh DeepSpeed engine of the product's
-   learner (`pipeline.engine.make_engine`, `pipeline.update.optimizer_step`, loss gepo, bf16
+   learner (`pipeline.learning.engine.make_engine`, `pipeline.learning.update.optimizer_step`, loss gepo, bf16
    with fp32 master weights, no warm-up) takes `--steps` steps on those groups. After each
    step the policy is saved as the learner saves it (`save_weights`) and encoded against
    the version before with the product's codec (`pipeline.weights.codec`), in bf16 (the
@@ -80,7 +80,7 @@ def rollouts(shape: str, model, tokenizer, args) -> list:
     from pipeline.config import load_config
     from heterorl.config_files import builtin_config
     from pipeline.models import decode_completion, sample_groups
-    from pipeline.rollout import Rollout
+    from pipeline.wire.rollout import Rollout
     from pipeline.runtime import make_task_from_config
 
     model.eval()
@@ -160,8 +160,8 @@ def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> 
     import torch
 
     from pipeline.config import LearnerConfig
-    from pipeline.engine import make_engine, resolve_device
-    from pipeline.update import optimizer_step
+    from pipeline.learning.engine import make_engine, resolve_device
+    from pipeline.learning.update import optimizer_step
 
     lcfg = LearnerConfig(loss_type="gepo", lr=lr, lr_warmup_steps=0, precision="bf16", zero_stage=1,
                          micro_batch_tokens=4096, gradient_checkpointing=args.shape == "qwen2-0.5b")
@@ -190,8 +190,8 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
 
     from infra.fault_proxy import FaultProxy, FaultSpec, Route
     from infra.local_stack import start_stack, stack_services, stop_stack
-    from pipeline.checkpoints import CheckpointStore, connect_s3
-    from pipeline.generation import HfEngine, SamplingSettings
+    from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+    from pipeline.sampling.generation import HfEngine, SamplingSettings
     from pipeline.weights.policy import KeyframeRule, PolicyPublisher, _write_weights, fetch_policy
 
     base_dir = work / "base"

@@ -25,10 +25,10 @@ from typing import Optional
 
 import torch
 
-from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
+from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
-from pipeline.engine import resolve_device
-from pipeline.metrics import MetricsWriter, read_metrics
+from pipeline.learning.engine import resolve_device
+from pipeline.records.metrics import MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, make_task_from_config, setup_logging,
                               with_machine_precision)
 from pipeline.weights.policy import fetch_policy

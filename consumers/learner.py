@@ -10,7 +10,7 @@ Run: `heterorl learner --config demo [--out RUN_DIR]` (exactly one per run).
     marker to the update log (steps logged after that state were lost with the learner that
     made them);
   - `take`: read the rollout topic by explicit partition assignment and `admit` each
-    message (`pipeline.admission`: a poison message is dead-lettered to `<run>.dead` with
+    message (`pipeline.learning.admission`: a poison message is dead-lettered to `<run>.dead` with
     its reason in a header, a second copy of a rollout id is ignored, staleness
     τ = learner version − rollout version decides drop or keep, every verdict counted);
   - `train_ready`: once `groups_per_step` whole groups are kept, their log-prob checks
@@ -57,27 +57,27 @@ from kafka.errors import KafkaError
 
 from consumers.recorder import StepRecorder
 from consumers.screening import UNVERIFIABLE, GroupScreen, PastPolicies
-from pipeline.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
-from pipeline.checkpoints import LEARNER_STATE_DIR
+from pipeline.learning.admission import Admission, Admitted, PendingGroup, RolloutLimits, Verdicts
+from pipeline.servers.checkpoints import LEARNER_STATE_DIR
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import (Ranks, can_discard_gradients, init_distributed, machine_precision, make_engine,
+from pipeline.learning.engine import (Ranks, can_discard_gradients, init_distributed, machine_precision, make_engine,
                              resolve_device)
-from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
-from pipeline.keyring import RegistryFollower, key_paths, load_learner_key, load_root_public
+from pipeline.servers.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.trust.keyring import RegistryFollower, key_paths, load_learner_key, load_root_public
 from pipeline.weights.learner_state import capture, load_learner_state
-from pipeline.metrics import MetricsWriter, StageClock
+from pipeline.records.metrics import MetricsWriter, StageClock
 from pipeline.models import DTYPES, generation_eos_ids, load_policy, tokenizer_fingerprint
-from pipeline.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
-from pipeline.retry import retry_call
-from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
+from pipeline.learning.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
+from pipeline.servers.retry import retry_call
+from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout, encode_rollout
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
                               touch_heartbeat_file, with_machine_precision)
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy
-from pipeline.services import ServiceUnavailable, free_port
-from pipeline.update import FreshCheck, StepRefused, optimizer_step
-from pipeline.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
+from pipeline.servers.services import ServiceUnavailable, free_port
+from pipeline.learning.update import FreshCheck, StepRefused, optimizer_step
+from pipeline.records.update_log import (UpdateEntry, append_entry, dead_letter_topic, read_entries_kafka, rewind_entry,
                                  updates_topic)
-from pipeline.verdicts import GroupVerdict, VerdictVerifier, group_digest, verdicts_topic
+from pipeline.trust.verdicts import GroupVerdict, VerdictVerifier, group_digest, verdicts_topic
 from pipeline.weights.policy import KeyframeRule, PolicyPublisher
 from pipeline.weights.publisher import BackgroundPublisher, Snapshot
 from pipeline.weights.recovery import RecoverySchedule, fetch_newest_state, recovery_store, resume_version

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.admission import Admission, PendingGroup
-from pipeline.metrics import MetricsWriter
-from pipeline.update_log import UpdateEntry, append_entry
+from pipeline.learning.admission import Admission, PendingGroup
+from pipeline.records.metrics import MetricsWriter
+from pipeline.records.update_log import UpdateEntry, append_entry
 
 PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
                  "duplicates_ignored")

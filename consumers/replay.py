@@ -17,7 +17,7 @@ with exactly this data?" The loop, top to bottom:
          the replay's rule now drops leaves its batch; the original's drops stay dropped);
        - otherwise: groups in the order the original learner judged them, batched by
          `learner.groups_per_step`;
-  4. train with the learner's own step (`pipeline.update.optimizer_step`), writing
+  4. train with the learner's own step (`pipeline.learning.update.optimizer_step`), writing
      metrics, an update log, checkpoints (local directory or S3) and, with `eval.every`,
      held-out accuracy records exactly like a training run;
   5. write summary.json, naming `final_checkpoint`.
@@ -40,22 +40,22 @@ import torch
 from tqdm import tqdm
 
 from consumers.recorder import StepRecorder
-from pipeline.admission import Admission, PendingGroup
-from pipeline.archive import ArchiveError, read_archive
-from pipeline.checkpoints import (CheckpointNotFound, CheckpointStore,
+from pipeline.learning.admission import Admission, PendingGroup
+from pipeline.records.archive import ArchiveError, read_archive
+from pipeline.servers.checkpoints import (CheckpointNotFound, CheckpointStore,
                                   CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.engine import make_engine, resolve_device
+from pipeline.learning.engine import make_engine, resolve_device
 from pipeline.errors import UserError
-from pipeline.kafka_io import read_topic, topic_partitions
+from pipeline.servers.kafka_io import read_topic, topic_partitions
 from pipeline.weights.learner_state import save_weights
-from pipeline.metrics import MetricsWriter
+from pipeline.records.metrics import MetricsWriter
 from pipeline.models import DTYPES, load_policy, tokenizer_fingerprint
-from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
+from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
-from pipeline.services import ServiceUnavailable, require_services
-from pipeline.update import optimizer_step
-from pipeline.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
+from pipeline.servers.services import ServiceUnavailable, require_services
+from pipeline.learning.update import optimizer_step
+from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
 from pipeline.weights.policy import (CheckpointUrlError, KeyframeRule, PolicyPublisher, fetch_published,
                                      parse_checkpoint_url)
 from pipeline.weights.publisher import BackgroundPublisher, Snapshot
@@ -76,7 +76,7 @@ class RecordedRun:
     topic: str
     messages: dict[tuple[int, int], list[bytes]]
     """Payloads by (partition, offset): usually one, two where the broker gave one offset to
-    two messages (Tansu can, see pipeline/audit.py); the log's rollout id tells them apart."""
+    two messages (Tansu can, see pipeline/records/audit.py); the log's rollout id tells them apart."""
     update_log: list[UpdateEntry]
     decoded: dict[tuple[int, int], list[Rollout]] = field(default_factory=dict, repr=False)
     """Messages decoded so far: the filter check and the plan both ask for the logged groups."""

@@ -16,7 +16,7 @@
   re-scored with the version each claims, all groups of one version in one batched forward
   pass, in the fastest exact precision of this machine (`PastPolicies`), and compared
   (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). The groups of
-  staleness 0 are checked by the step itself (`pipeline.update.FreshCheck`: the training
+  staleness 0 are checked by the step itself (`pipeline.learning.update.FreshCheck`: the training
   forward computes exactly the log-probs the check needs), which the learner reports back
   with `record_fresh`. A version no longer in reach cannot be checked: on probation the
   group is then not used (`unverifiable`, no strike), afterwards it is used unchecked
@@ -38,10 +38,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
+from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
 from pipeline.config import SecurityConfig
 from pipeline.models import completion_logprobs, decode_completion, load_policy, load_weights_into
-from pipeline.rollout import Rollout
+from pipeline.wire.rollout import Rollout
 from pipeline.trust import logprob_gap
 from pipeline.weights.policy import PolicyPublisher, fetch_policy, read_weights
 

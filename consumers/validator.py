@@ -16,7 +16,7 @@ the three servers; start or stop them at any time). Its key must be registered w
      prompt and every reward re-scored with the task's verifier, and the log-probs re-scored
      with the version the group claims, fetched and verified through the weight path
      (`consumers.screening`: probation, the secret draw of stale groups, the thresholds);
-  4. publish one verdict per group (`pipeline.verdicts`), signed with its key, to
+  4. publish one verdict per group (`pipeline.trust.verdicts`), signed with its key, to
      `<topic>.verdicts`; once the broker acknowledged them, record in Redis where each
      partition's verdicts end.
 
@@ -41,16 +41,16 @@ import redis
 import torch
 
 from consumers.screening import GroupScreen, PastPolicies
-from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
+from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
-from pipeline.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
-from pipeline.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
+from pipeline.servers.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.trust.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
 from pipeline.models import load_policy
-from pipeline.rollout import Rollout, RolloutDecodeError
+from pipeline.wire.rollout import Rollout, RolloutDecodeError
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
                               touch_heartbeat_file)
 from pipeline.trust import Rejected, RolloutVerifier
-from pipeline.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
 
 
 @dataclass(frozen=True)

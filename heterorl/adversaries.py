@@ -34,11 +34,11 @@ import msgpack
 import numpy as np
 import torch
 
-from pipeline.checkpoints import CheckpointStore
+from pipeline.servers.checkpoints import CheckpointStore
 from pipeline.config import HeteroConfig
-from pipeline.kafka_io import RolloutSink, read_topic
-from pipeline.rollout import Rollout, encode_rollout, seal_rollout
-from pipeline.signing import SigningKey, sign_document
+from pipeline.servers.kafka_io import RolloutSink, read_topic
+from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
+from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
 
 SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
@@ -288,8 +288,8 @@ class VerdictForger(threading.Thread):
         self.seq = 0
 
     def run(self) -> None:
-        from pipeline.rollout import decode_rollout
-        from pipeline.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+        from pipeline.wire.rollout import decode_rollout
+        from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
 
         sink: Optional[RolloutSink] = None
         while not self.stopped.wait(self.every_s):

@@ -35,10 +35,10 @@ from heterorl.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, Manife
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run
-from pipeline.audit import audit_topic
+from pipeline.records.audit import audit_topic
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.keyring import init_keys, key_paths
-from pipeline.signing import read_key_file
+from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.wire.signing import read_key_file
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 

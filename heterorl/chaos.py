@@ -14,7 +14,7 @@
      after its last recovery state (those are lost, never reused);
   4. at the end: samplers stopped (they flush their spools), the learner drained
      (SIGUSR1: read to the end of the log, train the rest, publish), held-out accuracy of
-     the final checkpoint, and the audit (`pipeline.audit`) written to OUT/audit.json;
+     the final checkpoint, and the audit (`pipeline.records.audit`) written to OUT/audit.json;
   5. with `--validators K` (the checks done by validators, docs/security.md "Validators"):
      K validators beside the learner, reaching the servers through the proxy like the
      samplers, the rollout topic with a partition each, and one more fault: a validator
@@ -43,17 +43,17 @@ from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
-from pipeline.audit import audit_topic
-from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.records.audit import audit_topic
+from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
-from pipeline.kafka_io import read_topic
-from pipeline.keyring import init_keys, key_paths
-from pipeline.redis_state import RunState, connect_redis
+from pipeline.servers.kafka_io import read_topic
+from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.servers.redis_state import RunState, connect_redis
 from pipeline.runtime import (evaluate_base, evaluate_final_state, make_task_from_config, resolve_base_model,
                               setup_logging)
-from pipeline.services import LOOPBACK, Services, free_port
-from pipeline.update_log import UpdateEntry, updates_topic
+from pipeline.servers.services import LOOPBACK, Services, free_port
+from pipeline.records.update_log import UpdateEntry, updates_topic
 from pipeline.weights.policy import DELTA_FILE
 from pipeline.weights.recovery import latest_state, recovery_store
 

@@ -380,7 +380,7 @@ def _cmd_down(args) -> int:
 
 def _cmd_env(args) -> int:
     from infra.local_stack import load_stack, stack_env
-    from pipeline.services import ServiceUnavailable
+    from pipeline.servers.services import ServiceUnavailable
 
     state = load_stack(args.data_dir)
     if state is None:
@@ -508,7 +508,7 @@ def _cmd_replay(args) -> int:
         args.overrides.append(f"learner.loss_type={args.loss}")
     cfg = _load(args)
     from consumers.replay import ReplayFilter, parse_time, run_replay
-    from pipeline.services import require_services
+    from pipeline.servers.services import require_services
 
     source = args.source
     if source.startswith("kafka:///"):
@@ -523,8 +523,8 @@ def _cmd_replay(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from pipeline.archive import export_topic
-    from pipeline.services import require_services
+    from pipeline.records.archive import export_topic
+    from pipeline.servers.services import require_services
 
     bootstrap = args.bootstrap or require_services(_load(args).services).kafka_bootstrap
     summary = export_topic(bootstrap, args.topic, Path(args.out))
@@ -561,9 +561,9 @@ def _cmd_loadtest(args) -> int:
 
 def _cmd_weights(args) -> int:
     cfg = _load(args)
-    from pipeline.checkpoints import connect_s3
-    from pipeline.keyring import key_paths, load_learner_public
-    from pipeline.services import require_services
+    from pipeline.servers.checkpoints import connect_s3
+    from pipeline.trust.keyring import key_paths, load_learner_public
+    from pipeline.servers.services import require_services
     from pipeline.weights.policy import fetch_published
 
     trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None

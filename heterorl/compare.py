@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import UserError
-from pipeline.metrics import read_metrics
+from pipeline.records.metrics import read_metrics
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

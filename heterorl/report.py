@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.metrics import read_metrics
+from pipeline.records.metrics import read_metrics
 
 
 def plot_run(run_dir: Path, out_name: str = "report.png") -> Path:

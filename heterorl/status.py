@@ -6,11 +6,11 @@ import time
 from typing import Optional
 
 from heterorl.stack import resolved_services
-from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.servers.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import load_config
-from pipeline.kafka_io import end_offsets
-from pipeline.redis_state import RunState, connect_redis, latest_run
-from pipeline.services import require_services
+from pipeline.servers.kafka_io import end_offsets
+from pipeline.servers.redis_state import RunState, connect_redis, latest_run
+from pipeline.servers.services import require_services
 
 
 RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are listed as gone

@@ -40,9 +40,9 @@ import yaml
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
 from heterorl.study_verdict import verdict_lines
-from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.servers.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
-from pipeline.metrics import read_metrics
+from pipeline.records.metrics import read_metrics
 from pipeline.weights.policy import prune_policies
 from pipeline.weights.recovery import recovery_store
 

@@ -30,12 +30,12 @@ from heterorl.processes import IDLE, Processes, RunFailed, child_env
 from heterorl.report import plot_run
 from heterorl.stack import as_role, services_for_run
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.generation import check_backend_available
-from pipeline.keyring import init_keys, key_paths
+from pipeline.sampling.generation import check_backend_available
+from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.errors import UserError
-from pipeline.metrics import MetricsTail, MetricsWriter, read_metrics
+from pipeline.records.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
-from pipeline.engine import cpu_kind, resolve_device
+from pipeline.learning.engine import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, make_task_from_config,
                               resolve_base_model, setup_logging, with_machine_precision)
 

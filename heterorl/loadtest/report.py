@@ -12,7 +12,7 @@ Every rate is over the measured window [before, after] of a case (`rig.Rig._snap
   carried per published policy version (S3: the weights; Redis: everything else);
 - the learner's CPU seconds per group judged, by stage (`cpu_<stage>_s` of its records) and
   for its whole process (the background publisher included);
-- `lost` and `used_twice`: the audit of the whole case (`pipeline.audit`).
+- `lost` and `used_twice`: the audit of the whole case (`pipeline.records.audit`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ modeled learner (`heterorl.loadtest.learner`) and N simulated samplers in worker
 (`heterorl.loadtest.worker`), waits for `loadtest.warmup_steps` steps and `loadtest.warmup_s`, measures
 for `loadtest.measure_s` (snapshots of Redis, the broker's link, the workers' links and the
 learner's records at both ends, a Redis latency probe in between), then stops the samplers
-(they flush their spools), drains the learner and audits the topic (`pipeline.audit`):
+(they flush their spools), drains the learner and audits the topic (`pipeline.records.audit`):
 every group produced is used, dropped or pending, none used twice.
 
 The samplers reach Redis and S3 through their own links, the learner directly; every
@@ -39,15 +39,15 @@ from heterorl.processes import RunFailed
 from heterorl.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_quotas
 from heterorl.loadtest.report import case_row, failed_row, write_report
 from infra.local_stack import stack_services, start_stack, stop_stack
-from pipeline.audit import audit_topic
-from pipeline.checkpoints import CheckpointStore, connect_s3
+from pipeline.records.audit import audit_topic
+from pipeline.servers.checkpoints import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig
 from pipeline.errors import UserError
-from pipeline.kafka_io import read_topic
-from pipeline.redis_state import RunState, connect_redis
+from pipeline.servers.kafka_io import read_topic
+from pipeline.servers.redis_state import RunState, connect_redis
 from pipeline.runtime import resolve_base_model, setup_logging
-from pipeline.services import Services
-from pipeline.update_log import read_entries_file
+from pipeline.servers.services import Services
+from pipeline.records.update_log import read_entries_file
 from pipeline.weights.recovery import latest_state, recovery_store
 
 FIRST_STEP_TIMEOUT_S = 600.0
@@ -322,7 +322,7 @@ class Rig:
 def verdict_latencies_s(bootstrap: str, topic: str, t0: float, t1: float) -> list[float]:
     """Seconds from each group's arrival at the broker to its first verdict's, for the verdicts
     appended in [t0, t1] (broker timestamps of both messages)."""
-    from pipeline.verdicts import verdicts_topic
+    from pipeline.trust.verdicts import verdicts_topic
 
     arrived = {(r.partition, r.offset): r.timestamp_ms for r in read_topic(bootstrap, topic, timeout_s=120)}
     first: dict[tuple[int, int], int] = {}

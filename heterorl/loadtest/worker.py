@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from infra.fault_proxy import CONTROL_TIMEOUT_S, FaultProxy, FaultSpec, Route
 from pipeline.config import GpuClassConfig, HeteroConfig
-from pipeline.delays import DelayDistributionConfig
+from pipeline.config.delays import DelayDistributionConfig
 from pipeline.models import load_tokenizer
 from heterorl.loadtest.fleet import LockstepSampler, SimulatedSampler
 

@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoints import LEARNER_STATE_DIR
-from pipeline.engine import begin_micro_batch
+from pipeline.servers.checkpoints import LEARNER_STATE_DIR
+from pipeline.learning.engine import begin_micro_batch
 
 STATE_FORMAT = "heterorl-learner-state/1"
 TENSORS_FILE = "optimizer.safetensors"

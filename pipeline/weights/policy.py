@@ -1,6 +1,6 @@
 """Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
 
-A policy version is published through `pipeline.checkpoints.CheckpointStore` (files, then a
+A policy version is published through `pipeline.servers.checkpoints.CheckpointStore` (files, then a
 signed manifest; every download chunked, resumable and checked against its sha256) in one
 of two kinds, named in the manifest's `extra["weights"]`:
 
@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
+from pipeline.servers.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
                                   link_or_copy,
                                   Manifest, is_pickle_file, safe_relpath, sha256_file)
 from pipeline.errors import UserError

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipeline.checkpoints import CheckpointStore
+from pipeline.servers.checkpoints import CheckpointStore
 from pipeline.weights.learner_state import Capture
 from pipeline.weights.policy import PolicyPublisher, prune_policies
 from pipeline.weights.recovery import save_recovery_state

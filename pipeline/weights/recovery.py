@@ -23,7 +23,7 @@ from typing import Optional
 
 from typing import Callable
 
-from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, Manifest
+from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, Manifest
 
 STATE_PREFIX = "state"
 STATE_LABEL = "s"

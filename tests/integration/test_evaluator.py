@@ -26,7 +26,7 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> None:
 
 
 def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_the_end(local_stack_env, tmp_path):
-    from pipeline.metrics import read_metrics
+    from pipeline.records.metrics import read_metrics
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.runtime import connect_run
     from pipeline.weights.policy import PolicyPublisher

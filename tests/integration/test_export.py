@@ -5,10 +5,10 @@ import uuid
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.archive import ArchiveError, export_topic, read_archive
-from pipeline.kafka_io import RolloutSink, ensure_topic, read_topic
-from pipeline.rollout import decode_rollout
-from pipeline.update_log import DroppedGroup, SkippedMessage, UpdateEntry, UsedGroup, updates_topic
+from pipeline.records.archive import ArchiveError, export_topic, read_archive
+from pipeline.servers.kafka_io import RolloutSink, ensure_topic, read_topic
+from pipeline.wire.rollout import decode_rollout
+from pipeline.records.update_log import DroppedGroup, SkippedMessage, UpdateEntry, UsedGroup, updates_topic
 from tests.unit.test_rollout import make_rollout
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import load_config
-from pipeline.kafka_io import RolloutSink, ensure_topic
-from pipeline.rollout import Rollout
+from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.wire.rollout import Rollout
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert not [f for f in files + [f["path"] for f in state.files] if f.endswith((".pt", ".pth", ".bin", ".pkl"))]
 
     # The update log accounts for every offset once: used in a step, dropped, or set aside.
-    from pipeline.update_log import read_entries_file, read_entries_kafka
+    from pipeline.records.update_log import read_entries_file, read_entries_kafka
     entries = read_entries_file(tmp_path / "run" / "updates.jsonl")
     assert entries == read_entries_kafka(local_stack_env.kafka_bootstrap, cfg.run.topic)
     assert [(e.step, [(g.offset, g.staleness, g.weight) for g in e.used]) for e in entries] == [
@@ -101,9 +101,9 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert {e.topic for e in entries} == {cfg.run.topic}
 
     # The poison message was set aside on the dead-letter topic, with the reason in a header.
-    from pipeline.kafka_io import read_topic
-    from pipeline.rollout import header_value
-    from pipeline.update_log import dead_letter_topic
+    from pipeline.servers.kafka_io import read_topic
+    from pipeline.wire.rollout import header_value
+    from pipeline.records.update_log import dead_letter_topic
     dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
     assert [d.value for d in dead] == [b"\x00definitely not msgpack"]
     assert header_value(dead[0].headers, "reason").startswith("not msgpack")
@@ -112,12 +112,12 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     # A learner killed after publishing v4 but before its next recovery state: its v4 and its
     # logged step 4 are lost. The restarted learner resumes from the state of step 3 at offset 5,
     # publishes those weights as v5 (v4 is never reused), and reads only what came after.
-    from pipeline.update_log import UpdateEntry
+    from pipeline.records.update_log import UpdateEntry
     from pipeline.weights.policy import PolicyPublisher, fetch_policy
     orphan, _, _ = fetch_policy(handles.store, manifest_key, tmp_path / "orphan")
     PolicyPublisher(handles.store).publish(4, orphan, {"step": 4}, parent_version=3)
     lost = UpdateEntry(step=4, policy_version=4, loss_type="gepo", time=0.0, attempt="killed", topic=cfg.run.topic)
-    from pipeline.update_log import updates_topic
+    from pipeline.records.update_log import updates_topic
     log_sink = RolloutSink(local_stack_env.kafka_bootstrap, updates_topic(cfg.run.topic))
     log_sink.send_raw(lost.to_json().encode(), key=b"4")
     log_sink.close()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
-from pipeline.services import Services
+from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.servers.services import Services
 from pipeline.weights.codec import bits
 from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule, PolicyPublisher, fetch_policy, read_weights
 
@@ -53,7 +53,7 @@ def _store(stack, run, signer=None, trusted=None) -> CheckpointStore:
 
 
 def _published(stack, run, versions, keyframe_every=3):
-    from pipeline.signing import SigningKey
+    from pipeline.wire.signing import SigningKey
 
     learner = SigningKey.generate()
     writer, reader = _store(stack, run, signer=learner), _store(stack, run, trusted=learner.public)
@@ -76,7 +76,7 @@ def test_the_publisher_gives_back_its_recent_versions_bit_for_bit_from_its_delta
     """The learner re-scores stale groups with the versions it published, kept as the deltas it
     made (`weights_of`), not as copies: each comes back bit for bit, across a keyframe the rule
     chose (its delta was made all the same), and only `history` versions back."""
-    from pipeline.signing import SigningKey
+    from pipeline.wire.signing import SigningKey
 
     publisher = PolicyPublisher(_store(local_stack, "policy-history", signer=SigningKey.generate()),
                                 KeyframeRule(3), history=3)
@@ -252,7 +252,7 @@ def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versio
 
 
 def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack, versions, tmp_path):
-    from pipeline.signing import SigningKey
+    from pipeline.wire.signing import SigningKey
     from pipeline.weights.policy import fetch_published
 
     publisher = PolicyPublisher(_store(local_stack, "policy-unsigned"), KeyframeRule(3))

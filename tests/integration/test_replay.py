@@ -67,7 +67,7 @@ def _base(local_stack, summary) -> str:
 
 def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp_path):
     from consumers.replay import run_replay
-    from pipeline.update_log import read_entries_file
+    from pipeline.records.update_log import read_entries_file
 
     run_dir, summary, cfg = recorded
     original_log = read_entries_file(run_dir / "updates.jsonl")
@@ -93,7 +93,7 @@ def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp
 
 def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
     from consumers.replay import run_replay
-    from pipeline.archive import export_topic
+    from pipeline.records.archive import export_topic
 
     run_dir, summary, cfg = recorded
     # A stricter max delay drops every group the original used at staleness 1.
@@ -130,7 +130,7 @@ def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
 def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path, monkeypatch, capsys):
     from heterorl import cli
     from infra.local_stack import stack_env
-    from pipeline.kafka_io import ensure_topic
+    from pipeline.servers.kafka_io import ensure_topic
     from pipeline.models import load_policy
 
     run_dir, summary, cfg = recorded

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from pipeline.redis_state import RunState, connect_redis
+from pipeline.servers.redis_state import RunState, connect_redis
 from heterorl.status import collect_status, format_status
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ENV_OVERRIDES
-from pipeline.metrics import read_metrics
-from pipeline.update_log import read_entries_file
+from pipeline.records.metrics import read_metrics
+from pipeline.records.update_log import read_entries_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

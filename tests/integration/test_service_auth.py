@@ -16,9 +16,9 @@ from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
 from infra.local_stack import REDIS_ACL_FILE, STATE_FILE, StackState, redis_server_version, s3_client, stack_services
-from pipeline.checkpoints import connect_s3
-from pipeline.redis_state import RunState, connect_redis
-from pipeline.services import ServiceUnavailable
+from pipeline.servers.checkpoints import connect_s3
+from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.servers.services import ServiceUnavailable
 
 pytestmark = pytest.mark.integration
 

@@ -7,10 +7,10 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from pipeline.kafka_io import RolloutSink, ensure_topic, read_topic
-from pipeline.rollout import decode_rollout, header_value
-from pipeline.services import ServiceUnavailable
-from pipeline.spool import RolloutSpool
+from pipeline.servers.kafka_io import RolloutSink, ensure_topic, read_topic
+from pipeline.wire.rollout import decode_rollout, header_value
+from pipeline.servers.services import ServiceUnavailable
+from pipeline.servers.spool import RolloutSpool
 from tests.unit.test_rollout import make_rollout
 
 pytestmark = pytest.mark.integration

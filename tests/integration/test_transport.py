@@ -2,8 +2,8 @@
 
 import pytest
 
-from pipeline.kafka_io import RolloutSink, RolloutSource, end_offsets, ensure_topic
-from pipeline.rollout import decode_rollout, header_value
+from pipeline.servers.kafka_io import RolloutSink, RolloutSource, end_offsets, ensure_topic
+from pipeline.wire.rollout import decode_rollout, header_value
 from tests.unit.test_rollout import make_rollout
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def test_rollout_round_trip_through_the_broker(local_stack):
 
 
 def test_missing_topic_is_a_clear_error(local_stack):
-    from pipeline.services import ServiceUnavailable
+    from pipeline.servers.services import ServiceUnavailable
 
     with pytest.raises(ServiceUnavailable, match="topic no-such-topic does not exist"):
         RolloutSource(local_stack.kafka_bootstrap, "no-such-topic")
@@ -53,7 +53,7 @@ def test_end_offsets_count_every_message_of_a_batched_send(local_stack):
     """Tansu under-reports ListOffsets after a multi-record batch; end_offsets must not."""
     import uuid
 
-    from pipeline.kafka_io import RolloutSink, end_offsets, ensure_topic
+    from pipeline.servers.kafka_io import RolloutSink, end_offsets, ensure_topic
     from tests.unit.test_rollout import make_rollout
 
     topic = f"batched-{uuid.uuid4().hex[:8]}"

@@ -13,7 +13,7 @@ from datetime import datetime
 import pytest
 
 from pipeline.config import ENV_OVERRIDES
-from pipeline.update_log import read_entries_kafka
+from pipeline.records.update_log import read_entries_kafka
 
 pytestmark = pytest.mark.integration
 

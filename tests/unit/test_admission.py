@@ -3,9 +3,9 @@ poison messages, and the batch it hands out."""
 
 import pytest
 
-from pipeline.admission import Admission, RolloutLimits
+from pipeline.learning.admission import Admission, RolloutLimits
 from pipeline.config import load_config
-from pipeline.rollout import encode_rollout
+from pipeline.wire.rollout import encode_rollout
 from tests.unit.test_rollout import make_rollout
 
 LIMITS = RolloutLimits(vocab_size=20, temperature=1.0, max_new_tokens=8, max_positions=64)

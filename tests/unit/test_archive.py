@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import archive
-from pipeline.archive import ArchiveError, export_topic, read_archive, verdicts_by_offset
-from pipeline.kafka_io import RawRecord
-from pipeline.rollout import decode_rollout, encode_rollout
-from pipeline.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup
+from pipeline.records import archive
+from pipeline.records.archive import ArchiveError, export_topic, read_archive, verdicts_by_offset
+from pipeline.servers.kafka_io import RawRecord
+from pipeline.wire.rollout import decode_rollout, encode_rollout
+from pipeline.records.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup
 from tests.unit.test_rollout import make_rollout
 
 TOPIC = "unit.rollouts"

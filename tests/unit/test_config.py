@@ -61,7 +61,7 @@ def test_service_urls_come_from_environment_unless_configured():
 def test_loss_types_match_the_loss_library():
     from typing import get_args
 
-    from pipeline.losses import LOSS_TYPES
+    from pipeline.learning.losses import LOSS_TYPES
 
     assert set(get_args(LossType)) == set(LOSS_TYPES)
 
@@ -103,7 +103,7 @@ def test_precision_auto_is_decided_by_the_machine(monkeypatch):
     bf16 is emulated), whatever the config; each role logs the choice and why."""
     import torch
 
-    from pipeline import engine
+    from pipeline.learning import engine
     from pipeline.runtime import with_machine_precision
 
     cfg = load_config(None, ["learner.precision=auto", "sampler.precision=auto", "learner.zero_stage=0"], env={})

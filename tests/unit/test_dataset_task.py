@@ -23,7 +23,7 @@ from pipeline.tasks import (
     Task,
     make_task,
 )
-from pipeline.verifiers import VerifierError
+from pipeline.tasks.verifiers import VerifierError
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMS3 = ROOT / "heterorl" / "configs" / "data" / "sums3.jsonl"

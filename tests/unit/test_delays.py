@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pipeline.delays import (
+from pipeline.config.delays import (
     DelayDistributionConfig,
     DelayModelConfig,
     DelayStream,

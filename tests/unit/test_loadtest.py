@@ -11,7 +11,7 @@ from heterorl.loadtest.fleet import (ModeledEngine, assign_classes, completion_l
                                      lockstep_quotas)
 from heterorl.loadtest.report import name_bottleneck, quantile, steps_per_min, train_overlap
 from pipeline.config import GpuClassConfig, HeteroConfig, LoadtestConfig
-from pipeline.metrics import StageClock
+from pipeline.records.metrics import StageClock
 
 FLEET = [GpuClassConfig(name="h100", share=1, tokens_per_s=5000), GpuClassConfig(name="a100", share=1,
                                                                                   tokens_per_s=3000),
@@ -121,7 +121,7 @@ def test_loadtest_config_names_an_unknown_fleet():
 def test_the_modeled_screen_checks_the_groups_the_real_one_would():
     from heterorl.loadtest.learner import ModeledScreen
     from pipeline.config import SecurityConfig
-    from pipeline.rollout import Rollout
+    from pipeline.wire.rollout import Rollout
 
     lt = LoadtestConfig(reward_check_s_per_group=0.0, logprob_check_s_per_group=0.0)
     screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_logprob_check_fraction=0.0), lt)

@@ -2,7 +2,7 @@
 
 The references below re-derive every loss from docs/losses.md one sequence and one
 token at a time with Python floats and the math module; they share no code with
-pipeline.losses (no vectorised copies). Then: gradients against the slides' eq. 5,
+pipeline.learning.losses (no vectorised copies). Then: gradients against the slides' eq. 5,
 GEPO's invariances, Theorem 1 numerically, numeric stability, and input errors.
 """
 
@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-import pipeline.losses as losses
-from pipeline.losses import (
+import pipeline.learning.losses as losses
+from pipeline.learning.losses import (
     DEFAULT_EPSILONS,
     LOSS_TYPES,
     compute_policy_loss,

@@ -1,6 +1,6 @@
 """A sampler's pause rules, without servers: each named reason, in order, and the backlog."""
 
-from pipeline.pacing import Pacing, StepPeriod, too_far_behind
+from pipeline.sampling.pacing import Pacing, StepPeriod, too_far_behind
 
 
 def test_too_far_behind_counts_versions_behind_and_queued_steps():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pipeline.services import free_port
+from pipeline.servers.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     from safetensors.torch import save_file
     from pipeline.config import load_config
-    from pipeline.engine import Ranks, make_engine
-    from pipeline.update import optimizer_step
+    from pipeline.learning.engine import Ranks, make_engine
+    from pipeline.learning.update import optimizer_step
     from tests.unit.test_learner_state import tiny_model, weights
     from tests.unit.test_update import groups
 

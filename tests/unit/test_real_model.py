@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.engine import make_engine
-from pipeline.generation import HfEngine, SamplingSettings, vllm_installed
+from pipeline.learning.engine import make_engine
+from pipeline.sampling.generation import HfEngine, SamplingSettings, vllm_installed
 from pipeline.models import SampledGroup, completion_logprobs, decode_completion, load_policy, resolve_model
 from pipeline.models import sources
 from pipeline.models.sources import builtin_file
-from pipeline.rollout import Rollout
+from pipeline.wire.rollout import Rollout
 from pipeline.tasks import make_task
-from pipeline.update import optimizer_step
+from pipeline.learning.update import optimizer_step
 from producers.sampler import score_groups
 from tests.conftest import torch_threads
 

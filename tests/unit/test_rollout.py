@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.rollout import SCHEMA_VERSION, Rollout, RolloutDecodeError, decode_rollout, encode_rollout, header_value
+from pipeline.wire.rollout import SCHEMA_VERSION, Rollout, RolloutDecodeError, decode_rollout, encode_rollout, header_value
 
 
 def make_rollout(**over) -> Rollout:

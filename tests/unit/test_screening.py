@@ -191,7 +191,7 @@ class GoneStore:
         return f"v{version}/manifest.json"
 
     def read_expected(self, *_, **__):
-        from pipeline.checkpoints import CheckpointNotFound
+        from pipeline.servers.checkpoints import CheckpointNotFound
 
         raise CheckpointNotFound("pruned")
 

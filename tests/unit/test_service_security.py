@@ -9,10 +9,10 @@ import redis
 import urllib3
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
-import pipeline.kafka_io as kafka_io
+import pipeline.servers.kafka_io as kafka_io
 from infra.local_stack import StackState, redis_acl_rules, stack_services
 from pipeline.config import ConfigError, dump_config, load_config, strip_password
-from pipeline.services import ServiceSecurity, Services, require_services
+from pipeline.servers.services import ServiceSecurity, Services, require_services
 
 SASL = {"KAFKA_BOOTSTRAP_SERVERS": "kafka.example:9093", "REDIS_URL": "rediss://sampler:r3d1s-pw@redis.example:6380/0",
         "AWS_ENDPOINT_URL": "https://minio.example:9000", "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",

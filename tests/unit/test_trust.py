@@ -9,10 +9,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.admission import Admission, RolloutLimits
+from pipeline.learning.admission import Admission, RolloutLimits
 from pipeline.config import LearnerConfig
-from pipeline.rollout import decode_rollout, encode_rollout, seal_rollout
-from pipeline.signing import (KeyFileError, SignatureError, SigningKey, read_key_file, sign_document,
+from pipeline.wire.rollout import decode_rollout, encode_rollout, seal_rollout
+from pipeline.wire.signing import (KeyFileError, SignatureError, SigningKey, read_key_file, sign_document,
                               verify_document, write_key_file)
 from pipeline.trust import (KeyEntry, KeyRegistry, Rejected, RolloutVerifier, StrikePolicy, logprob_gap,
                             sign_pointer, termination_error, verify_pointer)
@@ -225,7 +225,7 @@ def test_status_shows_quarantined_samplers_and_why():
 
 def test_a_sampler_key_comes_from_the_environment_then_the_file(tmp_path, monkeypatch):
     from pipeline.config import load_config
-    from pipeline.keyring import SAMPLER_KEY_ENV, key_paths, load_sampler_key
+    from pipeline.trust.keyring import SAMPLER_KEY_ENV, key_paths, load_sampler_key
 
     paths = key_paths(load_config(None, [f"services.data_dir={tmp_path}"]))
     with pytest.raises(KeyFileError, match="heterorl keys add box-1"):
@@ -274,7 +274,7 @@ def test_a_registry_entry_must_be_active_or_revoked_and_match_its_key():
     (dict(created_at=float("nan")), "created_at"),
 ])
 def test_groups_the_rules_cannot_read_are_malformed_not_a_crash(over, reason):
-    from pipeline.rollout import RolloutDecodeError
+    from pipeline.wire.rollout import RolloutDecodeError
 
     with pytest.raises(RolloutDecodeError, match=reason):
         decode_rollout(encode_rollout(make_rollout(**over)))

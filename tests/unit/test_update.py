@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.engine import Ranks, make_engine
-from pipeline.rollout import Rollout
-from pipeline.update import micro_batches, optimizer_step, rank_share
+from pipeline.learning.engine import Ranks, make_engine
+from pipeline.wire.rollout import Rollout
+from pipeline.learning.update import micro_batches, optimizer_step, rank_share
 from tests.unit.test_learner_state import tiny_model, weights
 
 
@@ -89,7 +89,7 @@ def test_a_step_refused_by_the_fresh_check_leaves_the_engine_as_if_it_never_ran(
     """The check of fresh groups rides on the training forward: a forged group is found after the
     backward passes, and then the step's gradients are discarded. The engine that refused a step
     and then took two more ends bit for bit where one that took only those two does."""
-    from pipeline.update import FreshCheck, StepRefused
+    from pipeline.learning.update import FreshCheck, StepRefused
 
     cfg = load_config(None, [*overrides, "learner.lr=1e-2"], env={}).learner
     straight = make_engine(tiny_model(), cfg, torch.device("cpu"))
@@ -109,7 +109,7 @@ def test_a_step_refused_by_the_fresh_check_leaves_the_engine_as_if_it_never_ran(
 
 
 def test_a_step_whose_fresh_groups_pass_reports_their_statistic_of_float_noise():
-    from pipeline.update import FreshCheck
+    from pipeline.learning.update import FreshCheck
 
     cfg = load_config(None, ["learner.zero_stage=0", "learner.lr=1e-2"], env={}).learner
     engine = make_engine(tiny_model(), cfg, torch.device("cpu"))

@@ -1,6 +1,6 @@
 """The update log's effective view: last entry per step wins, rewinds void lost steps."""
 
-from pipeline.update_log import UpdateEntry, UsedGroup, append_entry, dedup_by_step, read_entries_file, rewind_entry
+from pipeline.records.update_log import UpdateEntry, UsedGroup, append_entry, dedup_by_step, read_entries_file, rewind_entry
 
 
 def _step(step: int, offset: int) -> UpdateEntry:
@@ -40,7 +40,7 @@ def test_a_late_copy_of_a_learner_s_own_rewind_does_not_void_its_steps():
 
 
 def test_companion_topics_are_named_after_the_run():
-    from pipeline.update_log import dead_letter_topic, updates_topic
+    from pipeline.records.update_log import dead_letter_topic, updates_topic
 
     assert updates_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.updates"
     assert dead_letter_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.dead"

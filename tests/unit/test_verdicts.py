@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from consumers.validator import PartitionShare
-from pipeline.admission import Admission
+from pipeline.learning.admission import Admission
 from pipeline.config import LearnerConfig
-from pipeline.signing import SignatureError, SigningKey
+from pipeline.wire.signing import SignatureError, SigningKey
 from pipeline.trust import KeyEntry, KeyRegistry, Rejected, RolloutVerifier
-from pipeline.verdicts import GroupVerdict, VerdictVerifier, decode_verdict, group_digest, seal_verdict
+from pipeline.trust.verdicts import GroupVerdict, VerdictVerifier, decode_verdict, group_digest, seal_verdict
 from tests.unit.test_rollout import make_rollout
 from tests.unit.test_trust import NOW, RUN, entry, registry_with, sealed
 
@@ -88,7 +88,7 @@ def test_the_registry_keeps_each_keys_role_and_a_validator_key_cannot_sign_rollo
     assert e.value.code == "wrong_role"
     document = registry.signed(root)
     bad = {**document, "keys": {k: {**v, "role": "admin"} for k, v in document["keys"].items()}}
-    from pipeline.signing import sign_document
+    from pipeline.wire.signing import sign_document
     with pytest.raises(SignatureError, match="role 'admin'"):
         KeyRegistry.from_signed(sign_document({k: v for k, v in bad.items() if k != "signature"}, root), root.public,
                                 RUN)

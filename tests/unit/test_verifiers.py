@@ -1,4 +1,4 @@
-"""Unit tests for pipeline.verifiers: exact, numeric (GSM8K), math (math-verify), load_verifier."""
+"""Unit tests for pipeline.tasks.verifiers: exact, numeric (GSM8K), math (math-verify), load_verifier."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from pipeline import tasks
 from pipeline.errors import UserError
-from pipeline.verifiers import (
+from pipeline.tasks.verifiers import (
     END_MARKERS,
     VerifierError,
     exact,

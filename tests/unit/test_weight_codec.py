@@ -208,7 +208,7 @@ def test_a_keyframe_every_n_versions_or_when_the_chain_outweighs_a_full_copy():
 
 
 def test_a_sampler_takes_the_cheaper_path_to_a_version():
-    from pipeline.checkpoints import CorruptCheckpointError
+    from pipeline.servers.checkpoints import CorruptCheckpointError
     from pipeline.weights.policy import DELTA, KEYFRAME, Link, choose_path
 
     chain = [Link(10, KEYFRAME, None, 1000), Link(11, DELTA, 10, 30), Link(12, DELTA, 11, 30), Link(13, DELTA, 12, 30)]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.generation import SamplingSettings, VllmEngine
+from pipeline.sampling.generation import SamplingSettings, VllmEngine
 
 
 def serve(spec: dict, model_dirs: list[str]) -> dict:

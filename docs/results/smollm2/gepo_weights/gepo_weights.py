@@ -34,7 +34,7 @@ def main() -> int:
     args = parser.parse_args()
     from heterorl.config_files import config_path
     from pipeline.config import load_config
-    from pipeline.losses import gepo_log_expectation, group_advantages
+    from pipeline.learning.losses import gepo_log_expectation, group_advantages
     from pipeline.models import load_policy, sample_groups
     from pipeline.runtime import make_task_from_config, resolve_base_model
     from producers.sampler import score_groups

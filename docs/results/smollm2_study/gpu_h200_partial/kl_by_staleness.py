@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pipeline.metrics import read_metrics  # noqa: E402
+from pipeline.records.metrics import read_metrics  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BINS = [(0, 0), (1, 2), (3, 5), (6, 10), (11, 15), (16, 24)]

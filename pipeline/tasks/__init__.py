@@ -22,13 +22,13 @@ Three tasks are built in:
 - ``"dataset"`` (:class:`DatasetTask`): problems read from a file of records (JSON
   lines, Parquet, or a ``datasets.save_to_disk`` directory), each with a prompt (text or
   chat messages) and a gold answer, checked by a verifier from
-  :mod:`pipeline.verifiers` (``exact``, ``numeric``, ``math`` or your own function).
+  :mod:`pipeline.tasks.verifiers` (``exact``, ``numeric``, ``math`` or your own function).
   The held-out split is a file of its own or a hash-by-prompt slice of the one file.
   heterorl/configs/data/sums3.jsonl is a worked example the tiny model can learn.
 
 Errors in a dataset or its settings raise :class:`DatasetError`, one line naming the
 file and the line or row; a verifier that cannot be imported raises
-:class:`pipeline.verifiers.VerifierError`. Both are ``UserError`` and ``ValueError``.
+:class:`pipeline.tasks.verifiers.VerifierError`. Both are ``UserError`` and ``ValueError``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from pipeline.errors import UserError
-from pipeline.verifiers import (
+from pipeline.tasks.verifiers import (
     BUILTIN_VERIFIERS,
     END_MARKERS,
     Verifier,
@@ -180,7 +180,7 @@ class ArithmeticTask:
       (:data:`QUESTION`).
     - ``verifier``: ``"exact"`` (the default for equations) or ``"numeric"`` (the default for
       questions: the completion's last number, so ``37 + 58 = 95`` scores 1), from
-      :mod:`pipeline.verifiers`.
+      :mod:`pipeline.tasks.verifiers`.
     - ``chat_template`` (``"auto"``) and ``system_prompt`` (None): how the prompt is encoded,
       :func:`encode_messages` (the tiny tokenizer has no template: plain text).
 
@@ -316,7 +316,7 @@ class ScratchpadSumTask:
 
     Every order is a valid reasoning path (5 terms: 60 left-to-right folds, more with other
     groupings), and the reward looks only at the **final number** of the completion
-    (:func:`pipeline.verifiers.numeric`): ``183`` alone scores 1, so does any path that ends
+    (:func:`pipeline.tasks.verifiers.numeric`): ``183`` alone scores 1, so does any path that ends
     in it. A completion is 30–50 tokens with the defaults, so a sequence's probability is a
     product of dozens of token probabilities, as in chain-of-thought RL (a 3-token answer
     is not; see docs/results/long_study/).
@@ -600,7 +600,7 @@ class DatasetTask:
       answer (a chain of thought). Only the built-in model's supervised warm-up reads it
       (its target instead of the bare answer); the policy never sees it.
     - ``verifier`` ("exact"): a name or import spec for
-      :func:`pipeline.verifiers.load_verifier`, resolved at construction. With ``numeric``
+      :func:`pipeline.tasks.verifiers.load_verifier`, resolved at construction. With ``numeric``
       every gold answer must hold a number, checked at load time.
     - ``chat_template`` ("auto" | "none") and ``system_prompt`` (None): see
       :meth:`encode_prompt`.

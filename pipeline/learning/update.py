@@ -5,7 +5,7 @@ The learner (every rank of it), the replay tool and the synchronous baseline of
 
 One step, top to bottom:
   1. collate the groups and compute every batch-level quantity once, over the whole
-     batch (`pipeline.losses.batch_stats`: advantages, GEPO's group expectations, BNPO's
+     batch (`pipeline.learning.losses.batch_stats`: advantages, GEPO's group expectations, BNPO's
      Beta scaling, the normalisers);
   2. this rank's share of the sequences, balanced by tokens (`rank_share`), split into
      micro-batches of at most `learner.micro_batch_tokens` padded tokens
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
-from pipeline.engine import Ranks, begin_micro_batch, discard_gradients
-from pipeline.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
+from pipeline.learning.engine import Ranks, begin_micro_batch, discard_gradients
+from pipeline.learning.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
 from pipeline.models import completion_logprobs, logits_chunk_tokens
-from pipeline.rollout import Rollout
+from pipeline.wire.rollout import Rollout
 from pipeline.trust import logprob_gap
 
 

@@ -20,10 +20,10 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from pipeline.delays import DelayModelConfig
+from pipeline.config.delays import DelayModelConfig
 from pipeline.errors import UserError
 
-# Kept in sync with pipeline.losses.LOSS_TYPES by a unit test; listed here so that
+# Kept in sync with pipeline.learning.losses.LOSS_TYPES by a unit test; listed here so that
 # loading a config never imports torch.
 LossType = Literal["gepo", "grpo", "dr_grpo", "bnpo", "gspo", "gmpo", "cispo", "topr"]
 
@@ -284,7 +284,7 @@ class SamplerConfig(_Strict):
     """Weights and activations of generation. The recorded log-probs are then of that precision
     (the learner recomputes its own). `auto`: bf16 where this machine multiplies it natively (a
     GPU, a CPU with AMX or AVX512-BF16), else fp32; decided by each process on its own machine
-    and logged (`pipeline.engine.machine_precision`)."""
+    and logged (`pipeline.learning.engine.machine_precision`)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM only: memory for its KV cache, in GiB (on a CPU, taken from RAM)."""
     vllm_max_model_len: Optional[int] = Field(None, ge=8)

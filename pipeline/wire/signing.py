@@ -4,7 +4,7 @@ Who signs what (docs/security.md):
 - the run's **root key** (`heterorl keys init`) signs the key registry, the list of sampler
   public keys the learner accepts (`pipeline.trust.KeyRegistry`);
 - each **sampler key** signs its rollouts: the exact bytes of the rollout body
-  (`pipeline.rollout.seal_rollout`);
+  (`pipeline.wire.rollout.seal_rollout`);
 - the **learner key** signs every checkpoint manifest and the Redis policy pointer;
   samplers pin its public key.
 

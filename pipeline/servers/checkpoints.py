@@ -9,7 +9,7 @@ directory (safetensors weights, config, tokenizer files), then
      "extra": {...},          # e.g. the Kafka offsets the learner had consumed
      "signature": {"key_id": ..., "value": ...}}   # the learner's Ed25519 signature
 
-The signature covers the canonical JSON of everything else (`pipeline.signing`), so the
+The signature covers the canonical JSON of everything else (`pipeline.wire.signing`), so the
 file list, every sha256, the version and its parent are the learner's word; a reader that
 pins the learner's public key (`trusted`) refuses an unsigned or altered manifest, and any
 manifest whose run and version do not match the key it was read from.
@@ -54,9 +54,9 @@ from minio import Minio
 from minio.error import S3Error
 
 from pipeline.errors import UserError
-from pipeline.retry import retry_call
-from pipeline.services import ServiceUnavailable, Services
-from pipeline.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
+from pipeline.servers.retry import retry_call
+from pipeline.servers.services import ServiceUnavailable, Services
+from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 log = logging.getLogger(__name__)
 

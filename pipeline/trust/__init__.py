@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from pipeline.rollout import Rollout, decode_body, open_message
-from pipeline.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
+from pipeline.wire.rollout import Rollout, decode_body, open_message
+from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 REGISTRY_FORMAT = "heterorl-key-registry/1"
 

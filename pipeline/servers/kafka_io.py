@@ -3,7 +3,7 @@
 The source never joins a consumer group: the learner assigns itself every partition
 and keeps its own offsets (stored with each checkpoint), which is both faster with
 the Tansu broker and what crash-safe resumption needs. Values are opaque bytes here;
-`pipeline.rollout` encodes and decodes them, so a malformed message reaches the
+`pipeline.wire.rollout` encodes and decodes them, so a malformed message reaches the
 learner as bytes it can count and set aside.
 """
 
@@ -18,9 +18,9 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError, TopicAlreadyExistsError
 
-from pipeline.rollout import Rollout, encode_rollout, seal_rollout
-from pipeline.signing import SigningKey
-from pipeline.services import ServiceSecurity, ServiceUnavailable
+from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
+from pipeline.wire.signing import SigningKey
+from pipeline.servers.services import ServiceSecurity, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ staleness and age the original learner recorded. Either way one object:
   2. ignores a second copy of a rollout id already judged ("duplicate"), also across a
      restart: a resumed learner starts with the ids its update log has judged;
   3. judges staleness τ = version − rollout version and the age with the learner's rule
-     (`pipeline.staleness.decide_staleness`): "kept" groups wait in the pending batch,
+     (`pipeline.learning.staleness.decide_staleness`): "kept" groups wait in the pending batch,
      "dropped" ones are recorded with their reason;
   4. with validators (`validators.enabled`), holds a kept group aside (`awaiting`) until its
      verdict arrives: a passing one lets it into the batch after judging its staleness again
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional
 
 from pipeline.config import LearnerConfig
-from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout
-from pipeline.staleness import StalenessCounter, StalenessDecision, decide_staleness
+from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
+from pipeline.learning.staleness import StalenessCounter, StalenessDecision, decide_staleness
 from pipeline.trust import termination_error
-from pipeline.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UsedGroup
+from pipeline.records.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UsedGroup
 
 Verdict = Literal["kept", "dropped", "malformed", "duplicate", "rejected"]
 

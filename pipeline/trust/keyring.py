@@ -21,7 +21,7 @@ from typing import Optional
 import redis
 
 from pipeline.config import ConfigError, HeteroConfig
-from pipeline.signing import (KeyFileError, PublicKey, SignatureError, SigningKey, read_key_file, read_public_file,
+from pipeline.wire.signing import (KeyFileError, PublicKey, SignatureError, SigningKey, read_key_file, read_public_file,
                               write_key_file, write_public_file)
 from pipeline.trust import KeyEntry, KeyRegistry
 

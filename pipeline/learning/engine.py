@@ -6,7 +6,7 @@ code never sees distributed set-up. One process sets up a private rendezvous; un
 launcher (`torchrun`, `deepspeed`, or `heterorl learner` starting its own ranks) the
 usual RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are used.
 
-Gradient accumulation is ours (`pipeline.update.optimizer_step`): the number of
+Gradient accumulation is ours (`pipeline.learning.update.optimizer_step`): the number of
 micro-batches changes from step to step, so DeepSpeed runs with
 `managed_gradient_accumulation: false` (backward only accumulates; `step()` reduces across
 ranks and updates).
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ConfigError, LearnerConfig
-from pipeline.services import free_port
+from pipeline.servers.services import free_port
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from pipeline.checkpoints import link_or_copy
+from pipeline.servers.checkpoints import link_or_copy
 from pipeline.config import ConfigError, vllm_logprobs_mode
 from pipeline.models import (DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, load_weights_into,
                              sample_groups)

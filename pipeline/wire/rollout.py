@@ -19,7 +19,7 @@ from typing import Any, Optional
 import msgpack
 import numpy as np
 
-from pipeline.signing import SigningKey
+from pipeline.wire.signing import SigningKey
 
 SCHEMA_VERSION = 1
 

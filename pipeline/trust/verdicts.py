@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from pipeline.signing import SignatureError, SigningKey, sign_document, verify_document
+from pipeline.wire.signing import SignatureError, SigningKey, sign_document, verify_document
 from pipeline.trust import KeyRegistry, Rejected
 
 VERDICT_FORMAT = "heterorl-verdict/1"

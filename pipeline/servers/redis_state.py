@@ -14,7 +14,7 @@ Keys (all under `heterorl:<run>:`):
                       (absent: the lease ran out - the sampler crashed or was cut off).
 - `sampler_stats`     hash sampler id -> JSON totals written when a sampler stops.
 - `key_registry`      the sampler keys the learner accepts, signed by the root key
-                      (JSON, `pipeline.keyring`); `policy` also carries the learner's
+                      (JSON, `pipeline.trust.keyring`); `policy` also carries the learner's
                       `signature` over (run, version, manifest_key, updated_at).
 - `quarantine`        hash key id -> JSON {sampler_id, reason, at, strikes} of sampler keys
                       the learner stopped trusting (`pipeline.trust.StrikePolicy`).
@@ -62,8 +62,8 @@ from typing import Optional
 import redis
 
 from pipeline.config import strip_password
-from pipeline.services import ServiceSecurity, ServiceUnavailable
-from pipeline.signing import SigningKey
+from pipeline.servers.services import ServiceSecurity, ServiceUnavailable
+from pipeline.wire.signing import SigningKey
 from pipeline.trust import sign_pointer
 
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from pipeline.kafka_io import read_topic, topic_partitions
-from pipeline.rollout import header_value
-from pipeline.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
+from pipeline.servers.kafka_io import read_topic, topic_partitions
+from pipeline.wire.rollout import header_value
+from pipeline.records.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
 
 
 def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,

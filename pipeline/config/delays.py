@@ -266,7 +266,7 @@ class RefreshGate:
         """Call after a successful load: records the refresh and re-arms the gate.
 
         ``forced``: the sampler loaded before the gate allowed it (it was too far behind to
-        produce usable data, see pipeline.pacing.too_far_behind); counted apart, its wait cut short."""
+        produce usable data, see pipeline.sampling.pacing.too_far_behind); counted apart, its wait cut short."""
         if forced and self._allowed_at is None and self._first_seen is not None:
             self._allowed_at = self._clock()
             self.stats["forced_refreshes"] += 1

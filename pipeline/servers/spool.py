@@ -16,7 +16,7 @@ On disk, in `directory`:
 
 - `000001.spool`, `000002.spool`, ...: append-only segment files. Each record is
   `u32 little-endian payload length | u32 little-endian crc32(payload) | payload`,
-  the payload being `pipeline.rollout.encode_rollout` bytes (the Kafka message value).
+  the payload being `pipeline.wire.rollout.encode_rollout` bytes (the Kafka message value).
   Every append is flushed and fsynced before `append` returns.
 - `committed`: JSON `{"segment": S, "offset": O}`, the position of the first record not
   yet delivered. It is replaced atomically (write a temporary file, fsync, rename, fsync
@@ -58,8 +58,8 @@ from typing import BinaryIO, Callable, Optional, Protocol
 from kafka.errors import KafkaError
 
 from pipeline.errors import UserError
-from pipeline.rollout import Rollout, decode_rollout, encode_rollout
-from pipeline.services import ServiceUnavailable
+from pipeline.wire.rollout import Rollout, decode_rollout, encode_rollout
+from pipeline.servers.services import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class SpoolCorruptError(RuntimeError):
 
 
 class RolloutSender(Protocol):
-    """What `flush_to` needs from a sink (`pipeline.kafka_io.RolloutSink` is one)."""
+    """What `flush_to` needs from a sink (`pipeline.servers.kafka_io.RolloutSink` is one)."""
 
     def send_many(self, rollouts: list[Rollout]) -> list[tuple[int, int]]: ...
 

@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import UserError
-from pipeline.kafka_io import RawRecord, read_topic, topic_partitions
-from pipeline.rollout import Rollout, RolloutDecodeError, decode_rollout, header_value
-from pipeline.update_log import UpdateEntry, read_entries_kafka, updates_topic
+from pipeline.servers.kafka_io import RawRecord, read_topic, topic_partitions
+from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout, header_value
+from pipeline.records.update_log import UpdateEntry, read_entries_kafka, updates_topic
 
 ARCHIVE_SCHEMA = "1"
 META_SCHEMA = "heterorl.schema"

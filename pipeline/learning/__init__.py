@@ -1,0 +1,1 @@
+"""The learner's step: losses, the staleness rule, admission of groups, micro-batched updates on DeepSpeed, rank links."""

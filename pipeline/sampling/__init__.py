@@ -1,0 +1,1 @@
+"""The samplers' side: generation engines (hf, vLLM) and the pacing decisions."""

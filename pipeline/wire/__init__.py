@@ -1,0 +1,1 @@
+"""What travels: the rollout schema and its msgpack codec, and Ed25519-signed documents."""
