@@ -15,6 +15,7 @@ their topics, checkpoints or versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -36,8 +37,28 @@ from pipeline.errors import UserError
 from pipeline.records.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
 from pipeline.learning.engine import cpu_kind, resolve_device
-from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, make_task_from_config,
+from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
+                              make_task_from_config,
                               resolve_base_model, setup_logging, with_machine_precision)
+
+
+@contextlib.contextmanager
+def evaluation_bar(desc: str, total: int):
+    """A progress bar for one held-out evaluation, in the style of the `train` bar: yields the
+    `progress` callback evaluation calls with completions decoded; the bar appears on the first
+    call (a reused evaluation shows none) and closes at the end."""
+    state = {"bar": None, "done": 0.0}
+
+    def progress(completions: float) -> None:
+        if state["bar"] is None:
+            state["bar"] = tqdm(total=total, desc=desc, unit="completion", dynamic_ncols=True, file=sys.stderr)
+        state["done"] += completions
+        state["bar"].update(min(total, round(state["done"])) - state["bar"].n)
+    try:
+        yield progress
+    finally:
+        if state["bar"] is not None:
+            state["bar"].close()
 
 
 def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
@@ -141,7 +162,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
         log.info("%s", precision)
         base_started = time.time()
-        before = evaluate_base(here, base, task)  # stored beside the model after its first time
+        with evaluation_bar("base eval", evaluation_completions(here, task)) as progress:
+            before = evaluate_base(here, base, task, progress)  # stored beside the model after its first time
         base_s = time.time() - base_started
         metrics.write("eval", 0, {"policy_version": 0, **before})
         log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
@@ -186,7 +208,9 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
         final_started = time.time()
         if version not in scored:
-            after = evaluate_published(here, handles.store, manifest_key, run_dir / "final_policy", task)
+            with evaluation_bar(f"v{version} eval", evaluation_completions(here, task)) as progress:
+                after = evaluate_published(here, handles.store, manifest_key, run_dir / "final_policy", task,
+                                           progress=progress)
             metrics.write("eval", version, {"policy_version": version, **after})
         metrics.close()
         summary = _summary(cfg, run_dir, version, handles, services, wall_start,

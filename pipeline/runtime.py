@@ -112,7 +112,7 @@ def make_task_from_config(cfg: HeteroConfig):
     return make_task(cfg.task.name, **cfg.task.task_settings())
 
 
-def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
+def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task, progress=None) -> dict:
     """Held-out accuracy of one model directory: sampled (eval.n_samples per problem) and greedy,
     at the samplers' precision (`sampler.precision`), as the policy is used. The model's memory
     goes back to the system afterwards (`heterorl train` then sits beside its processes)."""
@@ -120,7 +120,7 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     cfg, _ = with_machine_precision(cfg, device)  # `auto`, for commands that evaluate before any role starts
     model, tokenizer = load_policy(model_dir, device, DTYPES[cfg.sampler.precision])
     try:
-        return evaluate_model(cfg, model, tokenizer, task)
+        return evaluate_model(cfg, model, tokenizer, task, progress)
     finally:
         del model
         release_memory()
@@ -130,7 +130,7 @@ BASE_EVALUATION_VERSION = 1
 """Part of every stored base evaluation's key: raise it when evaluation itself changes."""
 
 
-def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
+def evaluate_base(cfg: HeteroConfig, model_dir: Path, task, progress=None) -> dict:
     """evaluate_checkpoint for a run's base model, computed once and kept beside it.
 
     A model from the model cache (`<data_dir>/models/<name>`, finished, its info file written
@@ -139,10 +139,10 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     same numbers: they are stored in
     `<data_dir>/models/evaluations/<model>-<key>.json` and reused, which spares each cell of a
     study the same minutes-long evaluation of the same base model. Any other directory is
-    evaluated afresh."""
+    evaluated afresh. `progress`: as `evaluate_policy`'s, called only when it evaluates."""
     cache = (Path(cfg.services.data_dir) / "models").resolve()
     if not (is_complete(model_dir) and model_dir.resolve().parent == cache):
-        return evaluate_checkpoint(cfg, model_dir, task)
+        return evaluate_checkpoint(cfg, model_dir, task, progress)
     cfg, _ = with_machine_precision(cfg, resolve_device(cfg.model.device))
     s = cfg.sampler
     key = hashlib.sha256(json.dumps({
@@ -156,7 +156,7 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task) -> dict:
     if stored.is_file():
         logging.getLogger("heterorl.runtime").info("held-out accuracy of %s: reused from %s", model_dir.name, stored)
         return json.loads(stored.read_text())
-    result = evaluate_checkpoint(cfg, model_dir, task)
+    result = evaluate_checkpoint(cfg, model_dir, task, progress)
     stored.parent.mkdir(exist_ok=True)
     tmp = stored.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result))
@@ -181,12 +181,12 @@ def release_memory() -> None:
 
 
 def evaluate_published(cfg: HeteroConfig, store: CheckpointStore, manifest_key: str, work_dir: Path, task,
-                       version: Optional[int] = None) -> dict:
+                       version: Optional[int] = None, progress=None) -> dict:
     """Held-out accuracy of a published version: downloaded (every sha256 verified like a
     sampler's, and refused if its manifest is not of `version`), scored, and deleted again."""
     model_dir, _, _ = fetch_policy(store, manifest_key, work_dir, expect_version=version)
     try:
-        return evaluate_checkpoint(cfg, model_dir, task)
+        return evaluate_checkpoint(cfg, model_dir, task, progress)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
 
@@ -206,13 +206,13 @@ def evaluate_final_state(cfg: HeteroConfig, store: CheckpointStore, work_dir: Pa
         shutil.rmtree(model_dir, ignore_errors=True)
 
 
-def evaluate_model(cfg: HeteroConfig, model, tokenizer, task) -> dict:
+def evaluate_model(cfg: HeteroConfig, model, tokenizer, task, progress=None) -> dict:
     """evaluate_checkpoint for a model already in memory (replay scores its own weights)."""
     problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
     return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
                            temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,
                            max_new_tokens=cfg.sampler.max_new_tokens, seed=cfg.run.seed,
-                           top_p=cfg.sampler.top_p, top_k=cfg.sampler.top_k)
+                           top_p=cfg.sampler.top_p, top_k=cfg.sampler.top_k, progress=progress)
 
 
 def touch_heartbeat_file() -> None:
@@ -230,3 +230,10 @@ def setup_logging(role: str, verbose: bool = False) -> logging.Logger:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     hf_logging.disable_progress_bar()  # one bar per weight reload would drown the log
     return logging.getLogger(role)
+
+
+def evaluation_completions(cfg: HeteroConfig, task) -> int:
+    """How many completions one held-out evaluation decodes (a progress bar's total)."""
+    problems = min(cfg.eval.problems or len(task.eval_problems()), len(task.eval_problems()))
+    return problems * (cfg.eval.n_samples + (1 if cfg.eval.greedy else 0))
+

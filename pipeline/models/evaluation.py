@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -29,13 +29,15 @@ def evaluate_policy(
     seed: int,
     top_p: float = 1.0,
     top_k: int = 0,
+    progress: Callable[[float], None] | None = None,
 ) -> dict[str, float]:
     """Held-out accuracy, batched.
 
     ``accuracy_sampled``: mean reward over ``n_samples`` samples per problem at
     ``temperature`` (the training temperature); ``accuracy_greedy``: mean reward of the
     argmax completion (only when ``greedy``; otherwise NaN). Also reports the mean
-    sampled completion length and the fraction truncated without EOS.
+    sampled completion length and the fraction truncated without EOS. `progress`, if given,
+    is told the completions decoded as they are (len(problems) * (n_samples + greedy) in all).
     """
     was_training = model.training
     model.eval()
@@ -55,6 +57,7 @@ def evaluate_policy(
                 top_k=top_k,
                 max_new_tokens=max_new_tokens,
                 seed=seed,
+                progress=progress,
             )
             rewards, lengths, truncated = [], [], []
             for prob, g in zip(problems, groups):
@@ -68,7 +71,7 @@ def evaluate_policy(
         else:
             result["accuracy_sampled"] = math.nan
         if greedy:
-            comps = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+            comps = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, progress=progress)
             result["accuracy_greedy"] = sum(
                 task.reward(p, decode_completion(tokenizer, c, eos)) for p, c in zip(problems, comps)
             ) / max(1, len(problems))

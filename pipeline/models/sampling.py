@@ -175,16 +175,34 @@ def _decode_loop(
 
 
 def _decode_in_chunks(model, tokenizer, rows: list[list[int]], chunk: int, repeats: int = 1,
-                      **decode) -> tuple[list, list]:
+                      progress: Callable[[float], None] | None = None, **decode) -> tuple[list, list]:
     """`_decode_loop` over `rows`, each `repeats` times, at most `chunk` decoded rows at a time
-    (bounds the KV cache); returns (completions, log-probs) in row order, a row's copies together."""
+    (bounds the KV cache); returns (completions, log-probs) in row order, a row's copies together.
+    `progress`, if given, is told after each forward pass how many completions' worth of
+    decoding it did (a chunk's rows spread evenly over its prefill and steps, the rest when the
+    chunk ends), so its sum is len(rows) * repeats."""
     eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
     completions: list[list[int]] = []
     logps: list[list[float]] = []
     per_chunk = max(1, chunk // repeats)
+    pause = decode.pop("pause", None)
     for start in range(0, len(rows), per_chunk):
-        c, lp = _decode_loop(model, rows[start : start + per_chunk], eos_ids=eos, pad_id=pad, repeats=repeats,
-                             **decode)
+        part = rows[start : start + per_chunk]
+        total, reported, passes = len(part) * repeats, 0.0, 0
+        share = total / (decode["max_new_tokens"] + 1)  # a chunk is a prefill and up to max_new_tokens steps
+
+        def before_pass():
+            nonlocal reported, passes
+            if pause is not None:
+                pause()
+            if progress is not None and passes:  # the pass before this one is done
+                progress(share)
+                reported += share
+            passes += 1
+        c, lp = _decode_loop(model, part, eos_ids=eos, pad_id=pad, repeats=repeats,
+                             pause=before_pass if (pause is not None or progress is not None) else None, **decode)
+        if progress is not None:  # the last pass, and the steps an early end made unnecessary
+            progress(total - reported)
         completions += c
         logps += lp
     return completions, logps
@@ -214,6 +232,7 @@ def sample_groups(
     seed: int,
     max_batch_rows: int = MAX_BATCH_ROWS,
     pause: Callable[[], None] | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> list[SampledGroup]:
     """Sample ``group_size`` completions for each prompt, all prompts batched together.
 
@@ -239,7 +258,7 @@ def sample_groups(
     gen = torch.Generator(device=device).manual_seed(int(seed))
     comps, lps = _decode_in_chunks(model, tokenizer, prompt_ids, max_batch_rows, repeats=group_size,
                                    max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=top_p,
-                                   top_k=top_k, generator=gen, pause=pause)
+                                   top_k=top_k, generator=gen, pause=pause, progress=progress)
     return [
         SampledGroup(
             prompt_ids=prompt_ids[i],
@@ -251,9 +270,10 @@ def sample_groups(
 
 
 def greedy_completions(
-    model, tokenizer, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int, max_batch_rows: int = MAX_BATCH_ROWS
+    model, tokenizer, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int, max_batch_rows: int = MAX_BATCH_ROWS,
+    progress: Callable[[float], None] | None = None,
 ) -> list[list[int]]:
     """Greedy (argmax) completion tokens for each prompt, batched."""
     completions, _ = _decode_in_chunks(model, tokenizer, _encode_prompts(tokenizer, prompts), max_batch_rows,
-                                       max_new_tokens=max_new_tokens, temperature=None)
+                                       max_new_tokens=max_new_tokens, temperature=None, progress=progress)
     return completions

@@ -42,8 +42,8 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     other_temperature = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 0.5})})
     runtime.evaluate_base(other_temperature, base, task)
     assert len(calls) == 3                                  # other settings: evaluated afresh
-    import pipeline.engine
-    monkeypatch.setattr(pipeline.engine, "machine_precision", lambda device: ("fp32", "a CPU without bf16 units"))
+    import pipeline.learning.engine
+    monkeypatch.setattr(pipeline.learning.engine, "machine_precision", lambda device: ("fp32", "a CPU without bf16 units"))
     auto = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"precision": "auto"})})
     assert runtime.evaluate_base(auto, base, task) == first  # `auto` resolved first: fp32 here, as configured above
     assert len(calls) == 3                                  # ... the same settings: reused
@@ -71,3 +71,30 @@ def test_an_evaluation_gives_the_gpu_allocator_cache_back_when_cuda_is_in_use(mo
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     runtime.release_memory()
     assert emptied == [True]
+
+
+def test_an_evaluation_reports_its_progress_and_its_numbers_do_not_change(tmp_path):
+    settings = BaseModelSettings(task_settings={"digits": 1, "ops": "+", "eval_size": 5},
+                                 size=ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=32, max_positions=32),
+                                 warmup_steps=3, warmup_batch_size=8, warmup_target_accuracy=None, seed=0)
+    base = ensure_base_model(tmp_path / "models", settings)
+    cfg = HeteroConfig.model_validate({"services": {"data_dir": str(tmp_path)},
+                                       "task": {"digits": 1, "ops": "+", "eval_size": 5},
+                                       "eval": {"n_samples": 3}, "sampler": {"max_new_tokens": 3}})
+    task = make_task("arithmetic", digits=1, ops="+", eval_size=5)
+    seen = []
+    shown = runtime.evaluate_checkpoint(cfg, base, task, seen.append)
+    silent = runtime.evaluate_checkpoint(cfg, base, task)
+    assert runtime.evaluation_completions(cfg, task) == 5 * (3 + 1)
+    assert sum(seen) == pytest.approx(5 * (3 + 1)) and len(seen) >= 4  # sampled and greedy, pass by pass
+    assert {k: v for k, v in shown.items() if k != "eval_seconds"} == \
+        {k: v for k, v in silent.items() if k != "eval_seconds"}
+
+    from pipeline.models.policy import load_policy
+    from pipeline.models.sampling import sample_groups
+    model, tokenizer = load_policy(base, torch.device("cpu"), torch.float32)
+    prompts = [task.encode_prompt(p, tokenizer) for p in task.eval_problems()]
+    chunked = []
+    sample_groups(model, tokenizer, prompts, group_size=2, temperature=1.0, max_new_tokens=3, seed=0,
+                  max_batch_rows=4, progress=chunked.append)  # 3 chunks of up to 2 prompts x 2
+    assert sum(chunked) == pytest.approx(len(prompts) * 2)
