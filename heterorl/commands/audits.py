@@ -1,0 +1,83 @@
+"""Runs that end in an audit: `attack` (adversarial samplers) and `chaos` (seeded faults), and `adversary`, one adversarial sampler.
+
+Each command declares its options here, beside the function that runs it; the modules that
+do the work (and torch with them) are imported only when the command runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from heterorl.commands.common import add_config_args, load_run_config
+
+
+def register_attack(sub) -> None:
+    p = sub.add_parser("attack", help="train with honest samplers plus one adversary of each kind, then audit",
+                       description="Runs a training run on a local stack of its own (OUT/data) with honest "
+                                   "samplers and adversaries: forged rewards, noisy log-probs, another model, a "
+                                   "false policy version, bad or missing signatures, replayed messages and a "
+                                   "tampered checkpoint in S3. Writes OUT/attack_audit.json; exit 1 if a target "
+                                   "is missed. See docs/security.md.")
+    add_config_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="where the audit, logs and the run's data go")
+    p.add_argument("--minutes", type=float, default=3.0, help="how long to train before draining (default 3)")
+    p.add_argument("--samplers", type=int, default=2, help="honest samplers (default 2)")
+    p.add_argument("--validators", type=int, default=0, metavar="K",
+                   help="check groups by K validators (and forge verdicts too) instead of in the learner (default 0)")
+
+
+def _cmd_attack(args) -> int:
+    cfg = load_run_config(args, local_stack=False)
+    from heterorl.attack import run_attack
+
+    return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators)
+
+
+def register_adversary(sub) -> None:
+    p = sub.add_parser("adversary", help="run one adversarial sampler (what `heterorl attack` starts)",
+                       description="A sampler with a registered key that lies in one way: " +
+                                   ", ".join(("forged_rewards", "noisy_logprobs", "other_model", "false_version",
+                                              "bad_signature")) + ". For testing the learner's defences only.")
+    p.add_argument("kind", choices=("forged_rewards", "noisy_logprobs", "other_model", "false_version",
+                                    "bad_signature"), help="what it does wrong")
+    add_config_args(p)
+    p.add_argument("--id", dest="sampler_id", required=True, metavar="ID", help="sampler id (its key must be registered)")
+
+
+def _cmd_adversary(args) -> int:
+    cfg = load_run_config(args, role="sampler")
+    from heterorl.adversaries import run_adversary
+
+    return run_adversary(args.kind, cfg, args.sampler_id)
+
+
+def register_chaos(sub) -> None:
+    p = sub.add_parser("chaos", help="train through seeded faults, then audit that no rollout was lost or reused",
+                       description="Starts a durable local stack in OUT/data behind a TCP fault proxy, a learner "
+                                   "and N samplers; on a seeded schedule kills and restarts samplers, adds and "
+                                   "removes them, kills and restarts the learner once, restarts the broker once and "
+                                   "cuts the samplers off from everything for --partition-s seconds, with latency, "
+                                   "jitter and connection resets on the samplers' links throughout. Then stops the "
+                                   "samplers, drains the learner and writes OUT/audit.json. Exit status 1 if a "
+                                   "rollout was lost or used twice.")
+    add_config_args(p)
+    p.add_argument("--minutes", type=float, default=15.0, help="how long faults are injected (default 15)")
+    p.add_argument("--samplers", type=int, default=3, help="samplers at the start (default 3)")
+    p.add_argument("--partition-s", type=float, default=30.0,
+                   help="length of the window in which the samplers reach nothing (default 30)")
+    p.add_argument("--validators", type=int, default=0, metavar="K",
+                   help="check groups by K validators instead of in the learner, and kill one mid-run (default 0)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="new directory: logs, metrics, the servers' data (OUT/data), audit.json; --data-dir "
+                        "only locates the cached base model")
+    p.add_argument("--keep-stack", action="store_true", help="leave the local stack in OUT/data running")
+
+
+def _cmd_chaos(args) -> int:
+    cfg = load_run_config(args, local_stack=False)
+    from heterorl.chaos import run_chaos
+
+    return run_chaos(cfg, Path(args.out), args.minutes, args.samplers, args.partition_s,
+                     keep_stack=args.keep_stack, validators=args.validators)
+
+
+COMMANDS = {"attack": (register_attack, _cmd_attack), "adversary": (register_adversary, _cmd_adversary), "chaos": (register_chaos, _cmd_chaos)}

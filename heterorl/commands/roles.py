@@ -1,0 +1,85 @@
+"""One role each, for runs across machines: `sampler`, `validator`, `learner`, `evaluator`.
+
+Each command declares its options here, beside the function that runs it; the modules that
+do the work (and torch with them) are imported only when the command runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from heterorl.commands.common import add_config_args, load_run_config
+
+
+def register_sampler(sub) -> None:
+    p = sub.add_parser("sampler", help="run one sampler (generate rollouts, publish to Kafka)")
+    add_config_args(p)
+    p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
+    p.add_argument("--key", metavar="FILE", help="its signing key file (default: security.sampler_key, else "
+                                                 "<keys_dir>/samplers/<ID>.key; $HETERORL_SAMPLER_KEY wins)")
+
+
+def _cmd_sampler(args) -> int:
+    if args.key:
+        args.overrides.append(f"security.sampler_key={args.key}")
+    cfg = load_run_config(args, role="sampler")
+    from producers.sampler import run_sampler
+
+    return run_sampler(cfg, sampler_id=args.sampler_id)
+
+
+def register_validator(sub) -> None:
+    p = sub.add_parser("validator", help="check samplers' groups beside the learner and publish signed verdicts",
+                       description="Reads its share of the rollout topic's partitions (leases in Redis, divided "
+                                   "among the live validators), applies the learner's checks to every group and "
+                                   "publishes a signed verdict to <topic>.verdicts. The learner uses them with "
+                                   "validators.enabled. Its key must be registered: `heterorl keys add ID --role "
+                                   "validator`. See docs/security.md.")
+    add_config_args(p)
+    p.add_argument("--id", dest="validator_id", required=True, metavar="ID",
+                   help="validator id (its key must be registered with --role validator)")
+    p.add_argument("--key", metavar="FILE", help="its signing key file (default: validators.validator_key, else "
+                                                 "<keys_dir>/validators/<ID>.key; $HETERORL_VALIDATOR_KEY wins)")
+
+
+def _cmd_validator(args) -> int:
+    if args.key:
+        args.overrides.append(f"validators.validator_key={args.key}")
+    cfg = load_run_config(args, role="validator")
+    from consumers.validator import run_validator
+
+    return run_validator(cfg, args.validator_id)
+
+
+def register_learner(sub) -> None:
+    p = sub.add_parser("learner", help="run the learner (consume rollouts, DeepSpeed + GEPO, publish weights)",
+                       description="One learner process, or learner.num_processes of them: started without a "
+                                   "launcher it starts the other ranks itself; under torchrun or the deepspeed "
+                                   "launcher each process is the rank they set (RANK, LOCAL_RANK, WORLD_SIZE).")
+    add_config_args(p)
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory for metrics (default: train.out_dir)")
+
+
+def _cmd_learner(args) -> int:
+    cfg = load_run_config(args, role="learner")
+    from consumers.learner import run_learner
+
+    return run_learner(cfg, Path(args.out) if args.out else None)
+
+
+def register_evaluator(sub) -> None:
+    p = sub.add_parser("evaluator", help="score published policy versions on the held-out split as they appear",
+                       description="Watches Redis for new policy versions of the run, scores every "
+                                   "eval.every-th (and the last) on the held-out split, appends the results "
+                                   "to RUN_DIR/metrics.jsonl, and exits after the last version.")
+    add_config_args(p)
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records")
+
+
+def _cmd_evaluator(args) -> int:
+    cfg = load_run_config(args)
+    from consumers.evaluator import run_evaluator
+
+    return run_evaluator(cfg, Path(args.out) if args.out else None)
+
+
+COMMANDS = {"sampler": (register_sampler, _cmd_sampler), "validator": (register_validator, _cmd_validator), "learner": (register_learner, _cmd_learner), "evaluator": (register_evaluator, _cmd_evaluator)}
