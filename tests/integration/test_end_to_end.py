@@ -121,6 +121,7 @@ def _train_inspect_and_stop(tmp_path):
     exported = dict(line.removeprefix("export ").split("=", 1) for line in env_lines)
     assert set(exported) == set(ENV_OVERRIDES)
     assert exported["KAFKA_BOOTSTRAP_SERVERS"] == stack.kafka_bootstrap
+    _standard_tools_read_the_run(exported, summary)
 
     # down stops exactly what was started.
     pids = dict(stack.processes)
@@ -164,3 +165,42 @@ def test_a_killed_train_stops_everything_it_started(tmp_path):
         if proc.poll() is None:
             proc.kill()
         stop_stack(data)
+
+
+def _standard_tools_read_the_run(exported: dict, summary: dict) -> None:
+    """The clients docs/deployment.md names, pointed at the stack by `heterorl env`'s lines alone:
+    librdkafka (kcat's library, through confluent-kafka) lists, reads and decodes the run's
+    rollouts; redis-cli (the one `make install` puts beside python) sees the run's keys; boto3
+    (the aws CLI's library) finds the final version's manifest."""
+    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    from pipeline.wire.rollout import decode_rollout
+    topic = summary["rollout_topic"]
+    kafka = {"bootstrap.servers": exported["KAFKA_BOOTSTRAP_SERVERS"]}
+    assert topic in AdminClient(kafka).list_topics(timeout=30).topics
+    consumer = Consumer({**kafka, "group.id": "tools-check", "enable.auto.commit": False})
+    try:
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        message = None
+        for _ in range(30):
+            message = consumer.poll(1.0)
+            if message is not None and not message.error():
+                break
+        assert message is not None and not message.error(), message and message.error()
+        rollout = decode_rollout(message.value())
+        assert rollout.sampler_id.startswith(summary["run"]) and rollout.policy_version <= 4
+    finally:
+        consumer.close()
+
+    redis_cli = Path(sys.executable).with_name("redis-cli")
+    keys = subprocess.run([str(redis_cli), "-u", exported["REDIS_URL"], "--scan", "--pattern", f"heterorl:{summary['run']}:*"],
+                          capture_output=True, text=True, timeout=30)
+    assert keys.returncode == 0 and keys.stdout.strip(), keys.stderr
+
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=exported["AWS_ENDPOINT_URL"], aws_access_key_id=exported["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=exported["AWS_SECRET_ACCESS_KEY"], region_name=exported["AWS_DEFAULT_REGION"])
+    listed = s3.list_objects_v2(Bucket=exported["HETERORL_S3_BUCKET"], Prefix=f"{summary['run']}/v4/")
+    assert any(o["Key"].endswith("manifest.json") for o in listed.get("Contents", [])), listed.get("Contents")
+
