@@ -30,6 +30,7 @@ from heterorl.keys import provision_local
 from heterorl.processes import IDLE, Processes, RunFailed, child_env
 from heterorl.report import plot_run
 from heterorl.stack import as_role, services_for_run
+from heterorl.wandb_log import WandbLogger
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.sampling.generation import check_backend_available
 from pipeline.trust.keyring import init_keys, key_paths
@@ -61,8 +62,9 @@ def evaluation_bar(desc: str, total: int):
             state["bar"].close()
 
 
-def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
-    """Show live progress until the learner exits; RunFailed if it or every sampler fails."""
+def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, on_tick=None) -> None:
+    """Show live progress until the learner exits; RunFailed if it or every sampler fails.
+    `on_tick`, if given, is called every half second (the W&B logger's poll)."""
     learner_records = MetricsTail(run_dir / "metrics.jsonl", "learner")
     started = time.monotonic()
     bar = tqdm(total=cfg.learner.max_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -86,6 +88,8 @@ def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path) -> None:
                 raise procs.failure(samplers[0], "every sampler exited")
             if time.monotonic() - started > cfg.train.timeout_s:
                 raise RunFailed(f"run exceeded train.timeout_s={cfg.train.timeout_s:.0f}s")
+            if on_tick is not None:
+                on_tick()
             time.sleep(0.5)
     finally:
         bar.close()
@@ -158,6 +162,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
+        wandb_run = WandbLogger(cfg, run_dir, run_name) if cfg.wandb.enabled else None
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
         here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
         log.info("%s", precision)
@@ -195,7 +200,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
                      cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir, "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
                      ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
                                for role, (threads, nice) in budgets.items()))
-            watch(cfg, procs, run_dir)
+            watch(cfg, procs, run_dir, on_tick=wandb_run.poll if wandb_run else None)
             train_ended = time.time()
             procs.stop([n for n in procs.procs if n.startswith("sampler")])
             if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
@@ -225,6 +230,8 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
                               "final_evaluation": round(time.time() - final_started, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(run_dir)
+    if wandb_run is not None:
+        wandb_run.finish(summary, run_dir / "report.png")
     print(f"\nrun {run_name}: held-out accuracy {summary['eval_accuracy_before']:.3f} -> "
           f"{summary['eval_accuracy_after']:.3f} (greedy {summary['eval_greedy_before']:.3f} -> "
           f"{summary['eval_greedy_after']:.3f}), policy v{version} at {summary['final_checkpoint']}, "

@@ -618,6 +618,23 @@ class TrainConfig(_Strict):
     With the model on a GPU (`model.device`) the roles compute there: `none` whatever is set."""
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (off by default; needs the `wandb`
+    package: `pip install wandb`). `heterorl train` logs the learner's and the evaluations'
+    records as they are written, the run's config (no secrets), the summary and report.png."""
+
+    enabled: bool = False
+    """Log this run to W&B."""
+    project: str = "heterorl"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (user or team); default: the logged-in user's."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the run under RUN_DIR/wandb/ for a later `wandb sync` (no network, no login)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
 class SecurityConfig(_Strict):
     """Who may feed the learner and who may publish weights (docs/security.md).
 
@@ -745,6 +762,8 @@ class HeteroConfig(_Strict):
     """Held-out evaluation by `heterorl train`."""
     train: TrainConfig = TrainConfig()
     """What `heterorl train` starts and where it writes."""
+    wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging by `heterorl train` (off by default)."""
     security: SecurityConfig = SecurityConfig()
     """Signatures, key files and the checks of samplers' data."""
     validators: ValidatorsConfig = ValidatorsConfig()
