@@ -24,7 +24,8 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     run = run or latest_run(redis_client)
     status = {**services.public(), "local_stack": services.from_local_stack, "run": run,
               "rollout_topic": None, "policy_version": None, "checkpoints": [], "samplers": {},
-              "expired_samplers": {}, "claims": {}, "learner": {}, "topic_end_offsets": {}, "quarantined": {}}
+              "expired_samplers": {}, "claims": {}, "learner": {}, "topic_end_offsets": {}, "quarantined": {},
+              "validators": {}}
     if run is None:
         return status
     state = RunState(redis_client, run)
@@ -38,6 +39,9 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     status["learner"] = state.learner_progress()
     status["quarantined"] = state.quarantines()
     status["topic_end_offsets"] = end_offsets(services.kafka_bootstrap, status["rollout_topic"], security=services.security)
+    holders = state.partition_holders(sorted(int(p) for p in status["topic_end_offsets"]))
+    status["validators"] = {vid: {**info, "partitions": sorted(p for p, h in holders.items() if h == vid)}
+                            for vid, info in state.live_validators().items()}
     return status
 
 
@@ -57,6 +61,7 @@ def format_status(s: dict) -> str:
         lines.append(f"learner    step {learner.get('step')} used {learner.get('groups_used')} "
                      f"dropped {learner.get('groups_dropped')} malformed {learner.get('malformed')}")
     lines += _sampler_lines(s)
+    lines += _validator_lines(s.get("validators") or {})
     lines += _quarantine_lines(s.get("quarantined") or {})
     if s.get("claims"):
         lines.append(_claims_line(s["claims"]))
@@ -80,6 +85,17 @@ def _sampler_lines(s: dict, now: Optional[float] = None) -> list[str]:
         lines.append(f"  {sid}: gone {_ago(now, info.get('ended_at'))} ({_how_ended(info)}; last heartbeat "
                      f"{_ago(now, info.get('last_heartbeat_at'))}) v{info.get('policy_version')} "
                      f"groups {info.get('groups')} on {info.get('host')}")
+    return lines
+
+
+def _validator_lines(validators: dict) -> list[str]:
+    """Live validators (docs/security.md "Validators") and the rollout partitions each checks."""
+    if not validators:
+        return []
+    lines = [f"validators {len(validators)} live"]
+    for vid, info in sorted(validators.items()):
+        held = ", ".join(map(str, info.get("partitions") or [])) or "none yet"
+        lines.append(f"  {vid}: checking partitions {held}")
     return lines
 
 

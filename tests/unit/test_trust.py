@@ -210,15 +210,17 @@ def test_refused_and_withdrawn_groups_are_accounted_as_dropped_with_their_reason
     assert c["groups_consumed"] == 6
 
 
-def test_status_shows_quarantined_samplers_and_why():
+def test_status_shows_quarantined_samplers_and_why_and_the_validators_at_work():
     from heterorl.status import format_status
 
     status = {"kafka_bootstrap": "k:1", "redis_url": "redis://r:2/0", "s3_endpoint": "http://s:3", "bucket": "b",
               "local_stack": True, "run": "r", "rollout_topic": "r.rollouts", "topic_end_offsets": {}, "policy_version": 4,
               "checkpoints": [4], "learner": {}, "samplers": {}, "expired_samplers": {}, "claims": {},
               "quarantined": {"a4aef1d86ef55e62": {"sampler_id": "box-9", "reason": "2 failed checks, last reward_mismatch",
-                                                   "groups_seen": 2, "dropped_in_flight": 1, "at": NOW}}}
+                                                   "groups_seen": 2, "dropped_in_flight": 1, "at": NOW}},
+              "validators": {"run-v0": {"partitions": [0, 2]}, "run-v1": {"partitions": []}}}
     text = format_status(status)
+    assert "validators 2 live\n  run-v0: checking partitions 0, 2\n  run-v1: checking partitions none yet" in text
     assert "quarantined 1 sampler key(s)" in text
     assert "box-9 (key a4aef1d86ef55e62): 2 failed checks, last reward_mismatch; after 2 of its groups" in text
 
