@@ -16,7 +16,7 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers(tmp_path, monkeypatch):
+def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers_with_progress(tmp_path, monkeypatch):
     settings = BaseModelSettings(task_settings={"digits": 1, "ops": "+", "eval_size": 5},
                                  size=ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=32, max_positions=32),
                                  warmup_steps=3, warmup_batch_size=8, warmup_target_accuracy=None, seed=0)
@@ -34,6 +34,21 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     again = runtime.evaluate_base(cfg, base, task)
     timeless = [{k: v for k, v in r.items() if k != "eval_seconds"} for r in (first, again, fresh)]
     assert timeless[0] == timeless[1] == timeless[2] and len(calls) == 1  # seeded: the stored numbers are a fresh run's
+
+    # Progress: told the completions decoded, pass by pass, without changing a number.
+    seen = []
+    shown = real(cfg, base, task, seen.append)
+    assert runtime.evaluation_completions(cfg, task) == 5 * (3 + 1)
+    assert sum(seen) == pytest.approx(5 * (3 + 1)) and len(seen) >= 4  # sampled and greedy
+    assert {k: v for k, v in shown.items() if k != "eval_seconds"} == timeless[2]
+    from pipeline.models.policy import load_policy
+    from pipeline.models.sampling import sample_groups
+    model, tokenizer = load_policy(base, torch.device("cpu"), torch.float32)
+    prompts = [task.encode_prompt(p, tokenizer) for p in task.eval_problems()]
+    chunked = []
+    sample_groups(model, tokenizer, prompts, group_size=2, temperature=1.0, max_new_tokens=3, seed=0,
+                  max_batch_rows=4, progress=chunked.append)  # 3 chunks of up to 2 prompts x 2
+    assert sum(chunked) == pytest.approx(len(prompts) * 2)
     assert first == again
     assert [p.name for p in (tmp_path / "models" / "evaluations").iterdir()][0].startswith(base.name)
 
@@ -71,30 +86,3 @@ def test_an_evaluation_gives_the_gpu_allocator_cache_back_when_cuda_is_in_use(mo
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     runtime.release_memory()
     assert emptied == [True]
-
-
-def test_an_evaluation_reports_its_progress_and_its_numbers_do_not_change(tmp_path):
-    settings = BaseModelSettings(task_settings={"digits": 1, "ops": "+", "eval_size": 5},
-                                 size=ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=32, max_positions=32),
-                                 warmup_steps=3, warmup_batch_size=8, warmup_target_accuracy=None, seed=0)
-    base = ensure_base_model(tmp_path / "models", settings)
-    cfg = HeteroConfig.model_validate({"services": {"data_dir": str(tmp_path)},
-                                       "task": {"digits": 1, "ops": "+", "eval_size": 5},
-                                       "eval": {"n_samples": 3}, "sampler": {"max_new_tokens": 3}})
-    task = make_task("arithmetic", digits=1, ops="+", eval_size=5)
-    seen = []
-    shown = runtime.evaluate_checkpoint(cfg, base, task, seen.append)
-    silent = runtime.evaluate_checkpoint(cfg, base, task)
-    assert runtime.evaluation_completions(cfg, task) == 5 * (3 + 1)
-    assert sum(seen) == pytest.approx(5 * (3 + 1)) and len(seen) >= 4  # sampled and greedy, pass by pass
-    assert {k: v for k, v in shown.items() if k != "eval_seconds"} == \
-        {k: v for k, v in silent.items() if k != "eval_seconds"}
-
-    from pipeline.models.policy import load_policy
-    from pipeline.models.sampling import sample_groups
-    model, tokenizer = load_policy(base, torch.device("cpu"), torch.float32)
-    prompts = [task.encode_prompt(p, tokenizer) for p in task.eval_problems()]
-    chunked = []
-    sample_groups(model, tokenizer, prompts, group_size=2, temperature=1.0, max_new_tokens=3, seed=0,
-                  max_batch_rows=4, progress=chunked.append)  # 3 chunks of up to 2 prompts x 2
-    assert sum(chunked) == pytest.approx(len(prompts) * 2)
