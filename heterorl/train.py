@@ -151,6 +151,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     if (run_dir / "metrics.jsonl").exists():
         raise UserError(f"run directory {run_dir} already holds a run; choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
+    wandb_run = WandbLogger(cfg, run_dir, run_name) if cfg.wandb.enabled else None  # no login: one line, at once
 
     with services_for_run(cfg, keep=keep_stack) as (cfg, services, started_stack):
         init_keys(key_paths(cfg))  # the learner's key signs, samplers pin its public half
@@ -162,7 +163,6 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
-        wandb_run = WandbLogger(cfg, run_dir, run_name) if cfg.wandb.enabled else None
         torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
         here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
         log.info("%s", precision)

@@ -57,3 +57,14 @@ def test_without_the_package_a_user_gets_one_line(tmp_path, monkeypatch):
     cfg = HeteroConfig.model_validate({"wandb": {"enabled": True, "mode": "offline"}})
     with pytest.raises(UserError, match="pip install wandb"):
         WandbLogger(cfg, tmp_path, "run-1")
+
+
+def test_online_without_a_login_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # no stored login
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    cfg = HeteroConfig.model_validate({"wandb": {"enabled": True}})
+    with pytest.raises(UserError, match="wandb login"):
+        WandbLogger(cfg, tmp_path, "run-1")
