@@ -46,7 +46,7 @@ class WandbLogger:
                                   mode=cfg.wandb.mode, dir=str(run_dir), tags=list(cfg.wandb.tags),
                                   config=yaml.safe_load(dump_config(cfg)))
         except wandb.errors.Error as e:  # no login, no network, a bad entity: the user's to fix
-            raise UserError(f"wandb: {str(e).splitlines()[0]} (`wandb login`, or --set wandb.mode=offline)") from None
+            raise UserError(f"wandb: {str(e).splitlines()[0]} (or --set wandb.mode=offline)") from None
         for kind, axis in AXES.items():
             self.run.define_metric(f"{kind}/{axis}")
             self.run.define_metric(f"{kind}/*", step_metric=f"{kind}/{axis}")

@@ -66,5 +66,5 @@ def test_online_without_a_login_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # no stored login
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     cfg = HeteroConfig.model_validate({"wandb": {"enabled": True}})
-    with pytest.raises(UserError, match="wandb login"):
+    with pytest.raises(UserError, match="wandb.mode=offline"):
         WandbLogger(cfg, tmp_path, "run-1")
