@@ -57,33 +57,11 @@ IDLE = "idle"
 """A process priority (`Processes.start`): run only when no other process wants the CPU."""
 
 
-AUTOGROUP = Path("/proc/self/autogroup")
-
-
-def _autogroup_nice(nice: int) -> None:
-    """Give the child's session the same niceness. Each role runs in a session of its own, and
-    where Linux groups the CPU by session (`kernel.sched_autogroup_enabled`, on by default on
-    desktop and many server kernels) a process's own nice or SCHED_IDLE only ranks it inside its
-    session: the sessions themselves would share the cores equally. Elsewhere this does nothing."""
-    try:
-        AUTOGROUP.write_text(str(nice))
-    except OSError:
-        pass
-
-
 def _lower_priority(nice: int | str):
     """What a child runs before its command to take a lower CPU priority (None: as this one's)."""
     if nice == IDLE:
-        def idle():
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            _autogroup_nice(19)
-        return idle
-    if not nice:
-        return None
-
-    def lower():
-        _autogroup_nice(min(19, os.nice(nice)))
-    return lower
+        return lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return (lambda: os.nice(nice)) if nice else None
 
 
 class Processes:
