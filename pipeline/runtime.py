@@ -208,7 +208,7 @@ def evaluate_final_state(cfg: HeteroConfig, store: CheckpointStore, work_dir: Pa
 
 def evaluate_model(cfg: HeteroConfig, model, tokenizer, task, progress=None) -> dict:
     """evaluate_checkpoint for a model already in memory (replay scores its own weights)."""
-    problems = task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
+    problems = held_out_problems(cfg, task)
     return evaluate_policy(model, tokenizer, task, problems, n_samples=cfg.eval.n_samples,
                            temperature=cfg.sampler.temperature, greedy=cfg.eval.greedy,
                            max_new_tokens=cfg.sampler.max_new_tokens, seed=cfg.run.seed,
@@ -232,8 +232,12 @@ def setup_logging(role: str, verbose: bool = False) -> logging.Logger:
     return logging.getLogger(role)
 
 
+def held_out_problems(cfg: HeteroConfig, task) -> list:
+    """The held-out problems an evaluation scores: the first `eval.problems` (all if unset)."""
+    return task.eval_problems()[: cfg.eval.problems] if cfg.eval.problems else task.eval_problems()
+
+
 def evaluation_completions(cfg: HeteroConfig, task) -> int:
     """How many completions one held-out evaluation decodes (a progress bar's total)."""
-    problems = min(cfg.eval.problems or len(task.eval_problems()), len(task.eval_problems()))
-    return problems * (cfg.eval.n_samples + (1 if cfg.eval.greedy else 0))
+    return len(held_out_problems(cfg, task)) * (cfg.eval.n_samples + (1 if cfg.eval.greedy else 0))
 

@@ -1,2 +1,3 @@
 """The command line, one module per command or family of commands: each declares its options
-(`register_<name>(sub)`) beside the function that runs it; `heterorl.cli` puts them together."""
+(`register_<name>(sub)`) beside the function that runs it; `heterorl.cli` puts them together.
+The modules that do the work (and torch with them) are imported only when a command runs."""

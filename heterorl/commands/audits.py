@@ -1,7 +1,4 @@
-"""Runs that end in an audit: `attack` (adversarial samplers) and `chaos` (seeded faults), and `adversary`, one adversarial sampler.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""Runs that end in an audit: `attack` (adversarial samplers) and `chaos` (seeded faults), and `adversary`, one adversarial sampler."""
 
 from __future__ import annotations
 

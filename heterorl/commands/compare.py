@@ -1,7 +1,4 @@
-"""`compare`: runs side by side.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`compare`: runs side by side."""
 
 from __future__ import annotations
 

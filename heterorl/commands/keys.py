@@ -1,7 +1,4 @@
-"""`keys`: the run's root and learner keys, and the signed registry of sampler and validator keys.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`keys`: the run's root and learner keys, and the signed registry of sampler and validator keys."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`loadtest`: the capacity rig.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`loadtest`: the capacity rig."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`replay` (training on a recorded rollout topic) and `export` (a topic as Parquet).
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`replay` (training on a recorded rollout topic) and `export` (a topic as Parquet)."""
 
 from __future__ import annotations
 

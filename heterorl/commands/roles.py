@@ -1,7 +1,4 @@
-"""One role each, for runs across machines: `sampler`, `validator`, `learner`, `evaluator`.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""One role each, for runs across machines: `sampler`, `validator`, `learner`, `evaluator`."""
 
 from __future__ import annotations
 

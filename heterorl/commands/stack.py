@@ -1,7 +1,4 @@
-"""The local stack: `up`, `down`, `status`, `env`.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""The local stack: `up`, `down`, `status`, `env`."""
 
 from __future__ import annotations
 

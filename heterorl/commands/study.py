@@ -1,7 +1,4 @@
-"""`study delay` and `study pilot`: experiments made of many real runs.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`study delay` and `study pilot`: experiments made of many real runs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`train`: the main job.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`train`: the main job."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`weights fetch`: a published version as a plain Hugging Face directory.
-
-Each command declares its options here, beside the function that runs it; the modules that
-do the work (and torch with them) are imported only when the command runs."""
+"""`weights fetch`: a published version as a plain Hugging Face directory."""
 
 from __future__ import annotations
 
