@@ -29,8 +29,8 @@ from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointEr
 from pipeline.config import HeteroConfig
 from pipeline.learning.engine import resolve_device
 from pipeline.records.metrics import MetricsWriter, read_metrics
-from pipeline.runtime import (connect_run, evaluate_checkpoint, make_task_from_config, setup_logging,
-                              with_machine_precision)
+from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluation_completions, make_task_from_config,
+                              setup_logging, with_machine_precision)
 from pipeline.weights.policy import fetch_policy
 
 
@@ -43,6 +43,21 @@ def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
                                         or version >= cfg.learner.max_steps)
 
 
+def _reporter(state, version: int, total: int, every_s: float = 0.5):
+    """A `progress` callback that reports the completions decoded to Redis, at most every
+    `every_s` and at the end (`heterorl train` shows them while it waits for the evaluator)."""
+    seen = {"done": 0.0, "at": 0.0}
+
+    def progress(completions: float) -> None:
+        seen["done"] += completions
+        done = min(total, round(seen["done"]))
+        if done >= total or time.monotonic() - seen["at"] >= every_s:
+            state.report_evaluation(version, done, total)
+            seen["at"] = time.monotonic()
+    state.report_evaluation(version, 0, total)
+    return progress
+
+
 def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5) -> int:
     log = setup_logging("evaluator")
     torch.set_num_threads(cfg.eval.torch_threads)
@@ -51,6 +66,7 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     run_dir = Path(run_dir or cfg.train.out_dir or f"runs/{cfg.run.name}")
     handles = connect_run(cfg)
     task = make_task_from_config(cfg)
+    total = evaluation_completions(cfg, task)
     metrics = MetricsWriter(run_dir, tb_subdir="tb-eval")
     work_dir = run_dir / ".evaluator"
     stopping = []
@@ -83,7 +99,7 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
                 log.info("v%d downloaded; scored once training ends (eval.after_training)", version)
                 continue
             for version, model_dir in held:
-                result = evaluate_checkpoint(cfg, model_dir, task)
+                result = evaluate_checkpoint(cfg, model_dir, task, progress=_reporter(handles.state, version, total))
                 shutil.rmtree(model_dir, ignore_errors=True)
                 metrics.write("eval", version, {"policy_version": version, **result})
                 done.add(version)

@@ -298,6 +298,8 @@ class VerdictForger(threading.Thread):
                 genuine = [r for r in read_topic(self.bootstrap, verdicts_topic(self.topic), timeout_s=10.0)
                            if (r.partition, r.offset) not in self.own]
                 for record in read_topic(self.bootstrap, self.topic, timeout_s=10.0):
+                    if self.stopped.is_set():
+                        break  # stops mid-pass: the learner drains once every attacker has stopped
                     if (record.partition, record.offset) in self.seen_groups:
                         continue
                     self.seen_groups.add((record.partition, record.offset))

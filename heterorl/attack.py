@@ -50,6 +50,9 @@ these must be quarantined; their stale groups are only checked at
 `security.stale_logprob_check_fraction`."""
 UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
+ATTACKER_STOP_S = 60.0
+"""How long the attack waits for an attacker's current pass to end before the learner drains
+(the verdict forger's two topic reads take at most 10 s each)."""
 
 
 def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, validators: int = 0) -> int:
@@ -104,6 +107,8 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
             log.info("stopping samplers and attackers, then draining the learner")
             for attacker in attackers:
                 attacker.stopped.set()
+            for attacker in attackers:  # nothing forged may arrive after the learner has drained
+                attacker.join(timeout=ATTACKER_STOP_S)
             procs.stop([n for n in procs.procs if n != "learner" and not n.startswith("validator")], grace_s=120.0)
             _drain(procs)  # the validators judge what the learner still reads
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,30 @@ def watch(cfg: HeteroConfig, procs: Processes, run_dir: Path, on_tick=None) -> N
             time.sleep(0.5)
     finally:
         bar.close()
+
+
+def follow_evaluator(evaluator: subprocess.Popen, state, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the evaluator to score the versions it still holds, with a
+    bar for each evaluation it reports (`RunState.report_evaluation`); whether it exited."""
+    deadline = time.monotonic() + timeout_s
+    finished = state.evaluation_progress()  # an evaluation that ended before training did gets no bar
+    shown, bar = None, None
+    try:
+        while evaluator.poll() is None and time.monotonic() < deadline:
+            p = state.evaluation_progress()
+            if p is not None and p != finished and (p["version"], p["total"]) != shown:
+                if bar is not None:
+                    bar.close()
+                shown = (p["version"], p["total"])
+                bar = tqdm(total=p["total"], desc=f"v{p['version']} eval", unit="completion", dynamic_ncols=True,
+                           file=sys.stderr)
+            if bar is not None and p is not None:
+                bar.update(p["done"] - bar.n)
+            time.sleep(0.5)
+    finally:
+        if bar is not None:
+            bar.close()
+    return evaluator.poll() is not None
 
 
 SAMPLER_NICE, EVALUATOR_NICE = 10, 19
@@ -204,8 +229,9 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             train_ended = time.time()
             procs.stop([n for n in procs.procs if n.startswith("sampler")])
             if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
-                procs.wait("evaluator", timeout_s=300 + (EVALUATION_S * cfg.learner.max_steps // cfg.eval.every
-                                                         if yields else 0))
+                if not follow_evaluator(procs.procs["evaluator"], handles.state, timeout_s=300 + (
+                        EVALUATION_S * cfg.learner.max_steps // cfg.eval.every if yields else 0)):
+                    procs.stop(["evaluator"])
         finally:
             procs.stop()
 

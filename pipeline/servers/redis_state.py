@@ -494,6 +494,15 @@ class RunState:
     def learner_progress(self) -> dict:
         return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "learner").items()}
 
+    def report_evaluation(self, version: int, done: int, total: int) -> None:
+        """The evaluator's progress on the version it is scoring: completions decoded of `total`."""
+        self.client.hset(self.prefix + "evaluator", mapping={"version": version, "done": done, "total": total})
+
+    def evaluation_progress(self) -> Optional[dict[str, int]]:
+        """The evaluator's last report (`report_evaluation`), None before its first."""
+        raw = self.client.hgetall(self.prefix + "evaluator")
+        return {k: int(v) for k, v in raw.items()} if raw else None
+
     def report_learner_offsets(self, offsets: dict[int, int], unread: Optional[int] = None, pending: int = 0) -> None:
         """Next offset the learner will judge, per partition, how many messages of the topic it
         has not judged yet, and how many judged groups wait in its partly filled batch (samplers

@@ -25,7 +25,10 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_the_end(local_stack_env, tmp_path):
+def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_the_end(local_stack_env, tmp_path,
+                                                                                       capsys):
+    """... and `heterorl train`, waiting for it, shows each evaluation's progress from Redis."""
+    from heterorl.train import follow_evaluator
     from pipeline.records.metrics import read_metrics
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.runtime import connect_run
@@ -55,7 +58,8 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
                 _wait_for(lambda: (run_dir / ".evaluator" / f"v{version}").is_dir())
                 time.sleep(1.0)
                 assert read_metrics(run_dir / "metrics.jsonl", "eval") == []
-        out, _ = evaluator.communicate(timeout=120)
+        assert follow_evaluator(evaluator, handles.state, timeout_s=120)
+        out, _ = evaluator.communicate(timeout=10)
     finally:
         if evaluator.poll() is None:
             evaluator.kill()
@@ -65,3 +69,6 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
     assert all(0.0 <= r["accuracy_sampled"] <= 1.0 for r in scored)
     assert "v2 downloaded; scored once training ends" in out
     assert not (run_dir / ".evaluator").exists()
+    assert handles.state.evaluation_progress() == {"version": 4, "done": 4, "total": 4}  # 4 problems x 1 sample
+    bars = capsys.readouterr().err
+    assert "v4 eval" in bars and "4/4" in bars, bars
