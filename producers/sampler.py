@@ -329,7 +329,8 @@ class Sampler:
         self.sampling = {"temperature": self.scfg.temperature, "top_p": self.scfg.top_p, "top_k": self.scfg.top_k,
                          "max_new_tokens": self.scfg.max_new_tokens}
         self.pacing = Pacing(cfg.learner.groups_per_step, cfg.learner.max_delay_steps, self.scfg.max_backlog_groups,
-                             wait_for_next_version=self.scfg.wait_for_next_version)
+                             wait_for_next_version=self.scfg.wait_for_next_version,
+                             margin_steps=self.scfg.pacing_margin_steps)
         self.gate = RefreshGate(self.scfg.delays, self.sampler_id)
         self.redis_backoff = Backoff(self.scfg.retry_max_backoff_s)
         self.view = RunView(None, None, {})
@@ -390,13 +391,13 @@ class Sampler:
         backlog = self.backlog(view)
         overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
-                                          newest=view.newest_version, current=self.policy.version,
+                                          newest=view.version_at_use, current=self.policy.version,
                                           backlog=backlog, generating_steps=overtaken,
                                           learner_version=view.learner_version)
         if reason is not None:
             self.pause(reason)
             return True
-        limit = self.pacing.in_flight_limit(view.newest_version, self.policy.version, backlog - view.in_flight,
+        limit = self.pacing.in_flight_limit(view.version_at_use, self.policy.version, backlog - view.in_flight,
                                             overtaken)
         if not self.generate(limit):  # the fleet claimed the room first
             self.pause("behind")

@@ -310,6 +310,13 @@ class SamplerConfig(_Strict):
     """Pause generating while the fleet's backlog holds more than this many groups (None: never
     pause): prompts claimed and not yet spooled, groups spooled here, and groups in the topic not
     yet judged by the learner, so samplers do not run far ahead of the learner."""
+    pacing_margin_steps: int = Field(0, ge=0)
+    """Steps inside `learner.max_delay_steps` that a sampler paces its new groups for: it pauses
+    (`behind`) when a group made now would be used more than max_delay − margin steps stale.
+    0 paces for the max delay itself (fewest pauses). When the fleet makes more than the
+    learner uses, the queue fills to that limit and whatever pacing cannot see (a wait for a
+    verdict, a version being published, a slower batch) pushes its last groups a step past it,
+    where they are dropped; 1 leaves that step (docs/loadtest.md measures both)."""
     heartbeat_interval_s: float = Field(2.0, gt=0)
     """How often the sampler renews its lease in Redis."""
     lease_ttl_s: float = Field(10.0, gt=0)

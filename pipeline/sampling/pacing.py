@@ -34,9 +34,10 @@ def too_far_behind(newest_version: Optional[int], current_version: Optional[int]
     generating_steps: the versions the sampler is already behind, the steps the learner takes
     on the groups queued ahead of it, and the steps it takes on other samplers' groups while
     this one generates (a slow sampler is overtaken by fast ones). Past max_delay_steps the
-    learner drops it, so generating it is wasted compute. (The learner's partly filled batch
-    and versions not yet published are unknown here, so this can under-estimate, never
-    over-estimate.)
+    learner drops it, so generating it is wasted compute. `newest_version` is the learner's
+    newest as far as known, published or still being published (`RunView.version_at_use`):
+    the published one alone is a step behind while a version uploads. (What happens between
+    the learner's reports is unknown here, so this can under-estimate, never over-estimate.)
     """
     if newest_version is None or current_version is None:
         return False
@@ -77,10 +78,13 @@ class Pacing:
     """The pause rules of one sampler, from the learner's batch size and max delay."""
 
     def __init__(self, groups_per_step: int, max_delay_steps: int, max_backlog_groups: Optional[int],
-                 wait_for_next_version: bool = False):
+                 wait_for_next_version: bool = False, margin_steps: int = 0):
         self.groups_per_step, self.max_delay_steps = groups_per_step, max_delay_steps
         self.max_backlog_groups = max_backlog_groups
         self.wait_for_next_version = wait_for_next_version
+        self.aim_steps = max(0, max_delay_steps - margin_steps)
+        """The staleness at use that new groups are paced for (`sampler.pacing_margin_steps`
+        inside the max delay); `too_stale` still judges finished groups by the max delay."""
 
     @staticmethod
     def backlog(spooled_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int],
@@ -109,11 +113,11 @@ class Pacing:
         `backlog_outside_claims`: the backlog without the fleet's claims (spooled here + unread)."""
         if newest is None or current is None:
             return None
-        steps = self.max_delay_steps - (newest - current) - generating_steps
+        steps = self.aim_steps - (newest - current) - generating_steps
         return max(0, (steps + 1) * self.groups_per_step - backlog_outside_claims)
 
     def behind(self, newest: Optional[int], current: Optional[int], backlog: int, generating_steps: int = 0) -> bool:
-        return too_far_behind(newest, current, backlog, self.groups_per_step, self.max_delay_steps, generating_steps)
+        return too_far_behind(newest, current, backlog, self.groups_per_step, self.aim_steps, generating_steps)
 
     def too_stale(self, newest: Optional[int], rollout_version: int) -> bool:
         """A finished group the learner would drop already (judged with the newest version known)."""

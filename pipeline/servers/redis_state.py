@@ -572,6 +572,14 @@ class RunView:
     learner_version: Optional[int] = None
     """The learner's newest version as it last reported (after each step; published a moment later)."""
 
+    @property
+    def version_at_use(self) -> Optional[int]:
+        """The version a group's staleness is counted from when it is used, at the least: the
+        learner's newest, published or still being published (None until a policy is published)."""
+        if self.newest_version is None:
+            return None
+        return max(self.newest_version, self.learner_version or 0)
+
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:
     return {int(p): int(o) for p, o in json.loads(raw).items()} if raw else {}

@@ -100,3 +100,29 @@ def test_a_sampler_waiting_for_the_next_version_makes_only_groups_fresh_when_use
     assert waiting.pause_reason(**{**ok, "backlog": 9}) == "backlog"
     ahead = Pacing(groups_per_step=8, max_delay_steps=8, max_backlog_groups=8)
     assert ahead.pause_reason(**{**ok, "backlog": 8, "learner_version": 6}) is None
+
+
+def test_a_version_still_being_published_counts_toward_staleness():
+    from pipeline.servers.redis_state import RunView
+    # The learner stepped to v8 and is uploading it; v7 is the newest published. A sampler on
+    # v4 with nothing queued makes groups 4 behind v8 (usable at max delay 4); on v3, 5 (dropped).
+    uploading = RunView(7, "m", {}, learner_version=8)
+    assert uploading.version_at_use == 8
+    assert too_far_behind(uploading.version_at_use, 3, 0, 32, 4)
+    assert not too_far_behind(uploading.newest_version, 3, 0, 32, 4)  # the published version alone misses it
+    assert not too_far_behind(uploading.version_at_use, 4, 0, 32, 4)
+    assert RunView(7, "m", {}, learner_version=None).version_at_use == 7  # no report yet
+    assert RunView(None, None, {}, learner_version=2).version_at_use is None  # nothing to load yet: no pacing
+
+
+def test_a_pacing_margin_aims_inside_the_max_delay_and_still_judges_finished_groups_by_it():
+    exact = Pacing(groups_per_step=32, max_delay_steps=4, max_backlog_groups=None)
+    margin = Pacing(groups_per_step=32, max_delay_steps=4, max_backlog_groups=None, margin_steps=1)
+    # on the newest version, k full batches queued ahead: a group made now is used k steps stale
+    assert not exact.behind(10, 10, 5 * 32 - 1) and exact.behind(10, 10, 5 * 32)      # 4 ok, 5 dropped
+    assert not margin.behind(10, 10, 4 * 32 - 1) and margin.behind(10, 10, 4 * 32)    # aims at 3
+    # the fleet may hold claims up to the aimed staleness: one batch fewer with the margin
+    assert exact.in_flight_limit(10, 10, 0) == 5 * 32 and margin.in_flight_limit(10, 10, 0) == 4 * 32
+    # what is finished is still sent unless the learner would drop it
+    assert not margin.too_stale(10, 6) and margin.too_stale(10, 5)
+    assert Pacing(groups_per_step=8, max_delay_steps=0, max_backlog_groups=None, margin_steps=2).aim_steps == 0
