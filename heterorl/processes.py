@@ -104,13 +104,6 @@ class Processes:
         os.killpg(self.procs[name].pid, signal.SIGKILL)
         self.procs[name].wait()
 
-    def wait(self, name: str, timeout_s: float) -> None:
-        """Let one process finish by itself; stop it if it has not within timeout_s."""
-        try:
-            self.procs[name].wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop([name])
-
     def log_tail(self, name: str, lines: int = 5) -> str:
         text = (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:])

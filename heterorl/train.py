@@ -102,18 +102,22 @@ def follow_evaluator(evaluator: subprocess.Popen, state, timeout_s: float) -> bo
     deadline = time.monotonic() + timeout_s
     finished = state.evaluation_progress()  # an evaluation that ended before training did gets no bar
     shown, bar = None, None
+
+    def show(p: Optional[dict]) -> None:
+        nonlocal shown, bar
+        if p is not None and p != finished and (p["version"], p["total"]) != shown:
+            if bar is not None:
+                bar.close()
+            shown = (p["version"], p["total"])
+            bar = tqdm(total=p["total"], desc=f"v{p['version']} eval", unit="completion", dynamic_ncols=True,
+                       file=sys.stderr)
+        if bar is not None and p is not None and (p["version"], p["total"]) == shown:
+            bar.update(p["done"] - bar.n)
     try:
         while evaluator.poll() is None and time.monotonic() < deadline:
-            p = state.evaluation_progress()
-            if p is not None and p != finished and (p["version"], p["total"]) != shown:
-                if bar is not None:
-                    bar.close()
-                shown = (p["version"], p["total"])
-                bar = tqdm(total=p["total"], desc=f"v{p['version']} eval", unit="completion", dynamic_ncols=True,
-                           file=sys.stderr)
-            if bar is not None and p is not None:
-                bar.update(p["done"] - bar.n)
+            show(state.evaluation_progress())
             time.sleep(0.5)
+        show(state.evaluation_progress())  # its last report, made just before it exited
     finally:
         if bar is not None:
             bar.close()
