@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from redis.exceptions import RedisError
 
 from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
@@ -48,13 +49,19 @@ def _reporter(state, version: int, total: int, every_s: float = 0.5):
     `every_s` and at the end (`heterorl train` shows them while it waits for the evaluator)."""
     seen = {"done": 0.0, "at": 0.0}
 
+    def report(done: int) -> None:
+        try:
+            state.report_evaluation(version, done, total)
+        except RedisError:  # progress is for the eyes only: never worth an evaluation
+            pass
+        seen["at"] = time.monotonic()
+
     def progress(completions: float) -> None:
         seen["done"] += completions
         done = min(total, round(seen["done"]))
         if done >= total or time.monotonic() - seen["at"] >= every_s:
-            state.report_evaluation(version, done, total)
-            seen["at"] = time.monotonic()
-    state.report_evaluation(version, 0, total)
+            report(done)
+    report(0)
     return progress
 
 

@@ -295,6 +295,7 @@ class Learner:
                           f"the weights of step {self.step} (v{state_version})", self.version)
         self.start_dir, self.resumed = model_dir, state is not None
         self.start_version = self.published_version = self.version
+        self.state.report_learner({"step": self.step, "policy_version": self.version})  # not a dead learner's
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
         self.source = self.open_source(self.topic, offsets)

@@ -52,7 +52,7 @@ UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 ATTACKER_STOP_S = 60.0
 """How long the attack waits for an attacker's current pass to end before the learner drains
-(the verdict forger's two topic reads take at most 10 s each)."""
+(a pass reads the topics, which takes longer as they grow; the verdict forger stops mid-pass)."""
 
 
 def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, validators: int = 0) -> int:
@@ -109,6 +109,9 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
                 attacker.stopped.set()
             for attacker in attackers:  # nothing forged may arrive after the learner has drained
                 attacker.join(timeout=ATTACKER_STOP_S)
+                if attacker.is_alive():
+                    log.warning("attacker %s still running after %.0fs: what it sends after the drain goes "
+                                "unread, and the audit may count it as not refused", attacker.name, ATTACKER_STOP_S)
             procs.stop([n for n in procs.procs if n != "learner" and not n.startswith("validator")], grace_s=120.0)
             _drain(procs)  # the validators judge what the learner still reads
         finally:

@@ -564,7 +564,7 @@ class Sampler:
         """Spool groups whose transit is over and send what the spool holds (no Redis: this also
         runs while Redis is away); False if the spool is full."""
         spool_has_room = self.outbox.spool_due()
-        self.outbox.deliver(lambda r: self.pacing.too_stale(self.view.newest_version, r.policy_version))
+        self.outbox.deliver(lambda r: self.pacing.too_stale(self.view.version_at_use, r.policy_version))
         return spool_has_room
 
     def pause(self, reason: str) -> None:

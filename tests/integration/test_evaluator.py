@@ -72,3 +72,40 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
     assert handles.state.evaluation_progress() == {"version": 4, "done": 4, "total": 4}  # 4 problems x 1 sample
     bars = capsys.readouterr().err
     assert "v4 eval" in bars and "4/4" in bars, bars
+
+
+def test_train_shows_a_bar_for_each_evaluation_the_evaluator_reports_while_it_waits(local_stack_env, tmp_path,
+                                                                                     capsys):
+    """`follow_evaluator` against the progress an evaluator reports in Redis: one bar per
+    version, each brought to its total, none for an evaluation that ended before the wait."""
+    import threading
+
+    from heterorl.train import follow_evaluator
+    from pipeline.runtime import connect_run
+
+    cfg = load_config(builtin_config("smoke"), [f"run.name=evalbars-{uuid.uuid4().hex[:6]}",
+                                                 f"services.data_dir={tmp_path / 'data'}"])
+    state = connect_run(cfg).state
+    state.report_evaluation(0, 10, 10)  # scored while training ran
+
+    def evaluate():
+        for version in (2, 4):
+            for done in (0, 5, 10):
+                state.report_evaluation(version, done, 10)
+                time.sleep(1.0)  # twice the wait's poll: every report is seen
+    evaluator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(7)"])
+    reports = threading.Thread(target=evaluate)
+    reports.start()
+    try:
+        assert follow_evaluator(evaluator, state, timeout_s=60)
+    finally:
+        reports.join()
+        evaluator.kill()
+    bars = capsys.readouterr().err
+    assert "v0 eval" not in bars
+    assert "v2 eval" in bars and "v4 eval" in bars and bars.count("10/10") >= 2, bars
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not follow_evaluator(slow, state, timeout_s=1)  # still running at the deadline: the caller stops it
+    finally:
+        slow.kill()

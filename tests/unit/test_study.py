@@ -84,6 +84,9 @@ def test_seed_spread_and_the_two_claims():
     assert abs(c["gepo_gap"] - 1.0) < 1e-9 and abs(c["gspo_gap"] - 15.0) < 1e-9
     assert abs(c["gap_reduction_pct"] - 100 * (1 - 1.0 / 15.0)) < 1e-9
     assert claims(records[:4], [0, 64])["gap_reduction_pct"] is None  # no GSPO cell: not claimed either way
+    tiny = records[:4] + [{**record("gspo", 64, 0.600, 0.597), "seed": 1}, {**record("gspo", 64, 0.6, 0.6), "seed": 2}]
+    assert abs(claims(tiny, [0, 64])["gspo_gap"] - 0.15) < 1e-9
+    assert claims(tiny, [0, 64])["gap_reduction_pct"] is None  # a 0.15-point gap: nothing to be 85 % smaller than
 
 
 def test_the_report_shows_the_range_over_seeds(tmp_path):
