@@ -21,6 +21,8 @@ Keys (all under `heterorl:<run>:`):
 - `learner`           hash of the learner's latest progress (step, groups used/dropped), and
                       `busy_until`: while it checks and trains a batch (samplers on its machine
                       may pause meanwhile, `sampler.yield_to_learner`).
+- `evaluator`         hash {version, done, total}: the evaluator's progress on the version it
+                      scores (`heterorl train` shows it while it waits).
 - `validator:<id>`    hash {host, groups, started_at, heartbeat_at} with a TTL renewed by each
                       heartbeat: the validator's lease (consumers/validator.py).
 - `partition_lease:<p>` the id of the validator that checks partition p of the rollout topic,
