@@ -205,7 +205,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def compare_entry(rows: dict, fleet: str) -> Optional[dict]:
-    a = next((r for c, r in rows.items() if c.fleet == fleet and c.mode == "async"), None)
+    """Async against lock-step on one fleet, like with like: the lock-step learner checks the
+    groups itself, so the async case is the one without validators."""
+    a = next((r for c, r in rows.items() if c.fleet == fleet and c.mode == "async" and not c.validators), None)
     s = next((r for c, r in rows.items() if c.fleet == fleet and c.mode == "sync"), None)
     if a is None or s is None:
         return None

@@ -135,3 +135,19 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
     assert screen.check_batch([(b, 2), (c, 0)], fresh_in_step=True) == ({}, [1])
     assert screen.record_fresh(c, 0.0) is None
     assert screen.counts == {"rewards_rescored": 3, "logprobs_checked_stale": 1, "logprobs_checked_fresh": 1}
+
+
+def test_async_is_compared_with_lock_step_like_with_like():
+    """The lock-step learner checks the groups itself: a row with validators is not its match."""
+    from heterorl.loadtest.report import compare_entry
+    from heterorl.loadtest.rig import Case
+
+    rows = {Case(16, "heterogeneous", "async", 4): {"samplers": 16, "steps_per_min": 13.7, "learner_utilization": 0.91,
+                                                    "bottleneck": "learner"},
+            Case(16, "heterogeneous", "async"): {"samplers": 16, "steps_per_min": 10.7, "learner_utilization": 0.73,
+                                                 "bottleneck": "learner"},
+            Case(16, "heterogeneous", "sync"): {"samplers": 16, "steps_per_min": 3.9, "learner_utilization": 0.27,
+                                                "bottleneck": "fleet"}}
+    entry = compare_entry(rows, "heterogeneous")
+    assert entry["async_steps_per_min"] == 10.7 and abs(entry["ratio"] - 10.7 / 3.9) < 1e-12
+    assert compare_entry({c: r for c, r in rows.items() if c.mode == "async"}, "heterogeneous") is None
