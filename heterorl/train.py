@@ -44,6 +44,11 @@ from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, ev
                               resolve_base_model, setup_logging, with_machine_precision)
 
 
+def completion_bar(desc: str, total: int) -> tqdm:
+    """One evaluation's bar, in completions decoded (the base model's, and the evaluator's)."""
+    return tqdm(total=total, desc=desc, unit="completion", dynamic_ncols=True, file=sys.stderr)
+
+
 @contextlib.contextmanager
 def evaluation_bar(desc: str, total: int):
     """A progress bar for one held-out evaluation, in the style of the `train` bar: yields the
@@ -53,7 +58,7 @@ def evaluation_bar(desc: str, total: int):
 
     def progress(completions: float) -> None:
         if state["bar"] is None:
-            state["bar"] = tqdm(total=total, desc=desc, unit="completion", dynamic_ncols=True, file=sys.stderr)
+            state["bar"] = completion_bar(desc, total)
         state["done"] += completions
         state["bar"].update(min(total, round(state["done"])) - state["bar"].n)
     try:
@@ -109,8 +114,7 @@ def follow_evaluator(evaluator: subprocess.Popen, state, timeout_s: float) -> bo
             if bar is not None:
                 bar.close()
             shown = (p["version"], p["total"])
-            bar = tqdm(total=p["total"], desc=f"v{p['version']} eval", unit="completion", dynamic_ncols=True,
-                       file=sys.stderr)
+            bar = completion_bar(f"v{p['version']} eval", p["total"])
         if bar is not None and p is not None and (p["version"], p["total"]) == shown:
             bar.update(p["done"] - bar.n)
     try:
