@@ -280,11 +280,15 @@ class Learner:
             max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
             eos_ids=tuple(generation_eos_ids(model_dir, self.tokenizer)))
         dtype = None if self.lcfg.policy_dtype == "auto" else DTYPES[self.lcfg.policy_dtype]
-        # It keeps the deltas of every version a group within the max delay can claim, so stale
-        # groups are re-scored without a copy of each version (consumers.screening.PastPolicies).
+        # Where this learner re-scores stale groups itself, it keeps the deltas of every version
+        # a group within the max delay can claim, so that it needs no copy of each version
+        # (consumers.screening.PastPolicies); otherwise none (at max delay 32 on SmolLM2 in fp32,
+        # 33 deltas of 130-150 MB each; with the memory they pinned, the learner was killed for
+        # lack of memory at step 40 on a 24 GiB machine).
+        rescores = self.cfg.security.check_logprobs and not self.validated
         self.policies = PolicyPublisher(store, KeyframeRule(self.lcfg.keyframe_every),
                                         dtype=dtype or DTYPES[self.lcfg.precision], work_dir=self.work_dir,
-                                        history=self.reach_steps() // self.lcfg.sync_every + 1)
+                                        history=self.reach_steps() // self.lcfg.sync_every + 1 if rescores else 0)
         if must_publish:
             # Published only once the engine is ready, so samplers do not run ahead of a
             # learner that is still starting.

@@ -67,13 +67,27 @@ class DeltaError(UserError, ValueError):
 class Delta:
     entries: dict[str, dict] = field(default_factory=dict)
     """Per tensor name: {"encoding", "dtype", "shape", "sha256", "changed", "parts": {part: payload name}}."""
-    payload: dict[str, bytes] = field(default_factory=dict)
+    payload: dict[str, bytes | memoryview] = field(default_factory=dict)
     """Compressed bytes by payload name (`<tensor>.indices`, `<tensor>.values`, `<tensor>.xor`)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes the delta's payload takes (what travels, besides the manifest)."""
         return sum(len(b) for b in self.payload.values())
+
+    def packed(self) -> "Delta":
+        """The same delta with its payload in one buffer (each part a read-only view of it), for
+        a delta kept in memory: its parts, made by the codec's threads amid their scratch
+        arrays, would otherwise pin that memory too (`bench/delta_memory.py`: 33 fp32 deltas of
+        a 148M-parameter model, 8.0 GiB of parts, kept a process at 16.2 GiB; packed, 10.2 GiB)."""
+        names = list(self.payload)
+        buffer = memoryview(b"".join(self.payload[n] for n in names))
+        payload, start = {}, 0
+        for n in names:
+            end = start + len(self.payload[n])
+            payload[n] = buffer[start:end]
+            start = end
+        return Delta(entries=self.entries, payload=payload)
 
 
 def bits(tensor: torch.Tensor) -> np.ndarray:

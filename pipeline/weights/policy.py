@@ -242,11 +242,11 @@ class PolicyPublisher:
         shas = ({name: {t: entry["sha256"] for t, entry in d.entries.items()} for name, d in delta.items()}
                 if delta is not None else
                 {name: {t: entry["sha256"] for t, entry in entries.items()} for name, entries in description["files"].items()})
+        kept = {name: d.packed() for name, d in delta.items()} if self.history and delta is not None else None
         with self._lock:
             if delta is None or (self._last is not None and self._last[0] not in self._steps):
                 self._steps.clear()  # a new chain: nothing before this version can be walked back to
-            self._steps[version] = _Step(self._last[0] if delta is not None else None,
-                                         delta if self.history else None, shas)
+            self._steps[version] = _Step(self._last[0] if delta is not None else None, kept, shas)
             while len(self._steps) > self.history + 1:
                 self._steps.popitem(last=False)
             self._last = (version, weights, others)
