@@ -19,15 +19,25 @@ import torch  # noqa: E402
 from pipeline.weights.codec import apply_delta, bits, codec_workers, encode_delta  # noqa: E402
 
 
+def smollm2_shaped_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Synthetic fp32 weights of SmolLM2-135M's tensor shapes (148M parameters)."""
+    shapes = [(49152, 576)] + [(576, 576)] * 4 * 30 + [(1536, 576)] * 3 * 30  # embeddings, attention, MLP
+    return {f"t{i:03d}": 0.02 * torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+
+
+def adam_sized_step(weights: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The weights after a step that moves every element, as an fp32 learner step does."""
+    return {k: v + 1e-6 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=codec_workers(), help="threads of the second run "
                         "(default: codec_workers(), this process's cores, at most 8)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    shapes = [(49152, 576)] + [(576, 576)] * 4 * 30 + [(1536, 576)] * 3 * 30  # embeddings, attention, MLP
-    base = {f"t{i:03d}": 0.02 * torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
-    new = {k: v + 1e-6 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    base = smollm2_shaped_weights(gen)
+    new = adam_sized_step(base, gen)
     print(f"{sum(t.numel() for t in base.values()) / 1e6:.1f}M fp32 parameters; {os.cpu_count()} cores")
     times = {}
     for workers in sorted({1, args.workers}):

@@ -18,6 +18,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/delta_codec.py's weights
 
 
 def run_variant(packed: bool, versions: int, keep: int) -> list[dict]:
@@ -26,6 +27,7 @@ def run_variant(packed: bool, versions: int, keep: int) -> list[dict]:
 
     import torch
 
+    from delta_codec import adam_sized_step, smollm2_shaped_weights
     from pipeline.weights.codec import encode_delta
 
     def rss_gib() -> float:
@@ -33,12 +35,11 @@ def run_variant(packed: bool, versions: int, keep: int) -> list[dict]:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
     gen = torch.Generator().manual_seed(0)
-    shapes = [(49152, 576)] + [(576, 576)] * 4 * 30 + [(1536, 576)] * 3 * 30  # embeddings, attention, MLP
-    weights = {f"t{i:03d}": 0.02 * torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    weights = smollm2_shaped_weights(gen)
     kept: deque = deque(maxlen=keep)
     rows = []
     for v in range(1, versions + 1):
-        new = {k: t + 1e-6 * torch.randn(t.shape, generator=gen) for k, t in weights.items()}
+        new = adam_sized_step(weights, gen)
         delta = encode_delta(weights, new)
         kept.append(delta.packed() if packed else delta)
         del delta
