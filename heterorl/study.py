@@ -266,13 +266,16 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
     md_path = out / "delay_study.md"
     old = md_path.read_text() if md_path.exists() else ""
     analysis = old[old.index(ANALYSIS_MARKER):] if ANALYSIS_MARKER in old else ""
-    start = _mean([r["accuracy_at_start"] for r in records])
+    starts = [r["accuracy_at_start"] for r in records]
+    start = f"{100 * _mean(starts):.1f} %" + (
+        f"; {100 * min(starts):.1f}–{100 * max(starts):.1f} % on the seeds' own evaluation draws"
+        if max(starts) - min(starts) >= 5e-4 else "")
     seeds = sorted({r["seed"] for r in records})
     lines = [
         "# Delay study", "", f"Command: `{command}`", "",
         f"Held-out accuracy (mean exact match over {int(records[0]['eval_samples'])} samples per problem, "
         f"{int(records[0]['eval_problems'])} problems, in %); every cell starts from the same base model "
-        f"({100 * start:.1f} %). Best = highest evaluated version, Last = the final version. "
+        f"({start}). Best = highest evaluated version, Last = the final version. "
         f"Seeds: {', '.join(map(str, seeds))}" + (" (mean, and the range over seeds in brackets)."
                                                   if len(seeds) > 1 else "."), "",
         *_table(records, losses, delays), "",

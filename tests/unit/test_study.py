@@ -95,6 +95,15 @@ def test_the_report_shows_the_range_over_seeds(tmp_path):
     md = (tmp_path / "delay_study.md").read_text()
     assert "| gepo | 55.0 (50.0–60.0) | 53.0 (50.0–56.0) |" in md
     assert "| gepo | 2.0 (0.0–4.0) | 2.0 |" in md
+    assert "same base model (20.0 %)" in md  # one start accuracy: no range
+
+
+def test_the_report_names_the_base_models_range_when_seeds_evaluate_it_differently(tmp_path):
+    records = [{**record("gepo", 0, 0.50, 0.50), "seed": 0, "accuracy_at_start": 0.095},
+               {**record("gepo", 0, 0.60, 0.56), "seed": 1, "accuracy_at_start": 0.090}]
+    write_report(tmp_path, records, ["gepo"], [0], "cmd")
+    md = (tmp_path / "delay_study.md").read_text()
+    assert "same base model (9.2 %; 9.0–9.5 % on the seeds' own evaluation draws)" in md
 
 
 def test_the_long_study_design_is_fixed_in_its_config():
