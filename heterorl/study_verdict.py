@@ -22,7 +22,9 @@ The between-seed spread is pooled over the losses at one delay (the same noise s
 on each loss's cells, and three losses' seeds give three times the degrees of freedom of one:
 with two seeds a single loss's spread rests on one difference, and two seeds that happen to
 agree would claim certainty). The difference between two losses' degradations, paired by seed,
-uses its own spread.
+uses its own spread. Pooling assumes every loss varies as much between seeds; so each loss's
+row also gives the interval from its own seeds alone, and where the two verdicts differ the
+decision rests on that assumption.
 `seeds_to_decide` says how many seeds the interval would need to exclude the bar if the mean
 and the between-seed spread stayed as measured.
 """
@@ -121,10 +123,12 @@ def degradation(records: list[dict], loss: str, delay: int, base_delay: int = 0,
         return None
     per_seed = _per_seed(records, loss, delay, base_delay, seeds)
     low, high = t_interval(per_seed, spread)
+    own_low, own_high = t_interval(per_seed)
     return {"loss": loss, "max_delay": delay, "seeds": seeds, "per_seed_pct": per_seed,
             "mean_pct": statistics.fmean(per_seed), "ci95_pct": [low, high],
             "spread_pct": list(spread) if spread else None, "verdict": verdict(low, high),
-            "seeds_to_decide": seeds_to_decide(per_seed, spread=spread)}
+            "seeds_to_decide": seeds_to_decide(per_seed, spread=spread),
+            "ci95_own_spread_pct": [own_low, own_high], "verdict_own_spread": verdict(own_low, own_high)}
 
 
 def difference(records: list[dict], loss_a: str, loss_b: str, delay: int, base_delay: int = 0) -> Optional[dict]:
@@ -164,7 +168,9 @@ def verdict_lines(records: list[dict], losses: list[str], delays: list[int]) -> 
                 data["degradation"].append(v)
                 rows.append(f"| {loss} | {d} | {len(v['seeds'])} | {', '.join(_fmt(x) for x in v['per_seed_pct'])} "
                             f"| {_fmt(v['mean_pct'])} | [{_fmt(v['ci95_pct'][0])}, {_fmt(v['ci95_pct'][1])}] "
-                            f"| {v['verdict']} | {_need(v['seeds_to_decide'])} |")
+                            f"| {v['verdict']} | {_need(v['seeds_to_decide'])} "
+                            f"| [{_fmt(v['ci95_own_spread_pct'][0])}, {_fmt(v['ci95_own_spread_pct'][1])}] "
+                            f"{v['verdict_own_spread']} |")
         for a, b in (("gepo", "gspo"), ("gepo", "grpo")):
             if a in losses and b in losses and (v := difference(records, a, b, d, base)):
                 data["differences"].append(v)
@@ -181,9 +187,12 @@ def verdict_lines(records: list[dict], losses: list[str], delays: list[int]) -> 
              "heterorl/study_verdict.py says why not a bootstrap), with the between-seed spread pooled over "
              "the losses at that delay. Verdict: holds if the whole interval is under "
              "the bar, fails if all of it is above, else undecided. Seeds to decide: the fewest seeds whose "
-             "interval would exclude the bar if the mean and the between-seed spread stayed as measured.", "",
-             "| loss | max delay | seeds | per seed (%) | mean (%) | 95 % interval | verdict | seeds to decide |",
-             "|---|---|---|---|---|---|---|---|", *rows]
+             "interval would exclude the bar if the mean and the between-seed spread stayed as measured. "
+             "Own seeds only: the same interval from that loss's seeds alone, without pooling (where its "
+             "verdict differs, the decision rests on the losses varying alike between seeds).", "",
+             "| loss | max delay | seeds | per seed (%) | mean (%) | 95 % interval | verdict | seeds to decide "
+             "| own seeds only |",
+             "|---|---|---|---|---|---|---|---|---|", *rows]
     if diff_rows:
         lines += ["", "Difference of two losses' degradations, paired by seed (points of %; negative: the first "
                       "loss loses less to delay). Seeds to decide: for the interval to exclude 0.", "",

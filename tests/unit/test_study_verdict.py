@@ -88,3 +88,18 @@ def test_report_section_lists_every_loss_and_pair():
     assert [v["loss"] for v in data["degradation"]] == ["gepo", "gspo", "grpo"]
     assert [v["losses"] for v in data["differences"]] == [["gepo", "gspo"], ["gepo", "grpo"]]
     assert sum(line.startswith("| gepo |") for line in lines) == 1
+
+
+def test_each_loss_also_gets_the_interval_from_its_own_seeds_without_pooling():
+    records = grid({("gepo", 0): (0.30, 0.25), ("gepo", 1): (0.27, 0.25), ("gepo", 2): (0.30, 0.26),
+                    ("gspo", 0): (0.33, 0.30), ("gspo", 1): (0.29, 0.267)})
+    lines, data = verdict_lines(records, ["gepo", "gspo"], [0, 32])
+    gepo = data["degradation"][0]
+    per_seed = gepo["per_seed_pct"]
+    own = stats.t.interval(0.95, 2, loc=statistics.fmean(per_seed), scale=stats.sem(per_seed))
+    assert gepo["ci95_own_spread_pct"] == pytest.approx(own, abs=1e-3)
+    # GSPO's two seeds nearly agree, so pooling narrows GEPO's interval: it excludes the bar
+    # only with the pooled spread, and the row says both
+    assert gepo["verdict"] == "fails" and gepo["verdict_own_spread"] == "undecided"
+    row = next(line for line in lines if line.startswith("| gepo |"))
+    assert row.endswith(f"| [{own[0]:+.1f}, {own[1]:+.1f}] undecided |")
