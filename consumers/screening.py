@@ -5,23 +5,26 @@
 - **when a group is admitted** (`check`): the learner finds the problem the group names,
   checks the prompt tokens are that problem's, scores every completion with the task's
   verifier and puts its own rewards in the group; claimed rewards that differ are a failure
-  (`reward_mismatch`). While the group's key is on probation (its first
-  `security.probation_groups` checked groups) its log-probs are checked right away, against
-  the version it claims, so a forger is quarantined within its first groups (a group of
-  staleness 0 is left to its step, which checks it before applying anything). Otherwise it is
-  decided here whether they will be checked: every group of staleness 0, and a stale group
-  when drawn, with probability `security.stale_logprob_check_fraction`, from a secret random
-  stream;
+  (`reward_mismatch`). That is all for a group of the run's own samplers (`trusted`: keys
+  the run minted for samplers it started on the learner's machine, while
+  `security.trust_local_samplers` is on). For any other key: while it is on probation (its
+  first `security.probation_groups` checked groups) its log-probs are checked right away,
+  against the version it claims, so a forger is quarantined within its first groups (a
+  group of staleness 0 is left to its step, which checks it before applying anything).
+  Otherwise it is decided here whether they will be checked: every group of staleness 0,
+  and a stale group when the version it claims was drawn, with probability
+  `security.stale_version_check_fraction`, from a secret random stream (once per version:
+  a drawn version's groups are all checked, the others none);
 - **when its batch is full** (`check_batch`), before the step: the stale groups to check are
   re-scored with the version each claims, all groups of one version in one batched forward
-  pass, in the fastest exact precision of this machine (`PastPolicies`), and compared
-  (`pipeline.trust.logprob_gap` against `security.logprob_threshold`). The groups of
-  staleness 0 are checked by the step itself (`pipeline.learning.update.FreshCheck`: the training
-  forward computes exactly the log-probs the check needs), which the learner reports back
-  with `record_fresh`. A version no longer in reach cannot be checked: on probation the
-  group is then not used (`unverifiable`, no strike), afterwards it is used unchecked
-  (counted). Where the step can check it, then, a fresh group costs no pass of its own, and
-  after probation a stale one a share of one batched pass.
+  pass, on the learner's device and in its precision (`PastPolicies`: the learner's own
+  recent versions kept there, nothing rebuilt or hashed; an older one downloaded and
+  verified), and compared (`pipeline.trust.logprob_gap` against `security.logprob_threshold`).
+  The groups of staleness 0 are checked by the step itself
+  (`pipeline.learning.update.FreshCheck`: the training forward computes exactly the
+  log-probs the check needs), which the learner reports back with `record_fresh`. A version
+  no longer in reach cannot be checked: on probation the group is then not used
+  (`unverifiable`, no strike), afterwards it is used unchecked (counted).
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
@@ -43,7 +46,7 @@ from pipeline.config import SecurityConfig
 from pipeline.models import completion_logprobs, decode_completion, load_policy, load_weights_into
 from pipeline.wire.rollout import Rollout
 from pipeline.trust import logprob_gap
-from pipeline.weights.policy import PolicyPublisher, fetch_policy, read_weights
+from pipeline.weights.policy import fetch_policy, read_weights
 
 log = logging.getLogger(__name__)
 
@@ -55,37 +58,46 @@ RESCORE_ROWS = 256
 
 
 class PastPolicies:
-    """The versions stale groups are re-scored with, run on one model (`scratch`) that is loaded
-    with whichever version is asked for.
+    """The versions stale groups are re-scored with, run on one model (`scratch`) on the
+    checker's device and in its precision, loaded with whichever version is asked for.
 
-    The learner's own recent versions come from its publisher (`PolicyPublisher.weights_of`:
-    rebuilt from the newest and the deltas it made, each tensor checked against its sha256), so
-    no copy of each version is kept; an older one (made before a restart) is downloaded from S3
-    and verified like a sampler's."""
+    The learner hands over each version it publishes (`keep`: its own weights as samplers get
+    them, copied on its device; the newest `keep_last`), so re-scoring with one of those is a
+    copy into `scratch`, with nothing rebuilt or hashed: the learner made those bytes. Any other
+    version (made before a restart; every version, for a validator) is downloaded from S3 and
+    verified like a sampler's."""
 
     def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
-                 policies: Optional[PolicyPublisher] = None):
+                 device: torch.device | str = "cpu", keep_last: int = 0):
         """`model_dir`: a directory of this model (its architecture; the weights are replaced);
-        `dtype`: what re-scoring computes in."""
-        self.store, self.work_dir, self.model_dir, self.dtype = store, work_dir, model_dir, dtype
-        self.policies = policies
+        `dtype` and `device`: where re-scoring computes; `keep_last`: versions `keep` holds."""
+        self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
+        self.dtype, self.device, self.keep_last = dtype, torch.device(device), keep_last
         self.scratch: Optional[torch.nn.Module] = None
         self.loaded: Optional[int] = None
         """The version `scratch` holds."""
-        self.held: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
-        """(version, tensors) of the learner's version loaded last: the next one asked for is
-        usually a delta or two from it (versions advance with the learner)."""
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        """Version -> its tensors by name, on `device` (the newest `keep_last` handed to `keep`)."""
+
+    def keep(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold a copy of `tensors` (a published version, as samplers get it) on this device."""
+        if self.keep_last <= 0:
+            return
+        with torch.no_grad():
+            self.kept[version] = {name: t.detach().to(self.device, copy=True) for name, t in tensors.items()}
+        for old in sorted(self.kept)[:-self.keep_last]:
+            del self.kept[old]
 
     def get(self, version: int) -> Optional[torch.nn.Module]:
         """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
         if self.loaded == version:
             return self.scratch
-        weights = self.policies.weights_of(version, near=self.held) if self.policies is not None else None
-        self.held = None if weights is None else (version, weights)
+        weights = self.kept.get(version)
         if weights is None:
-            weights = self._download(version)
-        if weights is None:
-            return None
+            downloaded = self._download(version)
+            if downloaded is None:
+                return None
+            weights = {name: t for tensors in downloaded.values() for name, t in tensors.items()}
         self._load(version, weights)
         return self.scratch
 
@@ -102,14 +114,15 @@ class PastPolicies:
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
-    def _load(self, version: int, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _load(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if self.scratch is None:
-            self.scratch, _ = load_policy(self.model_dir, dtype=self.dtype)
+            self.scratch, _ = load_policy(self.model_dir, device=self.device, dtype=self.dtype)
             for p in self.scratch.parameters():
                 p.requires_grad_(False)
             self.scratch.eval()
         self.loaded = None
-        load_weights_into(self.scratch, {name: t for tensors in weights.values() for name, t in tensors.items()})
+        with torch.no_grad():
+            load_weights_into(self.scratch, weights)
         self.loaded = version
 
 
@@ -117,12 +130,16 @@ class GroupScreen:
     """Re-scores rewards of each group as it is admitted; checks log-probs of a batch's groups."""
 
     def __init__(self, security: SecurityConfig, task, tokenizer, temperature: float,
-                 current_policy: Callable[[], Optional[torch.nn.Module]], past: Optional[PastPolicies]):
+                 current_policy: Callable[[], Optional[torch.nn.Module]], past: Optional[PastPolicies],
+                 trusted: Callable[[Rollout], bool] = lambda rollout: False):
         """`current_policy`: the learner's weights now, for groups of staleness 0 that the step
-        cannot check itself (None where they cannot be run on this rank alone)."""
+        cannot check itself (None where they cannot be run on this rank alone). `trusted`:
+        whether a group comes from one of the run's own samplers (its log-probs are not checked)."""
         self.security, self.task, self.tokenizer, self.temperature = security, task, tokenizer, temperature
-        self.current_policy, self.past = current_policy, past
-        self.draw = random.Random()  # seeded from the OS: samplers cannot predict which groups are checked
+        self.current_policy, self.past, self.trusted = current_policy, past, trusted
+        self.draw = random.Random()  # seeded from the OS: samplers cannot predict which versions are checked
+        self.drawn: dict[int, bool] = {}
+        """Version -> whether its stale groups are checked (drawn once per version)."""
         self.checked: Counter = Counter()
         """Key id (sampler id if unsigned) -> its groups whose log-probs were checked (probation)."""
         self.planned: dict[str, tuple[int, bool]] = {}
@@ -148,6 +165,9 @@ class GroupScreen:
         failures = self._rescore(rollout) if self.security.rescore_rewards else []
         if failures or not self.security.check_logprobs:
             return failures
+        if self.trusted(rollout):
+            self.counts["logprobs_unchecked_trusted"] += 1
+            return []
         who = rollout.key_id or rollout.sampler_id
         on_probation = self.checked[who] < self.security.probation_groups
         step_checks_it = (staleness == 0 and fresh_in_step
@@ -162,9 +182,20 @@ class GroupScreen:
                 self.counts["refused_unverifiable_on_probation"] += 1
                 return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
             # staleness 0, and the weights are not whole on this rank (ZeRO-3): the step checks it
-        if staleness == 0 or on_probation or self.draw.random() < self.security.stale_logprob_check_fraction:
+        if staleness == 0 or on_probation or self.version_drawn(rollout.policy_version):
             self.planned[rollout.rollout_id] = (rollout.policy_version, on_probation)
+        else:
+            self.counts["logprobs_unchecked_not_drawn"] += 1
         return []
+
+    def version_drawn(self, version: int) -> bool:
+        """Whether the stale groups claiming `version` are checked: drawn once for each version,
+        secretly, with probability `security.stale_version_check_fraction`."""
+        if version not in self.drawn:
+            self.drawn[version] = self.draw.random() < self.security.stale_version_check_fraction
+            for old in sorted(self.drawn)[:-4096]:  # versions far behind every sampler
+                del self.drawn[old]
+        return self.drawn[version]
 
     def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
         try:

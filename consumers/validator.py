@@ -49,7 +49,7 @@ from pipeline.models import load_policy
 from pipeline.wire.rollout import Rollout, RolloutDecodeError
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
                               touch_heartbeat_file)
-from pipeline.trust import Rejected, RolloutVerifier
+from pipeline.trust import Rejected, RolloutVerifier, trusted_sampler
 from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
 
 
@@ -154,7 +154,9 @@ class Validator:
                                               dir=self.cfg.services.data_dir))
         self.past = PastPolicies(self.handles.store, self.work_dir, model_dir)
         return GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
-                           self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past)
+                           self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past,
+                           trusted=lambda r: trusted_sampler(self.verifier.registry, r.key_id,
+                                                             self.cfg.security.trust_local_samplers))
 
     def _stop(self, *_) -> None:
         self.stopping = True

@@ -47,7 +47,7 @@ QUARANTINE_WITHIN = 20
 FRESH_WITHIN = {"noisy_logprobs": 2}
 """Groups of staleness 0 (checked against the learner's own weights every time) within which
 these must be quarantined; their stale groups are only checked at
-`security.stale_logprob_check_fraction`."""
+`security.stale_version_check_fraction`."""
 UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 ATTACKER_STOP_S = 60.0
@@ -69,6 +69,9 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         "learner": cfg.learner.model_copy(update={"max_steps": 10**9}),
         "model": cfg.model.model_copy(update={"base": str(base)}),
         "validators": cfg.validators.model_copy(update={"enabled": validators > 0}),
+        # An audit: the honest samplers' groups are checked too, so that "0 honest quarantined"
+        # measures the checks' false alarms (their keys are the run's own, trusted otherwise).
+        "security": cfg.security.model_copy(update={"trust_local_samplers": False}),
     })
     if validators > cfg.run.topic_partitions:  # one partition each, so that every validator works
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"topic_partitions": validators})})
@@ -78,7 +81,8 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         honest_ids = [f"{run_name}-s{i}" for i in range(honest)]
         adversary_ids = {kind: f"{run_name}-adv-{kind}" for kind in SAMPLER_KINDS}
         validator_ids = [f"{run_name}-v{i}" for i in range(validators)]
-        provision_local(cfg, handles.state.client, honest_ids + list(adversary_ids.values()), validator_ids)
+        provision_local(cfg, handles.state.client, honest_ids, validator_ids)
+        provision_local(cfg, handles.state.client, list(adversary_ids.values()), local=False)  # strangers
         before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         config_file = out / "config.yaml"

@@ -107,10 +107,14 @@ def keys_list(cfg: HeteroConfig) -> list[str]:
     return lines
 
 
-def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str], validator_ids: list[str] = ()) -> None:
+def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str], validator_ids: list[str] = (), *,
+                    local: bool = True) -> None:
     """For samplers (and validators) started by this machine's `train` / `chaos` (`client`: Redis
     as admin): keys made if missing, and each one's key file written and registered unless an
-    active registration of it exists."""
+    active registration of it exists. `local`: the sampler keys are marked as the run's own
+    processes (`KeyEntry.local`; `security.trust_local_samplers` decides what that spares them);
+    False for samplers that stand for remote ones (`heterorl loadtest`) or adversaries
+    (`heterorl attack`)."""
     if not cfg.security.require_signatures and not validator_ids:
         return
     paths = key_paths(cfg)
@@ -123,13 +127,15 @@ def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str], validator
         path = paths.role_key(sampler_id, role)
         key = read_key_file(path) if path.exists() else None
         entry: Optional[KeyEntry] = registry.keys.get(key.key_id) if key else None
-        if entry is not None and entry.status == "active" and entry.expires_at > time.time() + 3600:
+        marked = local and role == "sampler"
+        if (entry is not None and entry.status == "active" and entry.expires_at > time.time() + 3600
+                and entry.local == marked):
             continue
         if key is not None:
-            path.unlink()  # revoked or expired: a fresh key
+            path.unlink()  # revoked, expired or marked otherwise: a fresh key
         key = SigningKey.generate()
         write_key_file(key, path)
-        registry = add_key(registry, sampler_id, key.public, cfg.security.key_lifetime_days, role=role)
+        registry = add_key(registry, sampler_id, key.public, cfg.security.key_lifetime_days, role=role, local=marked)
         changed = True
     if changed:
         write_registry(client, registry, root)

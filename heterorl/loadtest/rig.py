@@ -177,7 +177,7 @@ class Rig:
         validator_ids = [f"{case.mode[0]}{case.samplers}-v{i}" for i in range(case.validators)]
         classes = assign_classes(lt.fleets[case.fleet], case.samplers)
         quotas = lockstep_quotas(cfg.learner.groups_per_step, case.samplers)
-        provision_local(cfg, self.admin_redis, ids, validator_ids)
+        provision_local(cfg, self.admin_redis, ids, validator_ids, local=False)  # they stand for remote samplers
 
         learner_cfg = case_dir / "learner.json"
         learner_cfg.write_text(self.role_config(cfg, "learner").model_dump_json())

@@ -678,14 +678,27 @@ class SecurityConfig(_Strict):
     exceeds this. Calibration in docs/security.md."""
     check_logprobs: bool = True
     """The learner checks samplers' log-probs (below); off only for samplers you trust."""
+    trust_local_samplers: bool = True
+    """Samplers that `heterorl train` starts on the learner's machine, with keys it minted
+    itself, are the user's own processes: their rewards are still re-scored, their log-probs
+    are not. Every other key (remote samplers, anything `heterorl keys add` registered) is
+    checked as below. Off: the run's own samplers are checked like strangers (an audit;
+    `heterorl attack` turns it off)."""
     probation_groups: int = Field(50, ge=0)
-    """The first this many groups of each sampler key all get the log-prob check, stale ones
-    too; a group whose claimed version can no longer be checked is then not used (no strike).
-    After that, stale groups are checked at `stale_logprob_check_fraction`."""
-    stale_logprob_check_fraction: float = Field(0.25, ge=0, le=1)
-    """Share of stale groups (staleness > 0) re-scored with the checkpoint of the version
-    they claim (groups of staleness 0 are always checked, with the learner's own weights).
-    Which ones is drawn from a secret random stream, so a sampler cannot predict it."""
+    """The first this many groups of each untrusted sampler key all get the log-prob check,
+    stale ones too; a group whose claimed version can no longer be checked is then not used
+    (no strike). After that, stale groups are checked by version (`stale_version_check_fraction`)."""
+    stale_version_check_fraction: float = Field(0.25, ge=0, le=1)
+    """Share of the versions that stale groups (staleness > 0) claim whose groups are re-scored
+    with that version (groups of staleness 0 are always checked, by the step's own forward
+    pass). Drawn once per version from a secret random stream, so a sampler cannot predict it:
+    a drawn version's groups are all checked, in one batched pass per batch; the others none."""
+    keep_versions: Optional[int] = Field(None, ge=0)
+    """How many of its newest published versions the learner keeps on its device, as samplers
+    get them, to re-score stale groups claiming them (None: every version within the max
+    delay). Each costs one copy of the weights in `learner.policy_dtype`; a version not kept
+    (older, or from before a restart) is downloaded from S3 and verified when a check needs
+    it. Nothing is kept while every sampler key is trusted (above)."""
     strikes_to_quarantine: int = Field(2, ge=1)
     """Failed reward / log-prob / termination checks that quarantine a sampler's key;
     a valid signature on a future policy version, a reused sequence number or a sampler id

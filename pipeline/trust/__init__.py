@@ -61,6 +61,10 @@ class KeyEntry:
     revoked_at: Optional[float] = None
     role: str = "sampler"
     """One of ROLES."""
+    local: bool = False
+    """Minted by the run itself for a role it started on the learner's machine (`heterorl
+    train`): the user's own process, whose log-probs the learner need not re-score
+    (`security.trust_local_samplers`). `heterorl keys add` never sets it."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class KeyRegistry:
         return {"format": REGISTRY_FORMAT, "run": self.run, "serial": self.serial, "keys": {
             k.key_id: {"sampler_id": k.sampler_id, "public_key": k.public_key.to_b64(), "status": k.status,
                        "expires_at": k.expires_at, "added_at": k.added_at, "revoked_at": k.revoked_at,
-                       **({} if k.role == "sampler" else {"role": k.role})}
+                       **({} if k.role == "sampler" else {"role": k.role}), **({"local": True} if k.local else {})}
             for k in self.keys.values()}}
 
     def signed(self, root: SigningKey) -> dict:
@@ -98,7 +102,7 @@ class KeyRegistry:
             keys = {kid: KeyEntry(kid, str(e["sampler_id"]), PublicKey.from_b64(e["public_key"]), str(e["status"]),
                                   float(e["expires_at"]), float(e["added_at"]),
                                   None if e.get("revoked_at") is None else float(e["revoked_at"]),
-                                  str(e.get("role", "sampler")))
+                                  str(e.get("role", "sampler")), e.get("local", False) is True)
                     for kid, e in body["keys"].items()}
             serial = int(body["serial"])
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -115,12 +119,23 @@ class KeyRegistry:
     def with_revoked(self, key_id: str, now: float) -> "KeyRegistry":
         old = self.keys[key_id]
         entry = KeyEntry(old.key_id, old.sampler_id, old.public_key, "revoked", old.expires_at, old.added_at, now,
-                         old.role)
+                         old.role, old.local)
         return KeyRegistry(self.run, self.serial + 1, {**self.keys, key_id: entry})
+
+    def is_local(self, key_id: str) -> bool:
+        """Whether `key_id` is an active key the run minted for a sampler it started itself."""
+        entry = self.keys.get(key_id)
+        return entry is not None and entry.local and entry.status == "active" and entry.role == "sampler"
 
     def find(self, name: str) -> list[KeyEntry]:
         """Entries whose key id or sampler id is `name`."""
         return [k for k in self.keys.values() if name in (k.key_id, k.sampler_id)]
+
+
+def trusted_sampler(registry: Optional[KeyRegistry], key_id: str, trust_local: bool) -> bool:
+    """Whether groups signed by `key_id` come from one of the run's own samplers, whose log-probs
+    are not re-scored (`security.trust_local_samplers`: `trust_local`)."""
+    return trust_local and registry is not None and bool(key_id) and registry.is_local(key_id)
 
 
 # ---- the signature check of each message -------------------------------------------------

@@ -182,10 +182,11 @@ def write_registry(client, registry: KeyRegistry, root: SigningKey) -> None:
 
 
 def add_key(registry: KeyRegistry, sampler_id: str, public: PublicKey, lifetime_days: float,
-            now: Optional[float] = None, role: str = "sampler") -> KeyRegistry:
-    """`registry` with `public` registered to `sampler_id` (a validator's id for role `validator`)."""
+            now: Optional[float] = None, role: str = "sampler", local: bool = False) -> KeyRegistry:
+    """`registry` with `public` registered to `sampler_id` (a validator's id for role `validator`);
+    `local`: minted by the run for a process it starts on the learner's machine (`KeyEntry.local`)."""
     now = time.time() if now is None else now
     if public.key_id in registry.keys:
         raise ConfigError(f"key {public.key_id} is already registered (to {registry.keys[public.key_id].sampler_id!r})")
     return registry.with_key(KeyEntry(public.key_id, sampler_id, public, "active", now + lifetime_days * 86400, now,
-                                      role=role))
+                                      role=role, local=local))

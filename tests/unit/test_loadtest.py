@@ -124,7 +124,7 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
     from pipeline.wire.rollout import Rollout
 
     lt = LoadtestConfig(reward_check_s_per_group=0.0, logprob_check_s_per_group=0.0)
-    screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_logprob_check_fraction=0.0), lt)
+    screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_version_check_fraction=0.0), lt)
     a, b, c = (Rollout(prompt_id="p", task="t", sampler_id="s", policy_version=3, prompt_ids=[1],
                        completion_ids=[[2], [3]], sampler_logps=[[-1.0], [-1.0]], rewards=[0.0, 1.0], key_id="k")
                for _ in range(3))
@@ -134,7 +134,8 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
     assert screen.check(c, staleness=0) == []   # fresh: always checked, by the step
     assert screen.check_batch([(b, 2), (c, 0)], fresh_in_step=True) == ({}, [1])
     assert screen.record_fresh(c, 0.0) is None
-    assert screen.counts == {"rewards_rescored": 3, "logprobs_checked_stale": 1, "logprobs_checked_fresh": 1}
+    assert screen.counts == {"rewards_rescored": 3, "logprobs_checked_stale": 1, "logprobs_checked_fresh": 1,
+                             "logprobs_unchecked_not_drawn": 1}
 
 
 def test_async_is_compared_with_lock_step_like_with_like():

@@ -88,7 +88,7 @@ def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
 
 
 def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
-    s = screen(setup, stale_logprob_check_fraction=0.0, probation_groups=0)
+    s = screen(setup, stale_version_check_fraction=0.0, probation_groups=0)
     stale, fresh = setup[3]()[1], setup[3]()[2]
     for r in (stale, fresh):
         r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
@@ -113,7 +113,7 @@ class OnePast:
 
 def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not_used(setup):
     tokenizer, model, task, rollouts = setup
-    security = SecurityConfig(stale_logprob_check_fraction=0.0, probation_groups=2)
+    security = SecurityConfig(stale_version_check_fraction=0.0, probation_groups=2)
     s = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(model))
     honest, lying = rollouts()[0], rollouts()[1]
     lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
@@ -160,7 +160,7 @@ def test_on_probation_a_keys_first_groups_are_checked_as_read_then_fresh_ones_by
 def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch):
     tokenizer, model, task, rollouts = setup
     past = OnePast(model)
-    s = GroupScreen(SecurityConfig(probation_groups=0, stale_logprob_check_fraction=1.0), task, tokenizer, 1.0,
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_version_check_fraction=1.0), task, tokenizer, 1.0,
                     lambda: model, past)
     groups = rollouts() + rollouts()
     for r, version in zip(groups, (4, 6, 4, 6, 4, 6)):
@@ -171,17 +171,6 @@ def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch
     monkeypatch.setattr(s, "_gaps", lambda rs, m: passes.append(len(rs)) or real(rs, m))
     assert batch_failures(s, *[(r, 8 - r.policy_version) for r in groups]) == [[]] * 6
     assert past.asked == [4, 6] and passes == [3, 3]
-
-
-class FakePublisher:
-    """The learner's publisher, giving back the versions it holds deltas of."""
-
-    def __init__(self, versions):
-        self.versions = versions
-
-    def weights_of(self, version, near=None):
-        self.near = near
-        return self.versions.get(version)
 
 
 class GoneStore:
@@ -196,20 +185,64 @@ class GoneStore:
         raise CheckpointNotFound("pruned")
 
 
-def test_past_versions_come_from_the_publisher_onto_one_model_bit_for_bit(setup, tmp_path):
-    """No copy of the model per version: one model is loaded with whichever version is asked
-    for, from the publisher's deltas, exactly; a version it no longer has is looked for in S3."""
+def test_past_versions_kept_by_the_learner_load_onto_one_model_bit_for_bit(setup, tmp_path):
+    """The learner keeps its newest published versions where it runs (copies: the weights it
+    trains on move on) and loads whichever is asked for onto one model, exactly, in its own
+    precision; a version it no longer keeps is looked for in S3."""
     import torch
 
     tokenizer, model, task, rollouts = setup
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    versions = {v: {"model.safetensors": {k: t + 0.01 * v for k, t in base.items()}} for v in (6, 8)}
-    past = PastPolicies(GoneStore(), tmp_path, tmp_path / "base", policies=FakePublisher(versions))
+    past = PastPolicies(GoneStore(), tmp_path, tmp_path / "base", keep_last=2)
+    versions = {}
+    for v in (4, 6, 8):
+        versions[v] = {k: (t + 0.01 * v).to(torch.bfloat16) for k, t in base.items()}  # as samplers get them
+        published = {k: t.clone() for k, t in versions[v].items()}
+        past.keep(v, published)
+        for t in published.values():
+            t.add_(1.0)  # the learner's own tensors move on; the kept copy does not
+    assert sorted(past.kept) == [6, 8]
     for version in (6, 8, 6):
         got = past.get(version).state_dict()
-        assert all(torch.equal(got[k], versions[version]["model.safetensors"][k]) for k in base)
+        assert all(got[k].dtype == torch.float32 and torch.equal(got[k], versions[version][k].float()) for k in base)
     assert past.get(6) is past.get(8)  # the same model, reloaded
-    assert past.policies.near[0] == 6  # and asked for from the version it held last
-    assert past.get(4) is None  # neither held nor in S3
+    assert past.get(4) is None  # neither kept nor in S3
+    assert PastPolicies(GoneStore(), tmp_path, tmp_path / "base", keep_last=0).keep(8, versions[8]) is None
+
+
+def test_the_run_s_own_samplers_have_only_their_rewards_checked(setup, monkeypatch):
+    """A trusted group (a key the run minted for a sampler it started) has its rewards re-scored
+    and its claim of wrong rewards refused, but its log-probs never re-scored, fresh or stale."""
+    tokenizer, model, task, rollouts = setup
+    s = GroupScreen(SecurityConfig(probation_groups=50, stale_version_check_fraction=1.0), task, tokenizer, 1.0,
+                    lambda: model, OnePast(model), trusted=lambda r: r.key_id == "local")
+    passes = []
+    monkeypatch.setattr(s, "_gaps", lambda rs, m: passes.append(len(rs)) or [9.0] * len(rs))
+    own, stranger, wrong = rollouts()[0], rollouts()[1], rollouts()[2]
+    own.key_id = wrong.key_id = "local"
+    for r in (own, stranger, wrong):
+        r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
+    wrong.rewards = [1.0 - x for x in wrong.rewards]
+    assert s.check(own, staleness=3) == [] and s.check(own, staleness=0) == []
+    assert [k for k, _ in s.check(wrong, staleness=0)] == ["reward_mismatch"]
+    assert passes == []
+    assert [k for k, _ in s.check(stranger, staleness=3)] == ["logprob_mismatch"]  # on probation: checked now
+    assert s.counts["logprobs_unchecked_trusted"] == 2 and s.counts["rewards_rescored"] == 4
+
+
+def test_stale_versions_are_drawn_once_each_and_a_drawn_version_checks_all_its_groups(setup):
+    tokenizer, model, task, rollouts = setup
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_version_check_fraction=0.5), task, tokenizer, 1.0,
+                    lambda: model, OnePast(model))
+    draws = {v: s.version_drawn(v) for v in range(400)}
+    assert all(s.version_drawn(v) == d for v, d in draws.items())  # a version is drawn once
+    assert 150 < sum(draws.values()) < 250  # at the configured rate
+    drawn, skipped = next(v for v, d in draws.items() if d), next(v for v, d in draws.items() if not d)
+    groups = rollouts() + rollouts()
+    for r, version in zip(groups, (drawn, skipped) * 3):
+        r.policy_version = version
+        s.check(r, staleness=2)
+    assert sorted(v for v, _ in s.planned.values()) == [drawn] * 3
+    assert s.counts["logprobs_unchecked_not_drawn"] == 3

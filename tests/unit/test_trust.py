@@ -39,6 +39,29 @@ def sealed(key: SigningKey, seq: int = 1, **over) -> bytes:
     return seal_rollout(make_rollout(**fields), key)
 
 
+def test_only_a_root_signed_entry_marks_a_key_as_the_run_s_own():
+    """`local` (a key the run minted for a sampler it started) survives the signed round trip;
+    an entry without it, a revoked one or a validator's is not trusted; and nobody without the
+    root key can mark their key local."""
+    from pipeline.trust import trusted_sampler
+
+    root, own, stranger, validator = (SigningKey.generate() for _ in range(4))
+    reg = registry_with(KeyEntry(own.key_id, "s1", own.public, "active", NOW + 3600, NOW, local=True),
+                        entry(stranger, "s2"),
+                        KeyEntry(validator.key_id, "v1", validator.public, "active", NOW + 3600, NOW,
+                                 role="validator", local=True))
+    read = KeyRegistry.from_signed(json.loads(json.dumps(reg.signed(root))), root.public, RUN)
+    assert read.keys[own.key_id].local and not read.keys[stranger.key_id].local
+    assert [k for k in read.keys if read.is_local(k)] == [own.key_id]
+    assert trusted_sampler(read, own.key_id, True) and not trusted_sampler(read, own.key_id, False)
+    assert not trusted_sampler(read, stranger.key_id, True) and not trusted_sampler(None, own.key_id, True)
+    assert not read.with_revoked(own.key_id, NOW).is_local(own.key_id)
+    forged = reg.signed(root)
+    forged["keys"][stranger.key_id]["local"] = True  # a stranger marking itself local
+    with pytest.raises(SignatureError):
+        KeyRegistry.from_signed(forged, root.public, RUN)
+
+
 # ---- signing ---------------------------------------------------------------------------------
 def test_a_signed_document_verifies_and_any_change_breaks_it():
     key = SigningKey.generate()
