@@ -45,6 +45,48 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+class GpuUtilization:
+    """nvidia-smi's utilization of GPU 0, sampled every second on a thread while the block runs
+    (nothing where there is no nvidia-smi); `mean(windows)` over the (start, end) wall-clock
+    windows given."""
+
+    def __init__(self, every_s: float = 1.0):
+        import shutil
+        import threading
+
+        self.samples: list[tuple[float, float]] = []
+        self.every_s, self.stop = every_s, threading.Event()
+        self.tool = shutil.which("nvidia-smi")
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                out = subprocess.run([self.tool, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                      "--id=0"], capture_output=True, text=True, timeout=5).stdout
+                self.samples.append((time.time(), float(out.strip().splitlines()[0])))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                pass
+
+    def __enter__(self) -> "GpuUtilization":
+        if self.tool:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def mean(self, windows: list[tuple[float, float]]) -> Optional[dict]:
+        """Mean utilization (%) of the samples inside `windows`, and their count; None without samples."""
+        inside = [u for t, u in self.samples if any(a <= t <= b for a, b in windows)]
+        if not inside:
+            return None
+        return {"mean_percent": round(sum(inside) / len(inside), 1), "samples": len(inside),
+                "samples_at_most_12_percent": sum(u <= 12 for u in inside)}
+
+
 def steps_per_minute(step_times: list[float]) -> float:
     if len(step_times) < 2:
         raise ValueError("need at least two steps to measure a rate")
@@ -79,6 +121,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     engine = make_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
     times, index, evaluating_s = [], 0, 0.0
+    windows, window_start = [], time.time()  # wall-clock stretches of learning (evaluations excluded)
     for step in range(steps):
         groups = []
         with clock.stage("generate"):
@@ -104,12 +147,16 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
             # sharing a CPU, evaluates after training; with a GPU, beside it on its own cores)
             made_at = (time.time() - started - evaluating_s) / 60
             evaluation_started = time.time()
+            windows.append((window_start, evaluation_started))
             with clock.stage("evaluate"):
                 evals.append({"step": step + 1, "minutes": made_at, **evaluate_model(cfg, engine.module, tokenizer, task)})
             evaluating_s += time.time() - evaluation_started
+            window_start = time.time()
             print(f"  sync v{step + 1}: held-out accuracy {evals[-1]['accuracy_sampled']:.3f} "
                   f"(greedy {evals[-1]['accuracy_greedy']:.3f}) at {made_at:.1f} min", file=sys.stderr)
-    return {"times": times, "evals": evals, "seconds": clock.take(), "wall_s": time.time() - started}
+    windows.append((window_start, time.time()))
+    return {"times": times, "evals": evals, "seconds": clock.take(), "wall_s": time.time() - started,
+            "training_windows": windows}
 
 
 def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path,
@@ -146,8 +193,11 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
         if values:
             result["seconds"][f"samplers_{key}_mean"] = sum(values) / len(values)
     result["wall_s"] = learner[-1]["time"] - started
+    result["training_windows"] = [(started, learner[-1]["time"])]
     result["summary"] = {k: summary[k] for k in ("groups_used", "groups_dropped", "mean_staleness_used",
                                                  "max_staleness_used") if k in summary}
+    learner_summary = json.loads((out / "learner_summary.json").read_text())
+    result["summary"]["outside_optimizer_share"] = learner_summary.get("outside_optimizer_share")
     return result
 
 
@@ -178,17 +228,25 @@ def race(args, cfg, cores: int) -> dict:
     """The accuracy race: both modes, their curves and where their minutes went."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    asynchronous = run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
-                             eval_every=args.eval_every)
-    synchronous = run_sync(cfg, args.steps, cores, eval_every=args.eval_every)
+    with GpuUtilization() as gpu:
+        asynchronous = run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
+                                 eval_every=args.eval_every)
+        synchronous = run_sync(cfg, args.steps, cores, eval_every=args.eval_every)
     samplers = f"{args.samplers} sampler{'s' if args.samplers != 1 else ''}"
     results = {f"asynchronous ({samplers})": asynchronous, f"synchronous ({cores} threads)": synchronous}
     for name, result in results.items():
-        print(f"\n{name}: {len(result['times'])} steps in {result['wall_s'] / 60:.1f} min")
+        result["gpu_utilization"] = gpu.mean(result.pop("training_windows", []))
+        util = result["gpu_utilization"]
+        print(f"\n{name}: {len(result['times'])} steps in {result['wall_s'] / 60:.1f} min" +
+              (f", GPU {util['mean_percent']:.0f} % busy while training ({util['samples']} samples, "
+               f"{util['samples_at_most_12_percent']} at <= 12 %)" if util else ""))
         print("  step  minutes  sampled  greedy")
         for e in result["evals"]:
             print(f"  {e['step']:4d}  {e['minutes']:7.1f}  {e['accuracy_sampled']:7.3f}  {e['accuracy_greedy']:6.3f}")
         print("  where the time went (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result["seconds"].items())))
+        if result.get("summary", {}).get("outside_optimizer_share") is not None:
+            print(f"  the learner's busy time outside the optimizer step: "
+                  f"{100 * result['summary']['outside_optimizer_share']:.1f} %")
     (a_last, *_), (s_last, *_) = (r["evals"][::-1] for r in (asynchronous, synchronous))
     if a_last["step"] == s_last["step"] and s_last["minutes"] > 0:
         print(f"\nat v{a_last['step']}: {a_last['minutes']:.1f} min against {s_last['minutes']:.1f} "

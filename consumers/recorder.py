@@ -1,4 +1,5 @@
-"""The bookkeeping of one optimizer step, the same for the learner and for replay.
+"""The bookkeeping of one optimizer step, the same for the learner and for replay, and the
+learner's two logs on Kafka (`LearnerLogs`: the update log and the dead letters).
 
 After each step: the update-log entry (which groups the step used, which were dropped,
 dead-lettered or ignored since the previous step) goes to `RUN_DIR/updates.jsonl` (and,
@@ -13,9 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from kafka.errors import KafkaError
+
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.metrics import MetricsWriter
-from pipeline.records.update_log import UpdateEntry, append_entry
+from pipeline.records.update_log import UpdateEntry, append_entry, dead_letter_topic, updates_topic
+from pipeline.servers.kafka_io import RawRecord, RolloutSink
+from pipeline.servers.retry import retry_call
 
 PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
                  "duplicates_ignored")
@@ -62,3 +67,44 @@ class StepRecorder:
         self.metrics.write("learner", step, values)
         self._consumed_at_last_step, self._step_started = counters.groups_consumed, time.monotonic()
         return values
+
+
+class LearnerLogs:
+    """The learner's writes to Kafka: the update log (`<run>.updates`, also RUN_DIR/updates.jsonl)
+    and messages set aside (`<run>.dead`, with their reason), each retried through a broker
+    outage for up to `network_retry_s`, saying so each time."""
+
+    def __init__(self, bootstrap: str, topic: str, run_dir: Path, network_retry_s: float, log, security=None):
+        self.bootstrap, self.topic, self.run_dir, self.network_retry_s, self.log = (
+            bootstrap, topic, Path(run_dir), network_retry_s, log)
+        self.update_log = RolloutSink(bootstrap, updates_topic(topic), security=security)
+        self.dead_letters = RolloutSink(bootstrap, dead_letter_topic(topic), security=security)
+
+    def send_entry(self, entry: UpdateEntry) -> None:
+        """The update log must hold a step before anything builds on it."""
+        self._send(self.update_log, entry.to_json().encode(), key=str(entry.step).encode())
+
+    def publish_entry(self, entry: UpdateEntry) -> None:
+        """An update-log entry of the learner's own (the rewind marker): Kafka, then the file."""
+        self.send_entry(entry)
+        append_entry(self.run_dir, entry)
+
+    def dead_letter(self, record: RawRecord, reason: str) -> None:
+        """Set a message of the rollout topic aside, with its reason and where it was."""
+        self._send(self.dead_letters, record.value, headers=[
+            ("reason", reason.encode()), ("source_topic", self.topic.encode()),
+            ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
+            *[(k, v) for k, v in record.headers if k != "reason"]])
+        self.log.warning("dead-lettered message at %s[%d]@%d to %s: %s", self.topic, record.partition, record.offset,
+                         dead_letter_topic(self.topic), reason)
+
+    def _send(self, sink: RolloutSink, value: bytes, **kwargs) -> None:
+        retry_call(lambda: sink.send_raw(value, **kwargs), retry_on=(KafkaError,), first_s=1.0, max_s=30.0,
+                   give_up_after_s=self.network_retry_s,
+                   on_retry=lambda error, wait_s, _: self.log.warning(
+                       "writing to %s on Kafka at %s failed (%s); retrying in %.0fs", sink.topic, self.bootstrap,
+                       type(error).__name__, wait_s))
+
+    def close(self) -> None:
+        self.update_log.close()
+        self.dead_letters.close()

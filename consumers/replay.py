@@ -50,15 +50,14 @@ from pipeline.errors import UserError
 from pipeline.servers.kafka_io import read_topic, topic_partitions
 from pipeline.weights.learner_state import save_weights
 from pipeline.records.metrics import MetricsWriter
-from pipeline.models import DTYPES, load_policy, tokenizer_fingerprint
+from pipeline.models import load_policy, tokenizer_fingerprint
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
 from pipeline.servers.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
 from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
-from pipeline.weights.policy import (CheckpointUrlError, KeyframeRule, PolicyPublisher, fetch_published,
-                                     parse_checkpoint_url)
-from pipeline.weights.publisher import BackgroundPublisher, Snapshot
+from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
+from pipeline.weights.publisher import copy_weights_into, start_publisher
 
 
 class ReplayError(UserError, ValueError):
@@ -279,9 +278,11 @@ def _check_filter_keeps_data(record: RecordedRun, flt: ReplayFilter) -> None:
 # 4.-5. The run
 # ----------------------------------------------------------------------------------
 class CheckpointSink:
-    """Replay checkpoints: local `RUN_DIR/checkpoints/vN` directories, or an S3 prefix."""
+    """Replay checkpoints: local `RUN_DIR/checkpoints/vN` directories, or an S3 prefix (published
+    as the learner publishes, by a publisher process, unsigned and announced nowhere)."""
 
-    def __init__(self, cfg: HeteroConfig, run_dir: Path, target: Optional[str]):
+    def __init__(self, cfg: HeteroConfig, run_dir: Path, target: Optional[str], model_dir: Path, module):
+        """`model_dir`: the base model's directory (its files' layout); `module`: the model trained."""
         self.keep = cfg.learner.keep_checkpoints
         self.local_root = run_dir / "checkpoints"
         self.publisher = None
@@ -293,17 +294,17 @@ class CheckpointSink:
             if not client.bucket_exists(bucket):
                 client.make_bucket(bucket)
             self.store = CheckpointStore(client, bucket, prefix.strip("/"))
-            lcfg = cfg.learner
-            dtype = DTYPES[lcfg.precision if lcfg.policy_dtype == "auto" else lcfg.policy_dtype]
-            self.publisher = BackgroundPublisher(PolicyPublisher(self.store, KeyframeRule(lcfg.keyframe_every), dtype),
-                                                 keep_last=self.keep)
+            work_dir = run_dir / ".publisher"
+            work_dir.mkdir(parents=True, exist_ok=True)
+            self.publisher = start_publisher(cfg, self.store, module, model_dir, work_dir, announce=False,
+                                             recovery=False)
 
     def save(self, version: int, engine, tokenizer, work_dir: Path) -> None:
         if self.publisher is not None:
-            snapshot = work_dir / f"v{version}"
-            save_weights(engine, tokenizer, snapshot)
-            self.publisher.submit(Snapshot(snapshot, {"step": version, "replay": True}, version=version,
-                                           parent_version=version - 1 if version > 0 else None))
+            slot = self.publisher.take_slot()
+            copy_weights_into(engine.module, self.publisher.slots.views(slot), zero3=engine.zero_optimization_stage() == 3)
+            self.publisher.submit_policy(slot, version, {"step": version, "replay": True},
+                                         parent_version=version - 1 if version > 0 else None)
             return
         target = self.local_root / f"v{version}"
         save_weights(engine, tokenizer, target)
@@ -319,6 +320,7 @@ class CheckpointSink:
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+            shutil.rmtree(self.publisher.target.work_dir, ignore_errors=True)
 
 
 class Replay:
@@ -356,6 +358,12 @@ class Replay:
         finally:
             bar.close()
             self.metrics.close()
+            if getattr(self, "sink", None) is not None and self.sink.publisher is not None \
+                    and not self.sink.publisher.closed:  # an error path: the publisher process ends too
+                try:
+                    self.sink.publisher.close(timeout_s=30)
+                except RuntimeError as e:  # the original error matters more
+                    self.log.error("%s", e)
             shutil.rmtree(self.work_dir, ignore_errors=True)
         summary = self.summary(time.monotonic() - started)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -376,8 +384,8 @@ class Replay:
         vocab_size = model.get_input_embeddings().num_embeddings
         check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
         (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
-        self.sink = CheckpointSink(self.cfg, self.out_dir, self.checkpoints)
         self.engine = make_engine(model, self.lcfg, resolve_device(self.cfg.model.device))
+        self.sink = CheckpointSink(self.cfg, self.out_dir, self.checkpoints, base_dir, self.engine.module)
         self.plan = ReplayPlan(self.cfg, self.record, self.filter, vocab_size)
         self.metrics = MetricsWriter(self.out_dir)
         self.recorder = StepRecorder(self.out_dir, self.metrics, self.plan.admission, loss_type=self.lcfg.loss_type,

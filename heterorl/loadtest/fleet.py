@@ -22,7 +22,7 @@ import torch
 from pipeline.config import GpuClassConfig, HeteroConfig, LoadtestConfig
 from pipeline.models import SampledGroup
 from pipeline.wire.rollout import Rollout
-from producers.sampler import Sampler
+from producers.sampler import Sampler, SamplerParts
 
 
 def assign_classes(classes: Sequence[GpuClassConfig], count: int) -> list[GpuClassConfig]:
@@ -133,21 +133,12 @@ class SimulatedSampler(Sampler):
     Redis commands it sends are counted (`redis_commands`)."""
 
     def __init__(self, cfg: HeteroConfig, sampler_id: str, gpu: GpuClassConfig, tokenizer, stop: threading.Event):
-        super().__init__(cfg, sampler_id)
+        self.redis_commands: Counter = Counter()
+        super().__init__(cfg, sampler_id, SamplerParts(
+            engine=ModeledEngine(gpu, cfg.loadtest, cfg.sampler.max_new_tokens, tokenizer, stop),
+            stop=ThreadStop(stop), on_connect=lambda handles: count_commands(handles.state.client, self.redis_commands)))
         self.gpu, self.tokenizer, self.stop_event = gpu, tokenizer, stop
         self.reward_draws = random.Random(self.seed)
-        self.redis_commands: Counter = Counter()
-
-    def _connect(self, give_up_s: float = 300.0):
-        handles = super()._connect(give_up_s)
-        count_commands(handles.state.client, self.redis_commands)
-        return handles
-
-    def make_policy_engine(self) -> ModeledEngine:
-        return ModeledEngine(self.gpu, self.cfg.loadtest, self.scfg.max_new_tokens, self.tokenizer, self.stop_event)
-
-    def make_stop_request(self) -> ThreadStop:
-        return ThreadStop(self.stop_event)
 
     def make_rollouts(self, problems, groups) -> list[Rollout]:
         p = self.cfg.loadtest.reward_p

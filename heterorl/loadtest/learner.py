@@ -7,9 +7,10 @@ signed and announced in Redis by the background publisher; recovery states).
 
 Modeled by their time (`loadtest.*`), because on an LLM they run on the learner's GPUs:
 the optimizer step (`learner_step_s`, then `weight_change_share` of the weights changed so
-the deltas have a real step's size), re-scoring a group's rewards (its text would have to
+the deltas have a real step's size: `ModeledStep`), re-scoring a group's rewards (its text would have to
 be decoded and verified) and a stale group's log-probs (a forward pass). A fresh group's
-log-prob check rides on the step's own forward passes, so it costs nothing of its own. Run by the rig as
+log-prob check rides on the step's own forward passes, so it costs nothing of its own. The
+learner is built with these modeled parts (`modeled_parts`); run by the rig as
 `python -m heterorl.loadtest.learner CONFIG.json RUN_DIR`.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from consumers.learner import Learner
+from consumers.learner import Learner, LearnerParts
 from consumers.screening import GroupScreen
 from pipeline.learning.admission import RolloutLimits
 from pipeline.config import HeteroConfig, LoadtestConfig, SecurityConfig
@@ -60,39 +61,41 @@ class ModeledScreen(GroupScreen):
         return [0.0] * len(rollouts)
 
 
-class ModeledLearner(Learner):
-    """The product's learner whose optimizer step and model-sized checks take their modeled time."""
+class ModeledStep:
+    """The optimizer step by its modeled time (`loadtest.learner_step_s`), then a step's worth of
+    changed weights (`weight_change_share`), so the published deltas have a real step's size."""
 
-    def _load_policy(self) -> None:
-        super()._load_policy()
-        lt, scfg = self.cfg.loadtest, self.cfg.sampler
-        # The modeled groups are an LLM's: its vocabulary and lengths, not the small model's.
-        self.limits = RolloutLimits(vocab_size=lt.vocab_size, temperature=scfg.temperature,
-                                    max_new_tokens=scfg.max_new_tokens,
-                                    max_positions=lt.prompt_tokens + scfg.max_new_tokens)
-        self.changes = torch.Generator().manual_seed(self.cfg.run.seed)
+    def __init__(self, cfg: HeteroConfig):
+        self.lt = cfg.loadtest
+        self.changes = torch.Generator().manual_seed(cfg.run.seed)
 
-    def _open_trust(self) -> None:
-        super()._open_trust()
-        self.screen = ModeledScreen(self.cfg.security, self.cfg.loadtest)
-
-    def optimize(self, groups: list[Rollout], weights: list[float], fresh_check=None) -> dict:
-        lt = self.cfg.loadtest
-        time.sleep(lt.learner_step_s)
-        with torch.no_grad():  # a step's worth of changed weights, so the deltas are a real step's size
-            for param in self.engine.module.parameters():
-                changed = torch.rand(param.shape, generator=self.changes) < lt.weight_change_share
+    def __call__(self, engine, groups: list[Rollout], weights: list[float], lcfg, *, fresh_check=None, **_) -> dict:
+        time.sleep(self.lt.learner_step_s)
+        with torch.no_grad():
+            for param in engine.module.parameters():
+                changed = torch.rand(param.shape, generator=self.changes) < self.lt.weight_change_share
                 param.add_(changed * torch.randn(param.shape, generator=self.changes).to(param.dtype) * 1e-3)
         rewards = [x for g in groups for x in g.rewards]
         return {"loss": 0.0, "reward_mean": sum(rewards) / max(1, len(rewards)),
                 "sequences": sum(g.group_size for g in groups),
                 "completion_tokens": float(sum(len(c) for g in groups for c in g.completion_ids)),
-                "lr": self.lcfg.lr, **({"fresh_gaps": {i: 0.0 for i in fresh_check.groups}} if fresh_check else {})}
+                "lr": lcfg.lr, **({"fresh_gaps": {i: 0.0 for i in fresh_check.groups}} if fresh_check else {})}
+
+
+def modeled_parts(cfg: HeteroConfig) -> LearnerParts:
+    """The learner's parts with what scales with the model modeled. The modeled groups are an
+    LLM's: its vocabulary and lengths, not the small model's."""
+    lt, scfg = cfg.loadtest, cfg.sampler
+    return LearnerParts(step=ModeledStep(cfg), screen=ModeledScreen(cfg.security, lt),
+                        limits=RolloutLimits(vocab_size=lt.vocab_size, temperature=scfg.temperature,
+                                             max_new_tokens=scfg.max_new_tokens,
+                                             max_positions=lt.prompt_tokens + scfg.max_new_tokens))
 
 
 def main(argv: list[str]) -> int:
     config, run_dir = argv
-    return ModeledLearner(HeteroConfig.model_validate_json(Path(config).read_text()), Path(run_dir)).run()
+    cfg = HeteroConfig.model_validate_json(Path(config).read_text())
+    return Learner(cfg, Path(run_dir), modeled_parts(cfg)).run()
 
 
 if __name__ == "__main__":

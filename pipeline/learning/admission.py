@@ -52,6 +52,15 @@ class RolloutLimits:
     eos_ids: tuple[int, ...] = ()
     """With EOS ids, the termination rule is checked too (`pipeline.trust.termination_error`)."""
 
+    @classmethod
+    def of_model(cls, model, tokenizer, eos_ids, sampler) -> "RolloutLimits":
+        """The limits of a learner training `model` (its vocabulary and positions), with the
+        termination rule of `eos_ids`, for groups sampled as `sampler` (`SamplerConfig`) says."""
+        return cls(vocab_size=model.get_input_embeddings().num_embeddings, temperature=sampler.temperature,
+                   max_new_tokens=sampler.max_new_tokens,
+                   max_positions=int(getattr(model.config, "max_position_embeddings", 1 << 30)),
+                   eos_ids=tuple(eos_ids))
+
     def check(self, rollout: Rollout, version: int) -> None:
         """Raises RolloutDecodeError (with a one-line reason) if the learner at `version` cannot use it."""
         try:

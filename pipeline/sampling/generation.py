@@ -120,12 +120,22 @@ class HfEngine:
     def prepare(self, model_dir: Path):
         """The first version: the model itself; a later one: its tensors, read (memory-mapped),
         for `install` to copy into the model in place (building a model anew took 1-2 s of
-        SmolLM2's 2-3 s per version on a CPU)."""
+        SmolLM2's 2-3 s per version on a CPU). On a GPU they are moved there here, on a stream
+        of their own, so the sampler goes on generating meanwhile and `install` is a copy within
+        the GPU between two batches."""
         if self.model is None:
             return load_policy(model_dir, self.device, self.dtype)
         from pipeline.weights.policy import read_weights
 
-        return {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
+        tensors = {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
+        if self.device.type != "cuda":
+            return tensors
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            moved = {name: t.to(self.device, self.dtype if t.is_floating_point() else t.dtype, non_blocking=True)
+                     for name, t in tensors.items()}
+        stream.synchronize()
+        return moved
 
     def install(self, prepared) -> None:
         if isinstance(prepared, dict):

@@ -56,6 +56,8 @@ prompt is skipped and none is done twice except the re-issued ones, which are co
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import time
 from dataclasses import dataclass
@@ -518,6 +520,15 @@ class RunState:
         (`sampler.yield_to_learner`) pause generating meanwhile; a learner that dies busy is
         waited for no longer than `seconds`."""
         self.client.hset(self.prefix + "learner", "busy_until", json.dumps(time.time() + seconds if seconds else 0))
+
+    @contextlib.contextmanager
+    def learner_busy_while(self, at_most_s: float):
+        """`mark_learner_busy` for the block (and at most `at_most_s`), then no longer."""
+        self.mark_learner_busy(at_most_s)
+        try:
+            yield
+        finally:
+            self.mark_learner_busy(0)
 
     def learner_busy(self) -> bool:
         raw = self.client.hget(self.prefix + "learner", "busy_until")

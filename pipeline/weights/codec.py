@@ -75,20 +75,6 @@ class Delta:
         """Bytes the delta's payload takes (what travels, besides the manifest)."""
         return sum(len(b) for b in self.payload.values())
 
-    def packed(self) -> "Delta":
-        """The same delta with its payload in one buffer (each part a read-only view of it), for
-        a delta kept in memory: its parts, made by the codec's threads amid their scratch
-        arrays, would otherwise pin that memory too (`bench/delta_memory.py`: 33 fp32 deltas of
-        a 148M-parameter model, 8.0 GiB of parts, kept a process at 16.2 GiB; packed, 10.2 GiB)."""
-        names = list(self.payload)
-        buffer = memoryview(b"".join(self.payload[n] for n in names))
-        payload, start = {}, 0
-        for n in names:
-            end = start + len(self.payload[n])
-            payload[n] = buffer[start:end]
-            start = end
-        return Delta(entries=self.entries, payload=payload)
-
 
 def bits(tensor: torch.Tensor) -> np.ndarray:
     """The flat raw bit patterns of `tensor` (uint16 or uint32), sharing no memory with it."""

@@ -31,8 +31,6 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
@@ -175,16 +173,10 @@ class PolicyPublisher:
     (`pipeline.weights.recovery`), never the policy's."""
 
     def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule(),
-                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None, history: int = 0):
+                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None):
         """`work_dir`: where each version is staged before upload (default: beside the model
-        directory published; the learner passes its own, so a read-only base model is fine).
-        `history`: how many versions before the newest `weights_of` can give back."""
+        directory published; the learner passes its own, so a read-only base model is fine)."""
         self.store = store
-        self.history = history
-        self._steps: "OrderedDict[int, _Step]" = OrderedDict()
-        """Per published version: the delta from the version before it, and its tensors' sha256
-        (what `weights_of` walks back through); the newest `history` + 1."""
-        self._lock = threading.Lock()  # `publish` runs on the publisher's thread, `weights_of` on the learner's
         self.work_dir = work_dir
         self.rule = rule
         self.dtype = dtype
@@ -239,49 +231,10 @@ class PolicyPublisher:
         if kind == DELTA:
             self._since_keyframe += 1
             self._chain_bytes += nbytes
-        shas = ({name: {t: entry["sha256"] for t, entry in d.entries.items()} for name, d in delta.items()}
-                if delta is not None else
-                {name: {t: entry["sha256"] for t, entry in entries.items()} for name, entries in description["files"].items()})
-        kept = {name: d.packed() for name, d in delta.items()} if self.history and delta is not None else None
-        with self._lock:
-            if delta is None or (self._last is not None and self._last[0] not in self._steps):
-                self._steps.clear()  # a new chain: nothing before this version can be walked back to
-            self._steps[version] = _Step(self._last[0] if delta is not None else None, kept, shas)
-            while len(self._steps) > self.history + 1:
-                self._steps.popitem(last=False)
-            self._last = (version, weights, others)
+        self._last = (version, weights, others)
         self.published.append({"version": version, "kind": kind, "bytes": nbytes,
                                "full_bytes": full_bytes + sum(f["size"] for f in others)})
         return key
-
-    def weights_of(self, version: int, near: Optional[tuple[int, dict[str, dict[str, torch.Tensor]]]] = None
-                   ) -> Optional[dict[str, dict[str, torch.Tensor]]]:
-        """The tensors of a version this publisher published, by weights file, rebuilt from the
-        newest one (or from `near`, (version, tensors) of another recent version the caller holds,
-        when that is fewer deltas away) through the deltas it made on the way: no copy of each
-        version is kept, and a delta turns either version into the other (its XOR flips are their
-        own inverse). Each rebuilt tensor is checked against the sha256 the version was published
-        with. None when `version` is not among the newest `history` + 1, or a keyframe without a
-        delta broke the chain."""
-        with self._lock:
-            if self._last is None or version not in self._steps:
-                return None
-            steps = dict(self._steps)
-            origin, weights, _ = self._last
-        if near is not None and near[0] in steps and abs(near[0] - version) < abs(origin - version):
-            origin, weights = near
-        chain = sorted(steps)
-        if origin > version:  # back: undo each version's delta, newest first
-            walk = [(steps[v], steps.get(steps[v].base_version)) for v in reversed(chain) if version < v <= origin]
-        else:  # forward: apply each version's delta
-            walk = [(steps[v], steps[v]) for v in chain if origin < v <= version]
-        for step, target in walk:
-            if step.delta is None or target is None:
-                return None
-            weights = {name: apply_delta(weights[name], Delta(
-                entries={t: {**entry, "sha256": target.shas[name][t]} for t, entry in step.delta[name].entries.items()},
-                payload=step.delta[name].payload)) for name in weights}
-        return weights
 
     def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
         """The delta from the last published version, or None where only a keyframe will do: the
@@ -313,18 +266,6 @@ class PolicyPublisher:
         save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
         return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
                 "files": files, "inherit": others}
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One published version as `PolicyPublisher.weights_of` walks back through it."""
-
-    base_version: Optional[int]
-    """The version its delta starts from (None: published without one)."""
-    delta: Optional[dict[str, Delta]]
-    """By weights file: what turns the base version's tensors into this one's."""
-    shas: dict[str, dict[str, str]]
-    """By weights file and tensor: this version's sha256."""
 
 
 def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:

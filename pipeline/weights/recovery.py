@@ -70,6 +70,45 @@ def fetch_newest_state(store: CheckpointStore, work_dir: Path,
     return None
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a learner starts: the newest recovery state, or the base model as v0."""
+
+    model_dir: Path
+    step: int
+    """Optimizer steps behind these weights."""
+    state_version: int
+    """The version these weights were published as (0: the base model)."""
+    version: int
+    """The version the learner carries on as (`resume_version`)."""
+    must_publish: bool
+    offsets: dict[int, int]
+    """Where to read the rollout topic from (empty: its start)."""
+    manifest_key: Optional[str] = None
+    """The recovery state's manifest (None: the base model)."""
+
+    @property
+    def what(self) -> str:
+        return ("the base model" if self.manifest_key is None
+                else f"the weights of step {self.step} (v{self.state_version})")
+
+
+def resume_point(store: CheckpointStore, base: Callable[[], Path], work_dir: Path, pointer: Optional[int],
+                 on_skip: Optional[Callable[[int, Exception], None]] = None) -> ResumePoint:
+    """From the newest recovery state of the run whose policies are in `store` (fetched into
+    `work_dir`), else from `base()`; `pointer`: the version the policy pointer names."""
+    found = fetch_newest_state(recovery_store(store), work_dir, on_skip=on_skip)
+    published = store.list_versions() + [-1 if pointer is None else pointer]
+    if found is None:
+        version, must_publish = resume_version(0, published)
+        return ResumePoint(base(), 0, 0, version, must_publish, {})
+    model_dir, state = found
+    state_version = int(state.extra["policy_version"])
+    version, must_publish = resume_version(state_version, published)
+    return ResumePoint(model_dir, state.version, state_version, version, must_publish,
+                       {int(p): int(o) for p, o in state.extra.get("offsets", {}).items()}, state.key)
+
+
 def resume_version(state_version: int, published: list[int]) -> tuple[int, bool]:
     """The version a learner resuming with weights of `state_version` continues as, given the
     versions already `published`, and whether it must publish its weights under it.

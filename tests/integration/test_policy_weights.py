@@ -72,35 +72,6 @@ def assert_same_weights(rebuilt: Path, original: Path) -> None:
             assert np.array_equal(bits(got[name][tensor]), bits(want[name][tensor])), tensor
 
 
-def test_the_publisher_gives_back_its_recent_versions_bit_for_bit_from_its_deltas(local_stack, versions):
-    """The learner re-scores stale groups with the versions it published, kept as the deltas it
-    made (`weights_of`), not as copies: each comes back bit for bit, across a keyframe the rule
-    chose (its delta was made all the same), and only `history` versions back."""
-    from pipeline.wire.signing import SigningKey
-
-    publisher = PolicyPublisher(_store(local_stack, "policy-history", signer=SigningKey.generate()),
-                                KeyframeRule(3), history=3)
-    for version, path in enumerate(versions):
-        publisher.publish(version, path)
-        for back in range(version + 1):
-            got = publisher.weights_of(back)
-            if version - back > 3:
-                assert got is None
-                continue
-            want = read_weights(versions[back])
-            assert set(got) == set(want)
-            for name in want:
-                assert all(np.array_equal(bits(got[name][t]), bits(want[name][t])) for t in want[name]), (version, back)
-    assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]
-    # From a version the caller holds, forward as well as back.
-    for held, wanted in ((2, 4), (4, 3), (3, 5)):
-        got = publisher.weights_of(wanted, near=(held, read_weights(versions[held])))
-        want = read_weights(versions[wanted])
-        assert all(np.array_equal(bits(got[n][t]), bits(want[n][t])) for n in want for t in want[n])
-    publisher.publish(6, versions[0], keyframe=True)  # a keyframe made without a delta starts a new chain
-    assert publisher.weights_of(5) is None and publisher.weights_of(6) is not None
-
-
 def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, versions, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -54,21 +54,6 @@ def test_an_optimizer_sized_step_is_rebuilt_bit_for_bit(dtype):
         assert delta.nbytes < full
 
 
-def test_a_packed_delta_is_one_buffer_and_rebuilds_the_same_bits():
-    """What the learner keeps in memory for its stale checks (`Delta.packed`): every part a view
-    of a single buffer, the same bytes, and the same tensors rebuilt (walking back through it is
-    `PolicyPublisher.weights_of`'s, tests/integration/test_policy_weights.py)."""
-    master = model_weights(torch.float32)
-    new = adam_like_step(master, lr=1e-6)
-    delta = encode_delta(master, new)
-    packed = delta.packed()
-    assert packed.entries == delta.entries and set(packed.payload) == set(delta.payload)
-    assert len({id(part.obj) for part in packed.payload.values()}) == 1
-    assert all(bytes(packed.payload[k]) == delta.payload[k] for k in delta.payload)
-    assert packed.nbytes == delta.nbytes
-    assert_bit_equal(apply_delta(master, packed), new)
-
-
 def test_an_unchanged_tensor_costs_nothing_and_one_changed_everywhere_is_exact():
     base = model_weights(torch.bfloat16)
     new = dict(base)

@@ -1,0 +1,128 @@
+"""The publisher process (pipeline/weights/publisher.py) against the real local S3 and Redis:
+what the learner copies into a shared buffer is what samplers rebuild, bit for bit; versions
+that arrive faster than they can be published are skipped, never reordered; a broken store
+stops the run with its error."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import HeteroConfig
+from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.servers.services import Services
+from pipeline.weights.codec import bits
+from pipeline.weights.policy import fetch_policy, read_weights
+from pipeline.weights.publisher import BackgroundPublisher, PublishTarget, copy_weights_into, slot_layout
+from pipeline.wire.signing import SigningKey, write_key_file
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model in training (fp32) and its directory (the publisher's template)."""
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, ModelSize(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64))
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model, path
+
+
+def start(stack, tmp_path, model, template, run: str, *, signer_key=None, announce=True) -> BackgroundPublisher:
+    cfg = HeteroConfig.model_validate({"run": {"name": run}, "services": {
+        "kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url, "s3_endpoint": stack.s3_endpoint,
+        "s3_access_key": stack.s3_access_key, "s3_secret_key": stack.s3_secret_key, "s3_region": stack.s3_region,
+        "bucket": stack.bucket}})
+    state = model.state_dict()
+    places = slot_layout(template, {k: tuple(t.shape) for k, t in state.items()}, torch.bfloat16)
+    target = PublishTarget(cfg.model_dump_json(), stack.bucket, run, str(template), str(tmp_path), "bfloat16",
+                           keyframe_every=10, signer_key=signer_key, announce=announce, keep_last=100)
+    return BackgroundPublisher(target, places)
+
+
+def reader(stack, run, trusted=None) -> CheckpointStore:
+    services = Services(stack.kafka_bootstrap, stack.redis_url, stack.s3_endpoint, stack.s3_access_key,
+                        stack.s3_secret_key, stack.s3_region, stack.bucket)
+    return CheckpointStore(connect_s3(services), stack.bucket, run, trusted=trusted)
+
+
+def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_for_bit(local_stack, tiny, tmp_path):
+    model, template = tiny
+    key = SigningKey.generate()
+    key_file = write_key_file(key, tmp_path / "learner.key")
+    publisher = start(local_stack, tmp_path, model, template, "pub-exact", signer_key=str(key_file))
+    expected = {}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for version in range(4):
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            expected[version] = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=version - 1 if version else None)
+            for p in model.parameters():  # the next step moves the weights while the last version is published
+                p.add_(1e-2 * torch.randn(p.shape, generator=generator))
+    publisher.close()
+    assert sorted(publisher.published + publisher.skipped) == [0, 1, 2, 3] and 3 in publisher.published
+    store = reader(local_stack, "pub-exact", trusted=key.public)
+    for version in publisher.published:  # rebuilt by a sampler that pins the learner's key
+        path, _, _ = fetch_policy(store, store.manifest_key(version), tmp_path / f"got-v{version}",
+                                  expect_version=version)
+        got = {k: t for tensors in read_weights(path).values() for k, t in tensors.items()}
+        assert got and all(np.array_equal(bits(got[k]), bits(expected[version][k])) for k in got), version
+    state = RunState(connect_redis(local_stack.redis_url), "pub-exact")
+    assert state.policy()[0] == 3  # the pointer names the newest
+    seconds = publisher.take_seconds()
+    assert seconds["background_policy_s"] > 0 and "background_copy_s" in seconds
+
+
+def test_versions_faster_than_publishing_are_skipped_in_order(local_stack, tiny, tmp_path, monkeypatch):
+    """With every version handed over at once, the publisher takes each buffer back as soon as it
+    copied it out and skips a version still waiting when a newer one comes: the newest is always
+    published, in order."""
+    model, template = tiny
+    publisher = start(local_stack, tmp_path, model, template, "pub-skip")
+    started = time.monotonic()
+    with torch.no_grad():
+        for version in range(12):
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=None, keyframe=version == 11)
+            for p in model.parameters():
+                p.add_(1e-2)
+    handed_over_s = time.monotonic() - started
+    publisher.close()
+    assert sorted(publisher.published + publisher.skipped) == list(range(12))
+    assert publisher.published == sorted(publisher.published)
+    assert publisher.published[-1] == 11 and publisher.skipped  # some were overtaken
+    assert reader(local_stack, "pub-skip").list_versions() == publisher.published
+    assert handed_over_s < 10
+
+
+@pytest.mark.parametrize("fault", ["refused_credentials", "killed"])
+def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, tmp_path, fault):
+    """An S3 server that refuses the credentials, or a publisher process that dies (a crash, an
+    OOM kill): the learner's next hand-over, or its close, raises; nothing hangs."""
+    model, template = tiny
+    stack = local_stack
+    if fault == "refused_credentials":
+        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in (
+            "kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key", "s3_region", "bucket")},
+            "s3_secret_key": "not-the-secret"})()
+    publisher = start(stack, tmp_path, model, template, f"pub-{fault}")
+    if fault == "killed":
+        publisher.child.kill()
+        publisher.child.wait()
+    with pytest.raises(RuntimeError, match="checkpoint publishing failed"):
+        for version in range(4):
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=None)
+        publisher.close(timeout_s=60)

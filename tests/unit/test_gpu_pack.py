@@ -1,0 +1,75 @@
+"""What travels to a GPU machine without a package registry (bench/gpu_pack.py) is derived from
+the project's own requirements, and every module the product imports resolves there: from the
+GPU image's packages, from the pack, or from an optional extra the user installs themselves."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as metadata
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_pack  # noqa: E402
+
+PRODUCT = ("pipeline", "producers", "consumers", "infra", "heterorl")
+
+
+def imported_top_level_modules() -> dict[str, set[str]]:
+    """Every absolute import anywhere in the product's code (inside functions too) -> the files."""
+    found: dict[str, set[str]] = {}
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                for name in names:
+                    found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def optional_extras() -> set[str]:
+    """Distributions named only by the project's optional extras (besides `smollm2`, which is packed)."""
+    from packaging.requirements import Requirement
+
+    names = set()
+    for line in metadata.distribution("heterorl").requires or []:
+        req = Requirement(line)
+        if req.marker is not None and "extra" in str(req.marker) and 'extra == "smollm2"' not in str(req.marker):
+            names.add(gpu_pack.normalize(req.name))
+    return names
+
+
+def test_the_pack_is_the_runtime_closure_less_the_image():
+    closure, image, pack = gpu_pack.runtime_closure(), gpu_pack.image_packages(), gpu_pack.to_pack()
+    assert set(pack) == set(closure) - image
+    # what the first GPU run found missing, by hand, is found here by derivation
+    assert {"botocore", "cryptography", "zstandard", "tenacity", "kafka-python", "deepspeed", "gguf"} <= set(pack)
+    assert "torch" in closure and "torch" not in pack  # the image's own CUDA build is used
+    assert all(pack[name] == metadata.version(name) for name in pack)  # the versions tested here
+
+
+def test_every_module_the_product_imports_resolves_on_the_gpu_image():
+    """A static scan (imports inside functions count: the local S3 server's botocore is one),
+    each top-level module mapped to the distribution that provides it here."""
+    providers = metadata.packages_distributions()
+    available = gpu_pack.image_packages() | set(gpu_pack.to_pack())
+    optional = optional_extras()
+    unresolved = {}
+    for module, files in imported_top_level_modules().items():
+        if module in PRODUCT or module in sys.stdlib_module_names:
+            continue
+        dists = {gpu_pack.normalize(d) for d in providers.get(module, [])}
+        if not dists & (available | optional):
+            unresolved[module] = (sorted(dists), sorted(files)[:3])
+    assert unresolved == {}, f"imported but neither in the GPU image, the pack nor an optional extra: {unresolved}"
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_study.sh"])
+def test_the_gpu_scripts_pack_with_the_derived_list(script):
+    text = (ROOT / "bench" / script).read_text()
+    assert "gpu_pack.py" in text and "prepare-wheels" not in text and "../shared" not in text
