@@ -142,6 +142,14 @@ class DrainRequest:
         return True
 
 
+def ensure_run_topics(cfg: HeteroConfig, bootstrap: str, security) -> None:
+    """The rollout topic, the update log, the dead letters and, with validators, the verdicts."""
+    topic = cfg.run.topic
+    for name, partitions in [(topic, cfg.run.topic_partitions), (updates_topic(topic), 1),
+                             (dead_letter_topic(topic), 1)] + cfg.validators.enabled * [(verdicts_topic(topic), 1)]:
+        ensure_topic(bootstrap, name, partitions, retention_ms=cfg.run.topic_retention_ms, security=security)
+
+
 def open_source(bootstrap: str, topic: str, offsets: dict[int, int], security, give_up_s: float, log) -> RolloutSource:
     """A reader of `topic` from `offsets`, waiting out a broker that does not answer (a restart, a
     network partition) for up to `give_up_s` (`learner.idle_timeout_s`)."""
@@ -209,12 +217,8 @@ class Learner:
                                             self.cfg.validators.verdict_wait_s, self.bootstrap, self.log):
                     self.drain()
                     break
-                elif self.idle_s() > self.lcfg.idle_timeout_s:
-                    self.log.error("no rollout for %.0fs on topic %s at %s (learner.idle_timeout_s); giving up",
-                                   self.idle_s(), self.topic, self.bootstrap)
+                elif self.waited_out():
                     return 3
-                else:
-                    self.report_waiting()
             self.publisher.close()  # raises if a checkpoint could not be published
         finally:
             self.close()
@@ -234,11 +238,7 @@ class Learner:
             self.handles.store.signer = load_learner_key(self.keys)  # signs manifests and the policy pointer
         self.state, self.bootstrap = self.handles.state, self.handles.services.kafka_bootstrap
         self.kafka_security = self.handles.services.security
-        for topic, partitions in [(self.topic, self.cfg.run.topic_partitions), (updates_topic(self.topic), 1),
-                                  (dead_letter_topic(self.topic), 1)] + self.cfg.validators.enabled * [
-                                      (verdicts_topic(self.topic), 1)]:
-            ensure_topic(self.bootstrap, topic, partitions, retention_ms=self.cfg.run.topic_retention_ms,
-                         security=self.kafka_security)
+        ensure_run_topics(self.cfg, self.bootstrap, self.kafka_security)
         self.state.register_run(self.topic)
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
         self.link = open_rank_link(self.device, self.ranks, self.lcfg)
@@ -262,9 +262,8 @@ class Learner:
         published before, and the publisher started."""
         store = self.handles.store
         start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, self.state.policy()[0],
-                             on_skip=lambda step, e: self.log.error(
-                                 "cannot resume from the recovery state of step %d (%s); trying the one before it",
-                                 step, e))
+                             on_skip=lambda step, e: self.log.error("cannot resume from the recovery state of step "
+                                                                    "%d (%s); trying the one before it", step, e))
         self.log.info("starting from %s at offsets %s", start.what, start.offsets)
         self.step, self.version = start.step, start.version
         if self.link is not None:  # the other ranks start from the same weights and state
@@ -279,7 +278,7 @@ class Learner:
         self.published_version = None if start.must_publish else self.version
         self.publisher = start_publisher(self.cfg, store, model, start.model_dir, self.work_dir,
                                          signer_key=self.keys.learner_key if store.signer is not None else None,
-                                         keep_within=self.reach_steps())
+                                         keep_within=self.lcfg.reach_steps)
         self.state.report_learner({"step": self.step, "policy_version": self.version})  # not a dead learner's
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
@@ -304,7 +303,7 @@ class Learner:
             self.cfg, self.admission, state=self.state, store=self.handles.store, keys=self.keys,
             tokenizer=self.tokenizer, policy=(lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
             model_dir=self.start_dir, work_dir=self.work_dir, device=self.device,
-            reach=self.reach_steps() // self.lcfg.sync_every + 1, clock=self.clock, dead_letter=self.logs.dead_letter,
+            reach=self.lcfg.reach_steps // self.lcfg.sync_every + 1, clock=self.clock, dead_letter=self.logs.dead_letter,
             fresh_in_step=can_discard_gradients(self.engine), screen=self.parts.screen)
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.topic, vocab_size=self.limits.vocab_size,
@@ -316,11 +315,6 @@ class Learner:
         self.verdict_source = (open_source(self.bootstrap, verdicts_topic(self.topic), {}, self.kafka_security,
                                            self.lcfg.idle_timeout_s, self.log)  # every verdict from the start
                                if self.cfg.validators.enabled else None)
-
-    def reach_steps(self) -> int:
-        """How many versions back a group may be and still be used (and so be re-scored)."""
-        extra = (self.lcfg.reweight_max_extra_steps or 0) if self.lcfg.stale_policy == "reweight" else 0
-        return self.lcfg.max_delay_steps + extra
 
     # ---- take and train -------------------------------------------------------------
     def take(self, records: list[RawRecord], offer, topic: str) -> None:
@@ -396,8 +390,7 @@ class Learner:
 
     def take_stage_seconds(self) -> dict[str, float]:
         """The stages' seconds since the last call (this process's and the publisher's), added to the run's."""
-        stages = {**self.clock.take(), **self.publisher.take_seconds()}
-        self.stage_totals.update(stages)
+        self.stage_totals.update(stages := {**self.clock.take(), **self.publisher.take_seconds()})
         return stages
 
     # ---- publish --------------------------------------------------------------------
@@ -408,8 +401,7 @@ class Learner:
         policy = policy and self.published_version != self.version
         extra = {"offsets": self.intake.resume_offsets(), "step": self.step, "policy_version": self.version,
                  "loss_type": self.lcfg.loss_type}
-        if tail_verdicts:
-            # Verdicts since the last step (no step logs them) travel with the final recovery state.
+        if tail_verdicts:  # verdicts since the last step (no step logs them) travel with the final state
             extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
         if self.link is not None:  # gathering the weights and the optimizer state takes every rank
             self.link.send(SAVE, {"state": state, "policy": policy})
@@ -423,8 +415,7 @@ class Learner:
             self.recovery.written(self.step, time.monotonic())
 
     def publish_policy(self, extra: dict, parent_version: Optional[int], keyframe: bool = False) -> None:
-        """Copy the weights into a free buffer of the publisher (and keep them for the checks of
-        stale groups) and hand it over."""
+        """Copy the weights into a free buffer of the publisher (kept for stale checks too), hand it over."""
         with self.clock.stage("publish_wait"):
             slot = self.publisher.take_slot()
         with self.clock.stage("snapshot"):
@@ -448,15 +439,19 @@ class Learner:
                       self.intake.read_to)
 
     # ---- waiting, the end -----------------------------------------------------------
-    def idle_s(self) -> float:
-        return time.monotonic() - self.last_record_at
-
-    def report_waiting(self) -> None:
+    def waited_out(self) -> bool:
+        """Whether no rollout came for `learner.idle_timeout_s` (said), else say every 5 s what it waits for."""
+        idle_s = time.monotonic() - self.last_record_at
+        if idle_s > self.lcfg.idle_timeout_s:
+            self.log.error("no rollout for %.0fs on topic %s at %s (learner.idle_timeout_s); giving up", idle_s,
+                           self.topic, self.bootstrap)
+            return True
         if time.monotonic() - self.last_wait_log > 5:
             self.log.info("waiting for rollouts on %s at %s: %d/%d groups in batch, %d live samplers", self.topic,
                           self.bootstrap, len(self.admission.pending), self.lcfg.groups_per_step,
                           len(self.state.live_samplers()))
             self.last_wait_log = time.monotonic()
+        return False
 
     def close(self) -> None:
         if self.link is not None:
@@ -475,12 +470,11 @@ class Learner:
         self.take_stage_seconds()  # the last save's
         summary = {"final_policy_version": self.version, "start_policy_version": self.start_version,
                    "final_step": self.step, "publishing": self.publisher.upload_bytes,
-                   "versions_skipped": self.publisher.skipped,
-                   "final_checkpoint": self.handles.store.uri(self.version), "rollout_topic": self.topic,
-                   "offsets": {str(p): o for p, o in self.intake.read_to.items()}, **self.intake.summary(),
-                   "precision": self.precision,
-                   "seconds": {k: round(v, 1) for k, v in sorted(self.stage_totals.items())},
-                   "outside_optimizer_share": outside_optimizer_share(self.stage_totals)}
+                   "versions_skipped": self.publisher.skipped, "final_checkpoint": self.handles.store.uri(self.version),
+                   "rollout_topic": self.topic, "offsets": {str(p): o for p, o in self.intake.read_to.items()},
+                   **self.intake.summary(), "precision": self.precision, "outside_optimizer_share":
+                   outside_optimizer_share(self.stage_totals), "seconds": {k: round(v, 1) for k, v in
+                                                                           sorted(self.stage_totals.items())}}
         (self.run_dir / "learner_summary.json").write_text(json.dumps(summary, indent=2))
         self.log.info("done: policy v%d at %s", self.version, summary["final_checkpoint"])
 

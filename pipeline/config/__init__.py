@@ -423,6 +423,12 @@ class LearnerConfig(_Strict):
     """With stale_policy=reweight: a group τ − max steps past the limit gets weight decay**(τ − max)."""
     reweight_max_extra_steps: Optional[int] = Field(None, ge=0)
     """With stale_policy=reweight: still drop groups more than this many steps past the limit."""
+
+    @property
+    def reach_steps(self) -> int:
+        """How many versions back a group may be and still be used (and so be re-scored)."""
+        return self.max_delay_steps + ((self.reweight_max_extra_steps or 0) if self.stale_policy == "reweight" else 0)
+
     sync_every: int = Field(1, ge=1)
     """Publish a policy version (and bump the version in Redis) every this many steps."""
     keep_checkpoints: int = Field(3, ge=1)

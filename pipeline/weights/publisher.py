@@ -254,7 +254,7 @@ class BackgroundPublisher:
         env = {**os.environ, CONFIG_ENV: json.dumps({**asdict(target), "slot_fds": self.slots.fds})}
         self.child = subprocess.Popen([sys.executable, "-m", "pipeline.weights.publisher"], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self.slots.fds,
-                                      cwd=str(Path(__file__).resolve().parents[2]))
+                                      cwd=str(Path(__file__).resolve().parents[2]), preexec_fn=_die_with_parent)
         self._reader = threading.Thread(target=self._read, name="publisher-replies", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send, name="publisher-sender", daemon=True)
@@ -383,6 +383,19 @@ class BackgroundPublisher:
         self._raise_if_failed()
         if not finished:
             raise RuntimeError(f"checkpoint publishing did not finish within {timeout_s:.0f}s")
+
+
+def _die_with_parent() -> None:
+    """Linux: the publisher is killed with the learner, however the learner dies, so that a
+    killed learner's last version can never be published after a restarted one chose its
+    version numbers (a version whose manifest was not written yet does not exist)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 # ---- the child process ------------------------------------------------------------------
