@@ -249,7 +249,8 @@ class Learner:
             if self.link is not None:
                 self.link.send(SAVE, {"state": False, "policy": True})
             self.publish_policy({"offsets": start.offsets, "step": self.step, "policy_version": self.version},
-                                parent_version=None if start.manifest_key is None else start.state_version)
+                                parent_version=None if start.manifest_key is None else start.state_version,
+                                keyframe=True)  # a new chain, never skipped (v0 is what replays start from)
             self.log.info("publishing %s as policy v%d", start.what, self.version)
         self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
         self.log.info("%s; learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "

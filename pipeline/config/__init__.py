@@ -857,11 +857,19 @@ def apply_override(data: dict, assignment: str) -> None:
     node[keys[-1]] = _parse_scalar(raw)
 
 
+RENAMED = {"security.stale_logprob_check_fraction": ("security.stale_version_check_fraction", "0.2.0",
+                                                     "a share of versions now, not of groups")}
+"""Fields renamed since a release: old name -> (new name, the version that renamed it, what changed)."""
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     parts = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if e["type"] == "extra_forbidden" and field in RENAMED:
+            new, version, what = RENAMED[field]
+            msg = f"renamed {new} in {version} ({what}; CHANGELOG.md)"
         parts.append(f"{field}: {msg}")
     return f"invalid config {source}: " + "; ".join(parts)
 

@@ -12,7 +12,8 @@ order of submission:
    last; files, then the signed manifest), then the version in Redis (the signed pointer),
    then pruning of policies no reachable version needs. When versions arrive faster than
    they can be published, a version still waiting when a newer one comes is skipped
-   (counted): samplers only ever want the newest;
+   (counted): samplers only ever want the newest. A version handed over as a keyframe (the
+   first, the base model as v0; the last of a run) is never skipped;
 2. a recovery state (every `learner.state_every_s`): its directory, written by a thread of
    the learner from the copies the learner took (`pipeline.weights.learner_state.Capture`),
    uploaded by the child, then older states pruned.

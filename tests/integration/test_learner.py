@@ -69,7 +69,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     version, manifest_key = handles.state.policy()
     assert version == 3
     # Every version is published or, when a newer one came while it waited, skipped (the
-    # publisher is still starting while these tiny steps are taken); the last never is.
+    # publisher is still starting while these tiny steps are taken); the first and last never are.
     published = handles.store.list_versions()  # keep_checkpoints = 3, plus the base v0
     assert published[0] == 0 and published[-1] == 3
     assert sorted(published[1:] + summary["versions_skipped"]) == [1, 2, 3]
@@ -150,7 +150,9 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert "exceeds sampler.max_new_tokens" in header_value(dead[-1].headers, "reason")
     assert handles.state.policy()[0] == 7
     assert handles.store.read_manifest(handles.store.manifest_key(5)).parent_version == 3
-    assert handles.store.read_manifest(handles.store.manifest_key(6)).parent_version == 5
+    after = [v for v in handles.store.list_versions() if v > 5]  # v6 may have been overtaken by v7
+    assert after[-1] == 7 and all(handles.store.read_manifest(handles.store.manifest_key(v)).parent_version == v - 1
+                                  for v in after)
     # The effective log: steps 1-5 once each, the lost step 4 replaced by the redone one.
     log = read_entries_kafka(local_stack_env.kafka_bootstrap, cfg.run.topic)
     assert [(e.step, e.policy_version) for e in log] == [(1, 1), (2, 2), (3, 3), (4, 6), (5, 7)]

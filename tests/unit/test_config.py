@@ -31,6 +31,12 @@ def test_unknown_key_is_rejected_and_named(tmp_path):
         load_config(f, env={})
 
 
+def test_a_renamed_field_names_its_new_name():
+    with pytest.raises(ConfigError, match=r"security.stale_logprob_check_fraction: renamed "
+                                          r"security.stale_version_check_fraction in 0.2.0"):
+        load_config(None, ["security.stale_logprob_check_fraction=0.5"])
+
+
 def test_bounds_are_checked():
     with pytest.raises(ConfigError, match=r"learner\.max_delay_steps"):
         load_config(None, ["learner.max_delay_steps=-1"], env={})
