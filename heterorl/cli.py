@@ -22,15 +22,17 @@ from pipeline.errors import UserError
 EXAMPLES = """\
 examples:
   heterorl train --config demo                       # the whole loop on a local stack
-  heterorl up && eval "$(heterorl env)"              # start servers, point kcat/redis-cli/aws at them
-  heterorl learner --config demo --out runs/x
-  heterorl keys init && heterorl keys add my-gpu-box # signing keys (docs/security.md)
-  heterorl sampler --config demo --id my-gpu-box     # start as many as you like, anywhere
+  heterorl up && eval "$(heterorl env)"              # start servers, point redis-cli/aws/kafka-python at them
+  heterorl keys init --config demo                   # the root and learner keys (docs/security.md)
+  heterorl learner --config demo --out runs/x        # the learner alone, in run `demo` (run.name as is)
+  heterorl keys add my-gpu-box --config demo         # a sampler's key, in run demo's registry
+  heterorl sampler --config demo --id my-gpu-box     # start as many as you like, anywhere, each with its key
   heterorl status --json
-  heterorl replay --source kafka:///demo.rollouts --base s3://heterorl/demo/v0/ --out runs/gspo --loss gspo
-  heterorl export --topic demo.rollouts --out demo.parquet
-  heterorl weights fetch s3://heterorl/demo/v100/ --out final-model  # a verified HF directory
-  heterorl compare runs/demo runs/gspo
+  RUN=demo-20261123-040837                           # the name `train` printed: run.name-YYYYmmdd-HHMMSS
+  heterorl replay --config runs/$RUN/config.yaml --source kafka:///$RUN.rollouts --base s3://heterorl/$RUN/v0/ --out runs/gspo --loss gspo
+  heterorl export --topic $RUN.rollouts --out $RUN.parquet
+  heterorl weights fetch s3://heterorl/$RUN/v100/ --out final-model  # a verified HF directory
+  heterorl compare runs/$RUN runs/gspo
   heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
   heterorl loadtest --samplers 1,4,16 --out runs/loadtest   # capacity rig: loadtest.json + PNG
   heterorl attack --config demo --minutes 3 --out runs/attack # adversaries + attack_audit.json

@@ -65,7 +65,8 @@ def register_export(sub) -> None:
                                    "configured or local-stack broker and writes them to --out; docs/schema.md "
                                    "lists the columns. `heterorl replay --source FILE.parquet` trains on it.")
     add_config_args(p)
-    p.add_argument("--topic", required=True, help="rollout topic, e.g. demo.rollouts")
+    p.add_argument("--topic", required=True, help="rollout topic, <run>.rollouts, e.g. demo-20261123-040837.rollouts "
+                                                  "for a run `heterorl train` named demo-20261123-040837")
     p.add_argument("--out", required=True, metavar="FILE.parquet", help="Parquet file to write")
     p.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka to read from (default: configured or local stack)")
 

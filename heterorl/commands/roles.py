@@ -8,9 +8,16 @@ from heterorl.commands.common import add_config_args, load_run_config
 
 
 def register_sampler(sub) -> None:
-    p = sub.add_parser("sampler", help="run one sampler (generate rollouts, publish to Kafka)")
+    p = sub.add_parser("sampler", help="run one sampler (generate rollouts, publish to Kafka)",
+                       description="Generates groups with the run's current policy and publishes them, signed "
+                                   "with its key, to the rollout topic. Its key must be registered in the run: "
+                                   "`heterorl keys add ID --config C`, then `heterorl sampler --config C --id ID`. "
+                                   "To join a run that `heterorl train` started, use that run's "
+                                   "RUN_DIR/config.yaml as C. See docs/security.md.")
     add_config_args(p)
-    p.add_argument("--id", dest="sampler_id", metavar="ID", help="sampler id (default: host-pid-random)")
+    p.add_argument("--id", dest="sampler_id", metavar="ID",
+                   help="sampler id, the one its key was registered for (default: host-pid-random, which has "
+                        "no registered key: it runs only with security.require_signatures off)")
     p.add_argument("--key", metavar="FILE", help="its signing key file (default: security.sampler_key, else "
                                                  "<keys_dir>/samplers/<ID>.key; $HETERORL_SAMPLER_KEY wins)")
 
@@ -53,7 +60,8 @@ def register_learner(sub) -> None:
                                    "launcher it starts the other ranks itself; under torchrun or the deepspeed "
                                    "launcher each process is the rank they set (RANK, LOCAL_RANK, WORLD_SIZE).")
     add_config_args(p)
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory for metrics (default: train.out_dir)")
+    p.add_argument("--out", metavar="RUN_DIR",
+                   help="run directory for metrics (default: train.out_dir, else runs/<run.name>)")
 
 
 def _cmd_learner(args) -> int:
@@ -69,7 +77,8 @@ def register_evaluator(sub) -> None:
                                    "eval.every-th (and the last) on the held-out split, appends the results "
                                    "to RUN_DIR/metrics.jsonl, and exits after the last version.")
     add_config_args(p)
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records "
+                                                    "(default: train.out_dir, else runs/<run.name>)")
 
 
 def _cmd_evaluator(args) -> int:

@@ -74,8 +74,9 @@ def _cmd_status(args) -> int:
 
 def register_env(sub) -> None:
     p = sub.add_parser("env", help="print `export` lines for the running local stack",
-                       description='Use as: eval "$(heterorl env)" — then kcat, redis-cli, the aws CLI '
-                                   "and boto3 talk to the local servers.")
+                       description='Use as: eval "$(heterorl env)" — then redis-cli, the aws CLI, boto3, '
+                                   "kafka-python and confluent-kafka (librdkafka 2.2 or newer) talk to the local "
+                                   "servers. kcat built on librdkafka older than 2.2 cannot talk to the local broker.")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, metavar="DIR", help="stack directory")
 
 

@@ -48,6 +48,33 @@ def test_every_option_of_every_command_has_help_text():
     assert heterorl("train", "--help").stdout.startswith("usage: heterorl train")
 
 
+def test_every_example_in_the_help_is_a_command_line_the_cli_accepts():
+    """The examples `heterorl --help` ends with parse as they are printed, and the runs they
+    name (topics, S3 prefixes) have the name `heterorl train` gives a run: run.name-YYYYmmdd-HHMMSS."""
+    import re
+    import shlex
+
+    from heterorl.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    variables, parsed = {}, 0
+    for line in EXAMPLES.splitlines()[1:]:
+        for part in line.split(" #", 1)[0].split("&&"):
+            words = shlex.split(part)
+            if len(words) == 1 and re.fullmatch(r"[A-Z]+=\S+", words[0]):  # a variable the lines below use
+                name, value = words[0].split("=", 1)
+                variables[name] = value
+            elif words and words[0] == "heterorl":
+                words = [re.sub(r"\$([A-Z]+)", lambda m: variables[m.group(1)], w) for w in words]
+                args = parser.parse_args(words[1:])
+                parsed += 1
+                for value in (getattr(args, field, None) for field in ("source", "base", "topic", "url")):
+                    if value:
+                        run = re.search(r"(?:kafka:///|s3://[^/]+/)?([^/]+?)(?:\.rollouts|/v\d+/)", value).group(1)
+                        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*-\d{8}-\d{6}", run), line
+    assert parsed >= 15
+
+
 def test_unreachable_service_is_named_in_one_line(tmp_path):
     proc = heterorl("learner", "--config", "smoke", "--data-dir", str(tmp_path),
                     env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
