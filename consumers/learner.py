@@ -208,6 +208,7 @@ class Learner:
                 # groups waiting for verdicts: back soon to read them (a batch may be one verdict short)
                 records = self.source.poll(VERDICT_WAIT_POLL_S if self.admission.awaiting else self.lcfg.poll_timeout_s)
                 touch_heartbeat_file()
+                self.publisher.check()
                 self.intake.refresh_registry()
                 self.read_verdicts()
                 if records:
@@ -319,8 +320,7 @@ class Learner:
 
     # ---- take and train -------------------------------------------------------------
     def take(self, records: list[RawRecord], offer, topic: str) -> None:
-        """Offer each message in order, training whenever a batch is full. What the learner has
-        judged is reported after each step and each poll (samplers pace themselves on it)."""
+        """Offer each message in order, training whenever a batch is full; report what was judged."""
         with self.state.learner_busy_while(BUSY_FOR_S):  # samplers that yield to the learner pause
             for record in records:
                 offer(record, self.version, topic)
@@ -341,8 +341,7 @@ class Learner:
             if len(records) < self.verdict_source.max_records:
                 return
 
-    def report_position(self) -> None:
-        """What the learner has judged, and how much of the topic it has not (samplers pace on both)."""
+    def report_position(self) -> None:  # what the learner judged and has not read yet (samplers pace on both)
         self.state.report_learner_offsets(self.intake.read_to, self.source.unread(self.intake.read_to),
                                           self.intake.waiting)
 

@@ -42,6 +42,18 @@ def keys_init(cfg: HeteroConfig) -> list[str]:
     return lines
 
 
+def keys_new(path: Path) -> list[str]:
+    """A key pair for a sampler (or validator) of another machine, made there: the private key to
+    `path`, the public half printed for the run's operator (`keys add ID --public-key`)."""
+    if path.exists():
+        raise ConfigError(f"{path} already exists: choose another file")
+    key = SigningKey.generate()
+    write_key_file(key, path)
+    return [f"wrote {path} (mode 0600): give it to the sampler as --key {path} (or validators.validator_key)",
+            f"public key {key.public.to_b64()}",
+            f"the run's operator registers it with: heterorl keys add ID --public-key {key.public.to_b64()}"]
+
+
 def keys_add(cfg: HeteroConfig, sampler_id: str, *, public_key: Optional[str] = None, out: Optional[Path] = None,
              lifetime_days: Optional[float] = None, role: str = "sampler") -> list[str]:
     """Register a key for `sampler_id` (a validator's id with `role` validator): the given public

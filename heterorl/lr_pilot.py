@@ -25,7 +25,7 @@ from heterorl.study import kl_quantiles, run_delay_study, slope_per_100_steps
 
 @dataclass(frozen=True)
 class PilotBar:
-    """What a rate must show to be the study's rate (the issue's bar, as defaults)."""
+    """What a rate must show to be the study's rate (the study's bar, as defaults)."""
 
     kl_target: float = 1e-3
     """Median per-token KL at the largest max delay the study aims at ..."""

@@ -86,6 +86,7 @@ Limits that come with Tansu 0.6 itself (both measured; see docs/deployment.md):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import fcntl
 import hashlib
 import json
@@ -151,6 +152,9 @@ class StackState:
     # a stack started before Redis had users: that stack keeps running without auth until
     # `heterorl down` + `up`, which makes users and passwords.
     redis_passwords: dict[str, str] = field(default_factory=dict)
+    host: str = LOOPBACK
+    """The address every server binds and every URL names (`heterorl up --host`: another
+    machine's roles reach the stack there)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -211,12 +215,12 @@ def stack_services(state: StackState, role: str = "admin") -> Services:
 def redis_role_url(state: StackState, role: str) -> str:
     """The stack's Redis URL with ``role``'s user and password (the plain URL without users)."""
     password = state.redis_passwords.get(role)
-    return _redis_url(state.port("redis"), role, password) if password else state.redis_url
+    return _redis_url(state.port("redis"), role, password, state.host) if password else state.redis_url
 
 
-def _redis_url(port: int, user: str = "", password: str | None = None) -> str:
+def _redis_url(port: int, user: str = "", password: str | None = None, host: str = LOOPBACK) -> str:
     auth = f"{user}:{password}@" if password else ""
-    return f"redis://{auth}{LOOPBACK}:{port}/0"
+    return f"redis://{auth}{host}:{port}/0"
 
 
 def stack_env(state: StackState, role: str = "admin") -> dict[str, str]:
@@ -229,10 +233,10 @@ def _one_line(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _tcp_open(port: int) -> bool:
+def _tcp_open(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex((LOOPBACK, port)) == 0
+        return sock.connect_ex((host, port)) == 0
 
 
 def _log_path(data_dir: Path, name: str) -> Path:
@@ -433,10 +437,8 @@ def _pick_s3_server() -> str:
     """minio (on PATH), else localbucket (durable, a dependency of the product)."""
     if shutil.which("minio"):
         return "minio"
-    try:
-        import localbucket  # type: ignore[import-not-found]  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        raise StackError("no S3 server: pip install localbucket, or put a minio binary on PATH") from exc
+    if importlib.util.find_spec("localbucket") is None:
+        raise StackError("no S3 server: pip install localbucket, or put a minio binary on PATH")
     return "localbucket"
 
 
@@ -553,9 +555,9 @@ def _list_keys(bucket_dir: Path, prefix: str, delimiter: str, marker: str, marke
     return contents, common_prefixes, truncated, last_entry
 
 
-def _base_env() -> dict[str, str]:
+def _base_env(host: str = LOOPBACK) -> dict[str, str]:
     env = dict(os.environ)
-    no_proxy = f"{LOOPBACK},localhost"
+    no_proxy = f"{LOOPBACK},localhost,{host}" if host != LOOPBACK else f"{LOOPBACK},localhost"
     env["NO_PROXY"] = env["no_proxy"] = no_proxy
     return env
 
@@ -572,7 +574,7 @@ S3_AUTH_ENV = ("HETERORL_S3_AUTH_ACCESS_KEY", "HETERORL_S3_AUTH_SECRET_KEY", "HE
 def _spec(state: StackState, name: str) -> _Spec:
     data_dir = Path(state.data_dir)
     port = state.port(name)
-    env = _base_env()
+    env = _base_env(state.host)
     if name == "s3":
         if state.s3_server == "minio":
             env.update(
@@ -583,11 +585,11 @@ def _spec(state: StackState, name: str) -> _Spec:
             )
             console = free_port({port})
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
-                    "--address", f"{LOOPBACK}:{port}", "--console-address", f"{LOOPBACK}:{console}"]
+                    "--address", f"{state.host}:{port}", "--console-address", f"{state.host}:{console}"]
         else:
             env.update(zip(S3_AUTH_ENV, (state.s3_access_key, state.s3_secret_key, state.s3_region)))
             argv = [sys.executable, "-c", _LOCALBUCKET_MAIN, _PROJECT_ROOT,
-                    "--host", LOOPBACK, "--port", str(port), str(data_dir / "s3")]
+                    "--host", state.host, "--port", str(port), str(data_dir / "s3")]
         return _Spec(argv, env, state.s3_endpoint)
     if name == "kafka":
         for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
@@ -601,7 +603,7 @@ def _spec(state: StackState, name: str) -> _Spec:
             AWS_REGION=state.s3_region,
             AWS_ALLOW_HTTP="true",
         )
-        listener = f"tcp://{LOOPBACK}:{port}"
+        listener = f"tcp://{state.host}:{port}"
         # Clients connect to the advertised address after bootstrap: a fault proxy in front of
         # the broker (`heterorl chaos`) is advertised so that every request crosses it.
         advertised = f"tcp://{state.kafka_advertised}" if state.kafka_advertised else listener
@@ -611,7 +613,7 @@ def _spec(state: StackState, name: str) -> _Spec:
     if name == "redis":
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
         # Append-only file, fsynced every second (and on shutdown); no RDB snapshots.
-        argv = [_redis_bin(), "--port", str(port), "--bind", LOOPBACK,
+        argv = [_redis_bin(), "--port", str(port), "--bind", state.host,
                 "--dir", str(data_dir / "redis"), "--appendonly", "yes",
                 "--appendfsync", "everysec", "--save", "",
                 "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
@@ -698,7 +700,7 @@ def s3_client(state: StackState, *, fast_fail: bool = False) -> Minio:
 
 def _probe(state: StackState, name: str) -> bool:
     """One real protocol request against ``name``; True when it answers."""
-    if not _tcp_open(state.port(name)):
+    if not _tcp_open(state.port(name), state.host):
         return False
     if name == "s3":
         s3_client(state, fast_fail=True).list_buckets()
@@ -781,11 +783,11 @@ def _launch_and_wait(state: StackState, name: str, deadline: float) -> subproces
 
 def _set_port(state: StackState, name: str, port: int) -> None:
     if name == "kafka":
-        state.kafka_bootstrap = f"{LOOPBACK}:{port}"
+        state.kafka_bootstrap = f"{state.host}:{port}"
     elif name == "redis":
-        state.redis_url = _redis_url(port, "admin", state.redis_passwords.get("admin"))
+        state.redis_url = _redis_url(port, "admin", state.redis_passwords.get("admin"), state.host)
     else:
-        state.s3_endpoint = f"http://{LOOPBACK}:{port}"
+        state.s3_endpoint = f"http://{state.host}:{port}"
 
 
 # --------------------------------------------------------------------------- public API
@@ -813,6 +815,7 @@ def start_stack(
     kafka_storage: str = "s3",
     external_kafka: str | None = None,
     kafka_advertised: str = "",
+    host: str = LOOPBACK,
 ) -> StackState:
     """Start S3, Kafka-API and Redis servers for ``data_dir`` and record them.
 
@@ -823,7 +826,9 @@ def start_stack(
     broker stops). ``external_kafka`` ("host:port") uses an existing Kafka instead of
     starting a broker. ``kafka_advertised`` ("host:port") is the address the broker
     advertises to clients (a proxy in front of it; it must be listening before this call,
-    as the broker is probed through it). Raises StackError if a stack is already running in
+    as the broker is probed through it). ``host``: the address the servers bind and the URLs
+    name (default loopback; another address serves roles on other machines, whose Redis and S3
+    credentials are checked and whose Kafka, on this broker, is not). Raises StackError if a stack is already running in
     ``data_dir``, a server binary is missing, or a server does not answer within
     ``timeout_s`` (everything this call started is stopped first).
     """
@@ -853,8 +858,8 @@ def start_stack(
         fixed = {"kafka": kafka_port, "redis": redis_port, "s3": s3_port}
         for name, port in fixed.items():
             # Another server already on a fixed port could answer our readiness probe.
-            if port and _tcp_open(port):
-                raise StackError(f"port {port} for {name} is already in use on {LOOPBACK}")
+            if port and _tcp_open(port, host):
+                raise StackError(f"port {port} for {name} is already in use on {host}")
         ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
         if s3_server == "minio":
             access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
@@ -863,9 +868,9 @@ def start_stack(
         redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
         state = StackState(
             data_dir=str(data_dir),
-            kafka_bootstrap=external_kafka or f"{LOOPBACK}:{ports['kafka']}",
-            redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"]),
-            s3_endpoint=f"http://{LOOPBACK}:{ports['s3']}",
+            kafka_bootstrap=external_kafka or f"{host}:{ports['kafka']}",
+            redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"], host),
+            s3_endpoint=f"http://{host}:{ports['s3']}",
             s3_access_key=access,
             s3_secret_key=secret,
             s3_region="us-east-1",
@@ -877,6 +882,7 @@ def start_stack(
             s3_server=s3_server,
             kafka_advertised=kafka_advertised,
             redis_passwords=redis_passwords,
+            host=host,
         )
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
         started: dict[str, tuple[int, int]] = {}

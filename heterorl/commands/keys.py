@@ -13,6 +13,9 @@ def register_keys(sub) -> None:
                                    "only keys in the run's registry, which the root key signs and Redis holds. "
                                    "See docs/security.md.")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = actions.add_parser("new", help="make a key pair on this machine and print its public half (for `keys add "
+                                       "ID --public-key`): the private key never leaves the machine that signs with it")
+    q.add_argument("file", metavar="FILE", help="where to write the private key (mode 0600; never overwritten)")
     q = actions.add_parser("init", help="make the root and learner keys (in security.keys_dir) if missing")
     add_config_args(q)
     q = actions.add_parser("add", help="register a sampler (or validator) key (a new key pair, or --public-key)")
@@ -35,7 +38,9 @@ def register_keys(sub) -> None:
 def _cmd_keys(args) -> int:
     from heterorl import keys
 
-    if args.action == "init":
+    if args.action == "new":
+        lines = keys.keys_new(Path(args.file))
+    elif args.action == "init":
         lines = keys.keys_init(load_run_config(args, local_stack=False))
     elif args.action == "add":
         lines = keys.keys_add(load_run_config(args), args.sampler_id, public_key=args.public_key,

@@ -14,7 +14,7 @@ from the learner. To measure that on one machine, a sampler can pretend to be fa
 
 How the paper's setup maps onto this
 ------------------------------------
-The reference (REFERENCE.md §3) let samplers refresh weights only after a log-normal
+The GEPO paper's reference implementation let samplers refresh weights only after a log-normal
 random wait whose bounds 60 s and 1920 s hold 99.5 % of the mass. "Bounds at a
 confidence level" is turned into the log-normal's parameters by solving
 
@@ -24,7 +24,7 @@ confidence level" is turned into the log-normal's parameters by solving
 quantiles. For 60..1920 s at 99.5 %: mu ~ 5.827 (median ~ 339 s), sigma ~ 0.617.
 That is ``DelayModelConfig(refresh=DelayDistributionConfig(kind="lognormal"))``, the
 field defaults being the paper's numbers. We improve on the reference in two ways it
-got wrong (REFERENCE.md §4): every sampler draws from its *own* stream (the reference
+got wrong: every sampler draws from its *own* stream (the reference
 gave all samplers the same delay seed, so their delays were perfectly correlated), and
 the transit delay exists at all (the reference only delayed refreshes).
 

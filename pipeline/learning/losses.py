@@ -1,7 +1,7 @@
 """Policy-gradient losses for the learner: GEPO and its baselines, as pure functions.
 
 The learner, the replay tool and users' own scripts all call these functions, so they
-keep no state and do no I/O. Every formula traces to REFERENCE.md §2 (and, for the
+keep no state and do no I/O. Every formula traces to the GEPO paper, arXiv 2508.17850 (and, for the
 baselines, to the papers named beside each loss); docs/losses.md writes each one out.
 
 Layout, top to bottom:
@@ -51,7 +51,7 @@ DEFAULT_EPSILONS: dict[str, tuple[float, float]] = {
     "topr": (1.0, 0.0),
 }
 
-STD_EPS = 1e-4  # added to the group std when advantages are scaled (REFERENCE.md §2)
+STD_EPS = 1e-4  # added to the group std when advantages are scaled (docs/losses.md)
 LOG_RATIO_CAP = 20.0  # above this, exp is continued by its tangent line (see _capped_exp)
 BNPO_MAX_SCALE = 1e6  # cap on BNPO's 1/density, as in the BNPO authors' code
 SWEEP_BLOCK_ELEMENTS = 1 << 16  # token slots per block of _TokenSweep on CPU (256 KiB in float32)
@@ -134,7 +134,7 @@ def _sampler_group_stats(seq_logq: Tensor, index: Tensor, n_groups: int) -> tupl
     """(log q̂_i, log Ê_q[q] of i's group), both [B], from the sampler's sequence log-probs.
 
     q̂_j = q̄_j / sum_{k in g} q̄_k and Ê_q[q] = sum_j q̂_j q̄_j = sum_j q̄_j² / sum_j q̄_j
-    (REFERENCE.md §2), in log space: log Ê = logsumexp(2 log q̄) - logsumexp(log q̄) over
+    (the GEPO paper; docs/losses.md), in log space: log Ê = logsumexp(2 log q̄) - logsumexp(log q̄) over
     the group. Both sums share one shift by the group max, so nothing under- or
     overflows. Sums run over one prompt's group, never over the batch. Detached.
     """
@@ -263,7 +263,7 @@ class BatchStats:
 
     Every loss is a sum over sequences of terms that depend on the sequence itself and
     on these alone, so with the same BatchStats the losses of disjoint row sets add up to
-    the loss of the batch, and so do their gradients (REFERENCE.md §2; docs/losses.md).
+    the loss of the batch, and so do their gradients (docs/losses.md).
     """
 
     advantages: Tensor  # [B] A_i; for bnpo already divided by the Beta density of its group
@@ -853,7 +853,7 @@ def _metrics(b: _Batch, terms: LossTerms, loss: Tensor, policy_loss: Tensor) -> 
 @torch.no_grad()
 def weight_family_variances(b: _Batch) -> dict[str, float]:
     """The variance of each family of importance weights on the same batch, whatever the loss
-    (Theorem 1 of the GEPO paper, like for like; REFERENCE.md §2):
+    (Theorem 1 of the GEPO paper, like for like):
 
     - var_token_ratio: r_t = p_t / q_t over completion tokens (GRPO's weight);
     - var_sequence_ratio: s_i = p̄_i / q̄_i over sequences (GSPO's);

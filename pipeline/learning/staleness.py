@@ -1,7 +1,7 @@
 """Staleness policy: which prompt groups the learner may still use, and with what weight.
 
 A rollout made by policy version v and used when the learner is at version V has
-staleness tau = V - v steps (REFERENCE.md §1); its wall-clock age also counts. Within
+staleness tau = V - v steps (docs/delays.md); its wall-clock age also counts. Within
 the limits a group is used as is. Past ``max_delay_steps`` it is dropped (default) or,
 with ``stale_policy="reweight"``, kept with weight ``reweight_decay ** (tau - max_delay_steps)``;
 the learner passes that weight to compute_policy_loss as the group's sequence_weights.

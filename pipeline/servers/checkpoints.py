@@ -55,7 +55,7 @@ from minio.error import S3Error
 
 from pipeline.errors import UserError
 from pipeline.servers.retry import retry_call
-from pipeline.servers.services import ServiceUnavailable, Services
+from pipeline.servers.services import CredentialsRefused, ServiceUnavailable, Services
 from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
             client.make_bucket(services.bucket)
     except S3Error as e:
         if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
-            raise ServiceUnavailable(f"S3 at {services.s3_endpoint} refused the credentials ({e.code}): check "
+            raise CredentialsRefused(f"S3 at {services.s3_endpoint} refused the credentials ({e.code}): check "
                                      "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY") from None
         raise ServiceUnavailable(f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({e.code}: "
                                  f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None

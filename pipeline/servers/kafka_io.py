@@ -20,7 +20,7 @@ from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFaile
 
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey
-from pipeline.servers.services import ServiceSecurity, ServiceUnavailable
+from pipeline.servers.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _security_kwargs(security: Optional[ServiceSecurity]) -> dict:
 
 def _unreachable(bootstrap: str, err: Exception) -> ServiceUnavailable:
     if isinstance(err, (SaslAuthenticationFailedError, AuthorizationError)):
-        return ServiceUnavailable(f"Kafka at {bootstrap} refused the credentials ({type(err).__name__}): check "
+        return CredentialsRefused(f"Kafka at {bootstrap} refused the credentials ({type(err).__name__}): check "
                                   "services.kafka_sasl_username / kafka_sasl_password and the user's ACLs")
     return ServiceUnavailable(f"cannot reach Kafka at {bootstrap} ({type(err).__name__}): "
                               "start it (`heterorl up` for the local stack) or fix the URL")

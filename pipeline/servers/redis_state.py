@@ -66,7 +66,7 @@ from typing import Optional
 import redis
 
 from pipeline.config import strip_password
-from pipeline.servers.services import ServiceSecurity, ServiceUnavailable
+from pipeline.servers.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 from pipeline.wire.signing import SigningKey
 from pipeline.trust import sign_pointer
 
@@ -85,7 +85,7 @@ def connect_redis(url: str, timeout_s: float = 10.0, security: Optional[ServiceS
     try:
         client.ping()
     except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as e:
-        raise ServiceUnavailable(f"Redis at {strip_password(url)} refused the credentials ({e}): check the user and "
+        raise CredentialsRefused(f"Redis at {strip_password(url)} refused the credentials ({e}): check the user and "
                                  "password in the URL (REDIS_URL)") from None
     except redis.RedisError as e:
         raise ServiceUnavailable(f"cannot reach Redis at {strip_password(url)} ({e}): start it or fix the URL") from None

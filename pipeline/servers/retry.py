@@ -45,7 +45,8 @@ class _Doubling(tenacity.wait.wait_base):
 def retry_call(fn: Callable[[], T], *, retry_on: tuple[type[BaseException], ...], first_s: float, max_s: float,
                give_up_after_s: Optional[float] = None, attempts: Optional[int] = None,
                on_retry: Optional[Callable[[BaseException, float, int], None]] = None) -> T:
-    """`fn()`, retried on the exceptions `retry_on` with jittered doubling waits.
+    """`fn()`, retried on the exceptions `retry_on` with jittered doubling waits (but for one whose
+    `retryable` attribute is false: a refused password does not get better by waiting).
 
     Gives up when `attempts` calls have failed, or when the next wait would end past
     `give_up_after_s` from the first call (whichever comes first; neither: never), and
@@ -63,7 +64,8 @@ def retry_call(fn: Callable[[], T], *, retry_on: tuple[type[BaseException], ...]
             on_retry(state.outcome.exception(), state.upcoming_sleep, state.attempt_number)
 
     retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception_type(retry_on), wait=_Doubling(first_s, max_s),
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, retry_on) and getattr(e, "retryable", True)),
+        wait=_Doubling(first_s, max_s),
         stop=tenacity.stop_any(*stops) if stops else tenacity.stop_never, before_sleep=before_sleep, reraise=True)
     return retrying(fn)
 

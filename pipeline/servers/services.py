@@ -25,6 +25,16 @@ LOOPBACK = "127.0.0.1"
 class ServiceUnavailable(UserError, RuntimeError):
     """A server that does not answer; the message names it, its URL and what to do."""
 
+    retryable = True
+    """Whether waiting may help (`pipeline.servers.retry.retry_call` retries only these)."""
+
+
+class CredentialsRefused(ServiceUnavailable):
+    """A server that answers but refuses the credentials: a mistake in the configuration, said in
+    one line at once, never retried."""
+
+    retryable = False
+
 
 @dataclass(frozen=True)
 class ServiceSecurity:

@@ -212,9 +212,10 @@ def start_publisher(cfg, store, module, model_dir: Path, work_dir: Path, *, sign
     state = module.state_dict()
     places = slot_layout(model_dir, {k: tuple(t.shape) for k, t in state.items()}, dtype,
                          {k: t.dtype for k, t in state.items() if not t.is_floating_point()})
-    target = PublishTarget(cfg.model_dump_json(), store.bucket, store.run, str(model_dir), str(work_dir),
-                           str(dtype).removeprefix("torch."), lcfg.keyframe_every,
-                           signer_key=None if signer_key is None else str(signer_key), announce=announce,
+    # absolute: the publisher process does not run in this process's directory
+    target = PublishTarget(cfg.model_dump_json(), store.bucket, store.run, str(Path(model_dir).resolve()),
+                           str(Path(work_dir).resolve()), str(dtype).removeprefix("torch."), lcfg.keyframe_every,
+                           signer_key=None if signer_key is None else str(Path(signer_key).resolve()), announce=announce,
                            recovery=recovery, keep_last=lcfg.keep_checkpoints, keep_within=keep_within)
     on_gpu = next(module.parameters()).device.type == "cuda"
     return BackgroundPublisher(target, places, on_gpu=on_gpu)
@@ -314,8 +315,11 @@ class BackgroundPublisher:
                 return
 
     def _write(self, message: dict) -> None:
-        self.child.stdin.write((json.dumps(message) + "\n").encode())
-        self.child.stdin.flush()
+        try:
+            self.child.stdin.write((json.dumps(message) + "\n").encode())
+            self.child.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the child is gone: its reason comes from _read
+            self._fail("the publisher process stopped")
 
     # -- replies --
     def _read(self) -> None:
@@ -359,6 +363,11 @@ class BackgroundPublisher:
         with self._lock:
             seconds, self._seconds = self._seconds, Counter()
         return {f"background_{stage}_s": value for stage, value in sorted(seconds.items())}
+
+    def check(self) -> None:
+        """Raise now if the publisher has failed (the learner asks every turn of its loop, so a
+        broken store or a publisher that could not start stops the run at once)."""
+        self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

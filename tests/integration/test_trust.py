@@ -97,7 +97,9 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}  # its own stack
     proc = subprocess.run([sys.executable, "-m", "heterorl", "attack", "--config", "demo", "--minutes", "2",
                            "--validators", "1", "--out", str(out), "--data-dir", str(demo_data_dir),
-                           "--set", "model.warmup_target_accuracy=0.1"],  # a shorter warm-up: RL from 10 %
+                           "--set", "model.warmup_target_accuracy=0.1",  # a shorter warm-up: RL from 10 %
+                           # fp32 on every machine: the honest statistic below is float32 rounding
+                           "--set", "learner.precision=fp32", "--set", "sampler.precision=fp32"],
                           capture_output=True, text=True, timeout=1200, env=env)
     audit = json.loads((out / "attack_audit.json").read_text())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

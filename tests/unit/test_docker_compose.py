@@ -105,9 +105,46 @@ def test_workers_built_from_infra_dockerfile(services: dict) -> None:
         assert DOCKERFILE.is_file()
 
 
-def test_worker_commands(services: dict) -> None:
-    for name in WORKERS:
-        assert _command(services[name]) == ["heterorl", name, "--config", "/app/configs/demo.yaml"]
+def test_worker_commands_and_the_keys_each_role_sees(services: dict) -> None:
+    """The learner signs with learner.key and reads the registry with root.pub (never root.key);
+    each sampler replica claims a key of the pool and sees only the sampler keys and learner.pub."""
+    learner, sampler = services["learner"], services["sampler"]
+    assert _command(learner) == ["heterorl", "learner", "--config", "/app/configs/demo.yaml", "--set",
+                                 "security.keys_dir=/keys"]
+    keys = "${HETERORL_KEYS_DIR:-./keys}"
+    assert {f"{keys}/{f}:/keys/{f}:ro" for f in ("learner.key", "learner.pub", "root.pub")} <= set(learner["volumes"])
+    assert not any("root.key" in v for svc in services.values() for v in svc.get("volumes", []))
+    assert sampler["entrypoint"] == ["/heterorl-compose/sampler-entrypoint.sh"]
+    assert _command(sampler) == ["/app/configs/demo.yaml"]
+    assert {f"{keys}/samplers:/keys/samplers:ro", f"{keys}/learner.pub:/keys/learner.pub:ro",
+            "sampler-claims:/claims"} <= set(sampler["volumes"])
+    assert not any("learner.key" in v for v in sampler["volumes"])
+
+
+def test_a_sampler_replica_claims_a_key_of_its_own(tmp_path: Path) -> None:
+    """The entrypoint, run as three replicas against a pool of two keys: two run, each as the
+    sampler its key is registered for; the third says in one line that every key is taken."""
+    import subprocess
+
+    script = (COMPOSE.parent / "infra" / "compose" / "sampler-entrypoint.sh").read_text()
+    pool, claims = tmp_path / "keys", tmp_path / "claims"
+    (pool / "samplers").mkdir(parents=True)
+    for sid in ("compose-0", "compose-1"):
+        (pool / "samplers" / f"{sid}.key").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "heterorl").write_text("#!/bin/sh\necho \"$@\"\nsleep 3\n")  # stands for the sampler
+    (bin_dir / "heterorl").chmod(0o755)
+    local = tmp_path / "entrypoint.sh"
+    local.write_text(script.replace("/keys", str(pool)).replace("/claims", str(claims)))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    procs = [subprocess.Popen(["sh", str(local), "/app/configs/demo.yaml"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=30) + (p.returncode,) for p in procs]
+    ran = sorted(out.split("--id ")[1].split()[0] for out, _, code in results if code == 0)
+    assert ran == ["compose-0", "compose-1"]
+    (_, err, code), = [r for r in results if r[2] != 0]
+    assert code == 2 and "every sampler key" in err and len(err.strip().splitlines()) == 1
 
 
 def test_workers_get_service_urls_from_env(services: dict) -> None:
