@@ -26,6 +26,7 @@ Exit status 1 if the audit finds a lost or twice-used rollout.
 from __future__ import annotations
 
 import io
+import os
 import json
 import logging
 import random
@@ -231,7 +232,8 @@ class ChaosRun:
         self.start_learner()
 
     def corrupt_newest_delta(self, tries: int = 20, wait_s: float = 30.0) -> bool:
-        """Freeze the learner (SIGSTOP) while the version the policy pointer names is a delta,
+        """Freeze the learner and its publisher process (SIGSTOP to its process group) while the
+        version the policy pointer names is a delta,
         overwrite that delta's payload in S3 with other bytes (its signed manifest stays),
         restart a sampler (a fresh one must rebuild that version from its keyframe), and wait
         until a sampler reports the version refused; then let the learner go on."""
@@ -239,7 +241,7 @@ class ChaosRun:
         corrupted = None
         try:
             for _ in range(tries):
-                learner.send_signal(signal.SIGSTOP)
+                os.killpg(learner.pid, signal.SIGSTOP)  # the learner's session: its publisher too
                 version, key = self.run_state.policy()
                 manifest = self.policies.read_manifest(key) if key else None
                 if manifest is not None and (manifest.extra.get("weights") or {}).get("kind") == "delta":
@@ -249,7 +251,7 @@ class ChaosRun:
                                                     + DELTA_FILE, io.BytesIO(junk), len(junk))
                     corrupted = version
                     break
-                learner.send_signal(signal.SIGCONT)
+                os.killpg(learner.pid, signal.SIGCONT)
                 deadline = time.monotonic() + 10.0
                 while self.run_state.policy()[0] == version and time.monotonic() < deadline:
                     time.sleep(0.2)
@@ -271,7 +273,7 @@ class ChaosRun:
                                  wait_s)
             return True
         finally:
-            learner.send_signal(signal.SIGCONT)
+            os.killpg(learner.pid, signal.SIGCONT)
 
     def kill_sampler_mid_download(self, wait_s: float = 40.0) -> bool:
         """Slow the samplers' S3 link to 20 kB/s, SIGKILL the first sampler seen downloading,
