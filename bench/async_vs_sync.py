@@ -98,7 +98,8 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     the clock started, accuracies) and the seconds spent generating, training and evaluating."""
     import torch
 
-    from pipeline.learning.engine import make_engine, resolve_device
+    from pipeline.learning.engine import make_deepspeed_engine
+    from pipeline.devices import resolve_device
     from pipeline.records.metrics import StageClock
     from pipeline.models import DTYPES, load_policy, sample_groups
     from pipeline.runtime import evaluate_model, make_task_from_config, resolve_base_model, with_machine_precision
@@ -118,7 +119,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
         del model
     started = time.time()
     model, tokenizer = load_policy(base)
-    engine = make_engine(model, cfg.learner, resolve_device(cfg.model.device))
+    engine = make_deepspeed_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
     times, index, evaluating_s = [], 0, 0.0
     windows, window_start = [], time.time()  # wall-clock stretches of learning (evaluations excluded)

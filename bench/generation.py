@@ -5,7 +5,7 @@
         [--precision fp32|bf16] [--threads T] [--rounds R] [--device auto|cpu|cuda] [--json FILE]
 
 Every backend samples the same batch from the same random-init model through the
-sampler's own engines (`pipeline.sampling.generation.make_engine`): N prompts of P random tokens,
+sampler's own engines (`pipeline.sampling.generation.make_generation_engine`): N prompts of P random tokens,
 G completions each, C new tokens (a random-init model almost never ends early; tokens are
 counted as generated). `smollm2` is the real SmolLM2-135M-Instruct instead, asked the
 smollm2 config's questions through its chat template (P is then the prompts' own length,
@@ -89,13 +89,13 @@ def worker(args) -> dict:
 
     import torch
 
-    from pipeline.learning.engine import resolve_device
-    from pipeline.sampling.generation import SamplingSettings, make_engine
+    from pipeline.devices import resolve_device
+    from pipeline.sampling.generation import SamplingSettings, make_generation_engine
 
     torch.set_num_threads(args.threads)
     prompts, group, prompt_tokens, new_tokens = batch_of(args)
     device = resolve_device(args.device)
-    engine = make_engine(args.worker, SamplingSettings(1.0, 1.0, 0, new_tokens), device, precision=args.precision,
+    engine = make_generation_engine(args.worker, SamplingSettings(1.0, 1.0, 0, new_tokens), device, precision=args.precision,
                          kv_cache_gib=args.kv_cache_gib or kv_cache_for_batch(args))
     started = time.perf_counter()
     engine.install(engine.prepare(Path(args.model_dir)))

@@ -11,7 +11,7 @@ SmolLM2-135M-Instruct of `model.base: smollm2-135m-instruct`) and train on the s
 random rewards and sampler log-probs near the model's (about log 1/vocabulary).
 
 - product: `pipeline.learning.update.optimizer_step` on a DeepSpeed engine from
-  `pipeline.learning.engine.make_engine` with the same settings the learner reads from
+  `pipeline.learning.engine.make_deepspeed_engine` with the same settings the learner reads from
   `learner.*` (loss grpo, so both sides compute the same objective);
 - reference: what one would write by hand in plain PyTorch: `torch.optim.AdamW`, the same
   micro-batches (rows of equal length, as many as fit the token budget), `torch.autocast`
@@ -114,10 +114,10 @@ class ProductStep:
     """The learner's step: DeepSpeed engine + pipeline.learning.update.optimizer_step."""
 
     def __init__(self, model, args, device):
-        from pipeline.learning.engine import make_engine
+        from pipeline.learning.engine import make_deepspeed_engine
 
         self.cfg = learner_settings(args)
-        self.engine = make_engine(model, self.cfg, device)
+        self.engine = make_deepspeed_engine(model, self.cfg, device)
         self.max_len = args.completion_tokens
 
     def __call__(self, groups) -> float:
@@ -184,7 +184,7 @@ def worker(args) -> dict:
     """One side, in this process: build, warm up, time `--steps` steps; a JSON record."""
     import torch
 
-    from pipeline.learning.engine import resolve_device
+    from pipeline.devices import resolve_device
 
     device = resolve_device(args.device)
     if device.type == "cuda":

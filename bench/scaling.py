@@ -174,7 +174,7 @@ def rollout_times(data_dir: Path, topic: str) -> list[tuple[float, str]]:
     import msgpack
 
     from infra.local_stack import load_stack
-    from pipeline.servers.kafka_io import read_topic
+    from pipeline.clients.topics import read_topic
 
     stack = load_stack(data_dir)
     if stack is None:

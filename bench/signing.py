@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     from consumers.screening import GroupScreen
     from pipeline.config import load_config
-    from pipeline.learning.engine import make_engine
+    from pipeline.learning.engine import make_deepspeed_engine
     from pipeline.models import sample_groups
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.wire.rollout import decode_rollout, encode_rollout, seal_rollout
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     screen = GroupScreen(cfg.security, task, tokenizer, s.temperature, lambda: model, None)
     checks_s = per_item(lambda r: screen.check(r, staleness=0), rollouts)
 
-    engine = make_engine(model, cfg.learner, torch.device("cpu"))
+    engine = make_deepspeed_engine(model, cfg.learner, torch.device("cpu"))
     step = lambda: optimizer_step(engine, rollouts, [1.0] * len(rollouts), cfg.learner,  # noqa: E731
                                   temperature=s.temperature, max_completion_length=s.max_new_tokens)
     step()  # warm-up

@@ -12,7 +12,7 @@
    nothing: its prompts are random token ids and a completion's reward is 1 when its mean
    log-prob is above the group's median, a stand-in signal so that every group has a gradient.
 2. **Learner steps.** For each learning rate, a fresh DeepSpeed engine of the product's
-   learner (`pipeline.learning.engine.make_engine`, `pipeline.learning.update.optimizer_step`, loss gepo, bf16
+   learner (`pipeline.learning.engine.make_deepspeed_engine`, `pipeline.learning.update.optimizer_step`, loss gepo, bf16
    with fp32 master weights, no warm-up) takes `--steps` steps on those groups. After each
    step the policy is saved as the learner saves it (`save_weights`) and encoded against
    the version before with the product's codec (`pipeline.weights.codec`), in bf16 (the
@@ -22,7 +22,7 @@
 3. **Time to new weights.** A local stack (real S3) behind `infra.fault_proxy` with the
    bandwidth and latency of each `--links` entry (Mbit/s:ms). The learner publishes the base
    as a keyframe and the first lr-1e-6 step twice: as a full copy and as a delta
-   (`PolicyPublisher`). A sampler holding the base fetches each through the proxy
+   (`PolicyWriter`). A sampler holding the base fetches each through the proxy
    (`fetch_policy`: download, rebuild, every tensor's sha256 checked) and loads it into the
    `hf` engine. Printed: seconds from the start of the download to the weights in the engine.
 4. **Upload per step.** What a bf16 learner uploaded per step before issue 22 (its bf16
@@ -120,7 +120,7 @@ def rollouts(shape: str, model, tokenizer, args) -> list:
 def policy_weights(engine, tokenizer, work: Path) -> tuple[dict, dict]:
     """(bf16 weights as published, fp32 master weights) of the engine now."""
     from pipeline.weights.learner_state import _full, save_weights
-    from pipeline.weights.policy import read_weights
+    from pipeline.weights.store import read_weights
 
     target = work / "snapshot"
     save_weights(engine, tokenizer, target)
@@ -160,12 +160,13 @@ def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> 
     import torch
 
     from pipeline.config import LearnerConfig
-    from pipeline.learning.engine import make_engine, resolve_device
+    from pipeline.learning.engine import make_deepspeed_engine
+    from pipeline.devices import resolve_device
     from pipeline.learning.update import optimizer_step
 
     lcfg = LearnerConfig(loss_type="gepo", lr=lr, lr_warmup_steps=0, precision="bf16", zero_stage=1,
                          micro_batch_tokens=4096, gradient_checkpointing=args.shape == "qwen2-0.5b")
-    engine = make_engine(copy.deepcopy(model), lcfg, resolve_device("cpu"))
+    engine = make_deepspeed_engine(copy.deepcopy(model), lcfg, resolve_device("cpu"))
     bf16, fp32 = policy_weights(engine, tokenizer, work)
     steps, kept = [], None
     for _ in range(args.steps):
@@ -190,9 +191,9 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
 
     from infra.fault_proxy import FaultProxy, FaultSpec, Route
     from infra.local_stack import start_stack, stack_services, stop_stack
-    from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+    from pipeline.weights.store import CheckpointStore, connect_s3
     from pipeline.sampling.generation import HfEngine, SamplingSettings
-    from pipeline.weights.policy import KeyframeRule, PolicyPublisher, _write_weights, fetch_policy
+    from pipeline.weights.store import KeyframeRule, PolicyWriter, _write_weights, fetch_policy
 
     base_dir = work / "base"
     model.save_pretrained(base_dir, safe_serialization=True)
@@ -209,12 +210,12 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
         services = stack_services(stack)
         client = connect_s3(services)
         bf16 = torch.bfloat16
-        with_delta = PolicyPublisher(CheckpointStore(client, services.bucket, "bench-delta"), KeyframeRule(10), bf16)
-        with_delta.publish(0, base_dir)
-        with_delta.publish(1, step_dir, parent_version=0)
-        full = PolicyPublisher(CheckpointStore(client, services.bucket, "bench-full"), KeyframeRule(1), bf16)
-        full.publish(0, base_dir)
-        full.publish(1, step_dir, parent_version=0)
+        with_delta = PolicyWriter(CheckpointStore(client, services.bucket, "bench-delta"), KeyframeRule(10), bf16)
+        with_delta.write(0, base_dir)
+        with_delta.write(1, step_dir, parent_version=0)
+        full = PolicyWriter(CheckpointStore(client, services.bucket, "bench-full"), KeyframeRule(1), bf16)
+        full.write(0, base_dir)
+        full.write(1, step_dir, parent_version=0)
         assert with_delta.published[-1]["kind"] == "delta" and full.published[-1]["kind"] == "keyframe"
         # The sampler's copy of v0, as a fetch left it.
         held, _, _ = fetch_policy(CheckpointStore(client, services.bucket, "bench-delta"),

@@ -35,14 +35,15 @@ from typing import Callable, Optional
 
 import torch
 
-from consumers.screening import UNVERIFIABLE, GroupScreen, PastPolicies
+from consumers.screening import UNVERIFIABLE, GroupScreen
+from pipeline.weights.follower import PastPolicies
 from pipeline.config import HeteroConfig
 from pipeline.learning.admission import Admission, Admitted, PendingGroup, Verdicts
 from pipeline.learning.update import FreshCheck, StepRefused
 from pipeline.models import DTYPES
 from pipeline.records.metrics import StageClock
 from pipeline.runtime import make_task_from_config
-from pipeline.servers.kafka_io import RawRecord
+from pipeline.clients.topics import RawRecord
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy, trusted_sampler
 from pipeline.trust.keyring import RegistryFollower, load_root_public
 from pipeline.trust.verdicts import GroupVerdict, VerdictVerifier, group_digest

@@ -56,7 +56,8 @@ from consumers.recorder import LearnerLogs, StepRecorder
 from consumers.screening import GroupScreen
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.learning.admission import Admission, RolloutLimits, Verdicts
-from pipeline.learning.engine import Ranks, can_discard_gradients, resolve_device
+from pipeline.learning.engine import Ranks, can_discard_gradients
+from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import SAVE, START, STOP, TRAIN
 from pipeline.learning.update import StepRefused, optimizer_step
 from pipeline.models import generation_eos_ids, tokenizer_fingerprint
@@ -64,15 +65,16 @@ from pipeline.records.metrics import MetricsWriter, StageClock
 from pipeline.records.update_log import dead_letter_topic, read_entries_kafka, rewind_entry, updates_topic
 from pipeline.runtime import (connect_run, resolve_base_model, setup_logging, touch_heartbeat_file,
                               with_machine_precision)
-from pipeline.servers.kafka_io import RawRecord, RolloutSource, ensure_topic
-from pipeline.servers.retry import retry_call
-from pipeline.servers.services import ServiceUnavailable
+from pipeline.clients.topics import RawRecord, TopicReader, ensure_topic
+from pipeline.clients.retry import retry_call
+from pipeline.clients.services import ServiceUnavailable
 from pipeline.trust.keyring import key_paths, load_learner_key
 from pipeline.trust.verdicts import verdicts_topic
 from pipeline.weights.learner_state import capture
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 from pipeline.weights.recovery import RecoverySchedule, ResumePoint, resume_point
 from pipeline.wire.rollout import encode_rollout
+from pipeline.weights.pointer import current as current_pointer
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
@@ -119,7 +121,7 @@ class DrainRequest:
             self.requested_at = time.monotonic()
         self.requested = True
 
-    def due(self, intake: Intake, sources: list[tuple[Optional[RolloutSource], str]], verdict_wait_s: float,
+    def due(self, intake: Intake, sources: list[tuple[Optional[TopicReader], str]], verdict_wait_s: float,
             broker: str, log) -> bool:
         """Whether a drain was requested and every message of `sources` has been read (a broker
         too busy to say is asked again at the next poll). Groups still waiting for a verdict are
@@ -150,10 +152,10 @@ def ensure_run_topics(cfg: HeteroConfig, bootstrap: str, security) -> None:
         ensure_topic(bootstrap, name, partitions, retention_ms=cfg.run.topic_retention_ms, security=security)
 
 
-def open_source(bootstrap: str, topic: str, offsets: dict[int, int], security, give_up_s: float, log) -> RolloutSource:
+def open_source(bootstrap: str, topic: str, offsets: dict[int, int], security, give_up_s: float, log) -> TopicReader:
     """A reader of `topic` from `offsets`, waiting out a broker that does not answer (a restart, a
     network partition) for up to `give_up_s` (`learner.idle_timeout_s`)."""
-    return retry_call(lambda: RolloutSource(bootstrap, topic, start_offsets=offsets, security=security),
+    return retry_call(lambda: TopicReader(bootstrap, topic, start_offsets=offsets, security=security),
                       retry_on=(ServiceUnavailable,), first_s=1.0, max_s=15.0, give_up_after_s=give_up_s,
                       on_retry=lambda error, wait_s, _: log.warning("%s; retrying in %.1fs", error, wait_s))
 
@@ -263,7 +265,7 @@ class Learner:
         """The newest recovery state (or the base model) in the engine, under a version never
         published before, and the publisher started."""
         store = self.handles.store
-        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, self.state.policy()[0],
+        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, current_pointer(self.state)[0],
                              on_skip=lambda step, e: self.log.error("cannot resume from the recovery state of step "
                                                                     "%d (%s); trying the one before it", step, e))
         self.log.info("starting from %s at offsets %s", start.what, start.offsets)

@@ -20,13 +20,14 @@ from typing import Optional
 import torch
 
 from pipeline.config import HeteroConfig
-from pipeline.learning.engine import Ranks, init_distributed, make_engine, resolve_device
+from pipeline.learning.engine import Ranks, init_distributed, make_deepspeed_engine
+from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.learning.update import FreshCheck, StepRefused, optimizer_step
 from pipeline.models import load_policy
 from pipeline.runtime import connect_run, setup_logging, with_machine_precision
-from pipeline.servers.checkpoints import LEARNER_STATE_DIR
-from pipeline.servers.services import free_port
+from pipeline.weights.store import LEARNER_STATE_DIR
+from pipeline.clients.services import free_port
 from pipeline.weights.learner_state import capture, load_learner_state
 from pipeline.weights.publisher import copy_weights_into
 from pipeline.weights.recovery import recovery_store
@@ -37,7 +38,7 @@ def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log, 
     """(DeepSpeed engine, tokenizer) from a model directory (the base model, or the checkpoint
     a learner resumes from), with its learner state if it has one."""
     model, tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
-    engine = make_engine(model, cfg.learner, device, ranks)
+    engine = make_deepspeed_engine(model, cfg.learner, device, ranks)
     if (model_dir / LEARNER_STATE_DIR).is_dir():
         # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
         load_learner_state(engine, model_dir / LEARNER_STATE_DIR)

@@ -19,8 +19,8 @@ from kafka.errors import KafkaError
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.metrics import MetricsWriter
 from pipeline.records.update_log import UpdateEntry, append_entry, dead_letter_topic, updates_topic
-from pipeline.servers.kafka_io import RawRecord, RolloutSink
-from pipeline.servers.retry import retry_call
+from pipeline.clients.topics import RawRecord, TopicWriter
+from pipeline.clients.retry import retry_call
 
 PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
                  "duplicates_ignored")
@@ -77,8 +77,8 @@ class LearnerLogs:
     def __init__(self, bootstrap: str, topic: str, run_dir: Path, network_retry_s: float, log, security=None):
         self.bootstrap, self.topic, self.run_dir, self.network_retry_s, self.log = (
             bootstrap, topic, Path(run_dir), network_retry_s, log)
-        self.update_log = RolloutSink(bootstrap, updates_topic(topic), security=security)
-        self.dead_letters = RolloutSink(bootstrap, dead_letter_topic(topic), security=security)
+        self.update_log = TopicWriter(bootstrap, updates_topic(topic), security=security)
+        self.dead_letters = TopicWriter(bootstrap, dead_letter_topic(topic), security=security)
 
     def send_entry(self, entry: UpdateEntry) -> None:
         """The update log must hold a step before anything builds on it."""
@@ -98,7 +98,7 @@ class LearnerLogs:
         self.log.warning("dead-lettered message at %s[%d]@%d to %s: %s", self.topic, record.partition, record.offset,
                          dead_letter_topic(self.topic), reason)
 
-    def _send(self, sink: RolloutSink, value: bytes, **kwargs) -> None:
+    def _send(self, sink: TopicWriter, value: bytes, **kwargs) -> None:
         retry_call(lambda: sink.send_raw(value, **kwargs), retry_on=(KafkaError,), first_s=1.0, max_s=30.0,
                    give_up_after_s=self.network_retry_s,
                    on_retry=lambda error, wait_s, _: self.log.warning(

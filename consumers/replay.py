@@ -42,21 +42,22 @@ from tqdm import tqdm
 from consumers.recorder import StepRecorder
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.archive import ArchiveError, read_archive
-from pipeline.servers.checkpoints import (CheckpointNotFound, CheckpointStore,
+from pipeline.weights.store import (CheckpointNotFound, CheckpointStore,
                                   CorruptCheckpointError, connect_s3)
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.learning.engine import make_engine, resolve_device
+from pipeline.learning.engine import make_deepspeed_engine
+from pipeline.devices import resolve_device
 from pipeline.errors import UserError
-from pipeline.servers.kafka_io import read_topic, topic_partitions
+from pipeline.clients.topics import read_topic, topic_partitions
 from pipeline.weights.learner_state import save_weights
 from pipeline.records.metrics import MetricsWriter
 from pipeline.models import load_policy, tokenizer_fingerprint
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
-from pipeline.servers.services import ServiceUnavailable, require_services
+from pipeline.clients.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
 from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
-from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
+from pipeline.weights.store import CheckpointUrlError, fetch_published, parse_checkpoint_url
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 
 
@@ -384,7 +385,7 @@ class Replay:
         vocab_size = model.get_input_embeddings().num_embeddings
         check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
         (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
-        self.engine = make_engine(model, self.lcfg, resolve_device(self.cfg.model.device))
+        self.engine = make_deepspeed_engine(model, self.lcfg, resolve_device(self.cfg.model.device))
         self.sink = CheckpointSink(self.cfg, self.out_dir, self.checkpoints, base_dir, self.engine.module)
         self.plan = ReplayPlan(self.cfg, self.record, self.filter, vocab_size)
         self.metrics = MetricsWriter(self.out_dir)

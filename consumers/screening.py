@@ -33,20 +33,17 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 import statistics
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
 from pipeline.config import SecurityConfig
-from pipeline.models import completion_logprobs, decode_completion, load_policy, load_weights_into
-from pipeline.wire.rollout import Rollout
+from pipeline.models import completion_logprobs, decode_completion
 from pipeline.trust import logprob_gap
-from pipeline.weights.policy import fetch_policy, read_weights
+from pipeline.weights.follower import PastPolicies
+from pipeline.wire.rollout import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -55,75 +52,6 @@ UNVERIFIABLE = "unverifiable"
 
 RESCORE_ROWS = 256
 """Sequences re-scored in one forward pass at most (a version's groups go in batches of this)."""
-
-
-class PastPolicies:
-    """The versions stale groups are re-scored with, run on one model (`scratch`) on the
-    checker's device and in its precision, loaded with whichever version is asked for.
-
-    The learner hands over each version it publishes (`keep`: its own weights as samplers get
-    them, copied on its device; the newest `keep_last`), so re-scoring with one of those is a
-    copy into `scratch`, with nothing rebuilt or hashed: the learner made those bytes. Any other
-    version (made before a restart; every version, for a validator) is downloaded from S3 and
-    verified like a sampler's."""
-
-    def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", keep_last: int = 0):
-        """`model_dir`: a directory of this model (its architecture; the weights are replaced);
-        `dtype` and `device`: where re-scoring computes; `keep_last`: versions `keep` holds."""
-        self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
-        self.dtype, self.device, self.keep_last = dtype, torch.device(device), keep_last
-        self.scratch: Optional[torch.nn.Module] = None
-        self.loaded: Optional[int] = None
-        """The version `scratch` holds."""
-        self.kept: dict[int, dict[str, torch.Tensor]] = {}
-        """Version -> its tensors by name, on `device` (the newest `keep_last` handed to `keep`)."""
-
-    def keep(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Hold a copy of `tensors` (a published version, as samplers get it) on this device."""
-        if self.keep_last <= 0:
-            return
-        with torch.no_grad():
-            self.kept[version] = {name: t.detach().to(self.device, copy=True) for name, t in tensors.items()}
-        for old in sorted(self.kept)[:-self.keep_last]:
-            del self.kept[old]
-
-    def get(self, version: int) -> Optional[torch.nn.Module]:
-        """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
-        if self.loaded == version:
-            return self.scratch
-        weights = self.kept.get(version)
-        if weights is None:
-            downloaded = self._download(version)
-            if downloaded is None:
-                return None
-            weights = {name: t for tensors in downloaded.values() for name, t in tensors.items()}
-        self._load(version, weights)
-        return self.scratch
-
-    def _download(self, version: int) -> Optional[dict[str, dict[str, torch.Tensor]]]:
-        target = self.work_dir / f"check-v{version}"
-        try:
-            model_dir, _, _ = fetch_policy(self.store, self.store.manifest_key(version), target, expect_version=version)
-            return read_weights(model_dir)
-        except CheckpointNotFound:
-            return None
-        except CorruptCheckpointError as e:  # altered in S3 since the learner published it
-            log.error("cannot re-score groups of v%d: %s", version, e)
-            return None
-        finally:
-            shutil.rmtree(target, ignore_errors=True)
-
-    def _load(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        if self.scratch is None:
-            self.scratch, _ = load_policy(self.model_dir, device=self.device, dtype=self.dtype)
-            for p in self.scratch.parameters():
-                p.requires_grad_(False)
-            self.scratch.eval()
-        self.loaded = None
-        with torch.no_grad():
-            load_weights_into(self.scratch, weights)
-        self.loaded = version
 
 
 class GroupScreen:

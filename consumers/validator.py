@@ -40,10 +40,11 @@ from typing import Optional
 import redis
 import torch
 
-from consumers.screening import GroupScreen, PastPolicies
-from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
+from consumers.screening import GroupScreen
+from pipeline.weights.follower import PastPolicies
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
-from pipeline.servers.kafka_io import RawRecord, RolloutSink, RolloutSource, ensure_topic
+from pipeline.clients.topics import RawRecord, TopicWriter, TopicReader, ensure_topic
 from pipeline.trust.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
 from pipeline.models import load_policy
 from pipeline.wire.rollout import Rollout, RolloutDecodeError
@@ -51,6 +52,7 @@ from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_m
                               touch_heartbeat_file)
 from pipeline.trust import Rejected, RolloutVerifier, trusted_sampler
 from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+from pipeline.weights.pointer import current as current_pointer
 
 
 @dataclass(frozen=True)
@@ -126,10 +128,10 @@ class Validator:
         for name, partitions in ((topic, self.cfg.run.topic_partitions), (verdicts_topic(topic), 1)):
             # idempotent: a validator may start before the learner has made the run's topics
             ensure_topic(bootstrap, name, partitions, retention_ms=self.cfg.run.topic_retention_ms, security=security)
-        self.source = RolloutSource(bootstrap, topic, security=security)
+        self.source = TopicReader(bootstrap, topic, security=security)
         self.source.assign({})
         self.share = PartitionShare(tuple(self.source.all_partitions), self.validator_id)
-        self.sink = RolloutSink(bootstrap, verdicts_topic(topic), security=security)
+        self.sink = TopicWriter(bootstrap, verdicts_topic(topic), security=security)
         self.registry_follower = RegistryFollower(self.state.client, self.cfg.run.name,
                                                   load_root_public(key_paths(self.cfg)),
                                                   self.cfg.security.registry_refresh_s, self.log)
@@ -202,7 +204,7 @@ class Validator:
         """One verdict per group read (none for a message whose seal fails), sent and
         acknowledged, then each partition's progress recorded."""
         started = time.monotonic()
-        version, manifest_key = self.state.policy()
+        version, manifest_key = current_pointer(self.state)
         if version is not None and manifest_key:
             self.is_published(version, manifest_key)
         verdicts: list[GroupVerdict] = []

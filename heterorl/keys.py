@@ -14,8 +14,8 @@ from typing import Optional
 from pipeline.config import ConfigError, HeteroConfig
 from pipeline.trust.keyring import (add_key, init_keys, key_paths, load_root_key, load_root_public, read_registry,
                               write_registry)
-from pipeline.servers.redis_state import connect_redis
-from pipeline.servers.services import require_services
+from pipeline.clients.run_state import connect_redis
+from pipeline.clients.services import require_services
 from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, read_key_file, write_key_file
 from pipeline.trust import KeyEntry, KeyRegistry
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline.servers.services import Services, services_env
+from pipeline.clients.services import Services, services_env
 
 
 class RunFailed(RuntimeError):

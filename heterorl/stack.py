@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 
 from infra.local_stack import load_stack, stack_services, start_stack, stop_stack
 from pipeline.config import HeteroConfig
-from pipeline.servers.services import Services, resolve_services
+from pipeline.clients.services import Services, resolve_services
 
 log = logging.getLogger(__name__)
 

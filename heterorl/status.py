@@ -6,11 +6,12 @@ import time
 from typing import Optional
 
 from heterorl.stack import resolved_services
-from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import load_config
-from pipeline.servers.kafka_io import end_offsets
-from pipeline.servers.redis_state import RunState, connect_redis, latest_run
-from pipeline.servers.services import require_services
+from pipeline.clients.topics import end_offsets
+from pipeline.clients.run_state import RunState, connect_redis, latest_run
+from pipeline.clients.services import require_services
+from pipeline.weights.pointer import PolicyPointer
 
 
 RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are listed as gone
@@ -31,7 +32,7 @@ def collect_status(data_dir: str, run: Optional[str] = None) -> dict:
     state = RunState(redis_client, run)
     meta = state.meta()
     status["rollout_topic"] = meta.get("rollout_topic", f"{run}.rollouts")
-    status["policy_version"] = state.policy_version()
+    status["policy_version"] = PolicyPointer(state).version()
     status["checkpoints"] = CheckpointStore(connect_s3(services), services.bucket, run).list_versions()
     status["samplers"] = state.live_samplers()
     status["expired_samplers"] = state.expired_samplers(within_s=RECENTLY_GONE_S)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -38,10 +39,11 @@ from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.records.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
-from pipeline.learning.engine import cpu_kind, resolve_device
+from pipeline.devices import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
                               make_task_from_config,
                               resolve_base_model, setup_logging, with_machine_precision)
+from pipeline.weights.pointer import current as current_pointer
 
 
 def completion_bar(desc: str, total: int) -> tqdm:
@@ -209,48 +211,10 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
 
         on_gpu = resolve_device(cfg.model.device).type == "cuda"
         budgets = cpu_budgets(cfg, os.cpu_count() or 1, on_gpu=on_gpu)
-        yields = cfg.train.cpu_sharing == "yield" and not on_gpu
-        child_config = run_dir / "config.yaml"
-        child_config.write_text(dump_config(roles_config(cfg, budgets, yields)))
-        procs = Processes(run_dir, child_env(services))
-        data_dir = cfg.services.data_dir
-        try:
-            common = ["--config", str(child_config), "--data-dir", data_dir]
-            train_started = time.time()
-            procs.start("learner", ["learner", *common, "--out", str(run_dir)],
-                        env=child_env(as_role(services, data_dir, "learner")), nice=budgets["learner"][1])
-            sampler_env = child_env(as_role(services, data_dir, "sampler"))
-            for i, sampler_id in enumerate(sampler_ids):
-                procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env,
-                            nice=budgets["sampler"][1])
-            validator_env = child_env(as_role(services, data_dir, "validator"))
-            for i, validator_id in enumerate(validator_ids):
-                procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env,
-                            nice=budgets["sampler"][1])
-            if cfg.eval.every:
-                procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
-            log.info("run %s: learner + %d samplers%s started, logs in %s/logs/; cores shared by %s: %s", run_name,
-                     cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir, "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
-                     ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
-                               for role, (threads, nice) in budgets.items()))
-            watch(cfg, procs, run_dir, on_tick=wandb_run.poll if wandb_run else None)
-            train_ended = time.time()
-            procs.stop([n for n in procs.procs if n.startswith("sampler")])
-            if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
-                if not follow_evaluator(procs.procs["evaluator"], handles.state, timeout_s=300 + (
-                        EVALUATION_S * cfg.learner.max_steps // cfg.eval.every if yields else 0)):
-                    procs.stop(["evaluator"])
-        finally:
-            procs.stop()
-
-        version, manifest_key = handles.state.policy()
-        scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+        train_started, train_ended = _run_roles(cfg, run_dir, services, handles, sampler_ids, validator_ids,
+                                                budgets, on_gpu=on_gpu, on_tick=wandb_run.poll if wandb_run else None)
         final_started = time.time()
-        if version not in scored:
-            with evaluation_bar(f"v{version} eval", evaluation_completions(here, task)) as progress:
-                after = evaluate_published(here, handles.store, manifest_key, run_dir / "final_policy", task,
-                                           progress=progress)
-            metrics.write("eval", version, {"policy_version": version, **after})
+        version = _score_last_version(here, task, run_dir, handles, metrics)
         metrics.close()
         summary = _summary(cfg, run_dir, version, handles, services, wall_start,
                            local_stack_kept=keep_stack or not started_stack)
@@ -272,6 +236,61 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
           f"{summary['groups_used']} groups used / {summary['groups_dropped']} dropped, "
           f"{summary['wall_seconds']:.0f}s\nreport: {run_dir}/summary.json, {run_dir}/report.png")
     return 0
+
+
+def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids: list[str], validator_ids: list[str],
+               budgets: dict, *, on_gpu: bool, on_tick=None) -> tuple[float, float]:
+    """Start the learner, samplers, validators and evaluator as processes of their own, watch them until
+    the learner's last step, let the evaluator finish, stop them all. Returns when training started and ended."""
+    log = logging.getLogger("train")  # the logger run_train set up
+    run_name = cfg.run.name
+    yields = cfg.train.cpu_sharing == "yield" and not on_gpu
+    child_config = run_dir / "config.yaml"
+    child_config.write_text(dump_config(roles_config(cfg, budgets, yields)))
+    procs = Processes(run_dir, child_env(services))
+    data_dir = cfg.services.data_dir
+    try:
+        common = ["--config", str(child_config), "--data-dir", data_dir]
+        train_started = time.time()
+        procs.start("learner", ["learner", *common, "--out", str(run_dir)],
+                    env=child_env(as_role(services, data_dir, "learner")), nice=budgets["learner"][1])
+        sampler_env = child_env(as_role(services, data_dir, "sampler"))
+        for i, sampler_id in enumerate(sampler_ids):
+            procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id], env=sampler_env,
+                        nice=budgets["sampler"][1])
+        validator_env = child_env(as_role(services, data_dir, "validator"))
+        for i, validator_id in enumerate(validator_ids):
+            procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env,
+                        nice=budgets["sampler"][1])
+        if cfg.eval.every:
+            procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
+        log.info("run %s: learner + %d samplers%s started, logs in %s/logs/; cores shared by %s: %s", run_name,
+                 cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir,
+                 "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
+                 ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
+                           for role, (threads, nice) in budgets.items()))
+        watch(cfg, procs, run_dir, on_tick=on_tick)
+        train_ended = time.time()
+        procs.stop([n for n in procs.procs if n.startswith("sampler")])
+        if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
+            if not follow_evaluator(procs.procs["evaluator"], handles.state, timeout_s=300 + (
+                    EVALUATION_S * cfg.learner.max_steps // cfg.eval.every if yields else 0)):
+                procs.stop(["evaluator"])
+    finally:
+        procs.stop()
+    return train_started, train_ended
+
+
+def _score_last_version(here, task, run_dir: Path, handles, metrics: MetricsWriter) -> int:
+    """The version the pointer names at the end, scored on the held-out set unless the evaluator already did."""
+    version, manifest_key = current_pointer(handles.state)
+    scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+    if version not in scored:
+        with evaluation_bar(f"v{version} eval", evaluation_completions(here, task)) as progress:
+            after = evaluate_published(here, handles.store, manifest_key, run_dir / "final_policy", task,
+                                       progress=progress)
+        metrics.write("eval", version, {"policy_version": version, **after})
+    return version
 
 
 def _summary(cfg: HeteroConfig, run_dir: Path, version: int, handles, services, wall_start: float,

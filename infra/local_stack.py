@@ -112,7 +112,7 @@ from minio import Minio
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
-from pipeline.servers.services import LOOPBACK, Services, free_port, services_env
+from pipeline.clients.services import LOOPBACK, Services, free_port, services_env
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def wait_for(
 
 
 def stack_services(state: StackState, role: str = "admin") -> Services:
-    """``state`` as the ``pipeline.servers.services.Services`` a client of ``role`` connects with: its
+    """``state`` as the ``pipeline.clients.services.Services`` a client of ``role`` connects with: its
     Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``,
     ``validator``).
     A stack recorded without Redis users (started by an older version) gives its plain URL."""
@@ -627,7 +627,7 @@ def _spec(state: StackState, name: str) -> _Spec:
 
 REDIS_ROLES = ("admin", "learner", "sampler", "validator")
 REDIS_ACL_FILE = "users.acl"
-# Keys under heterorl:<run>: (pipeline/servers/redis_state.py, pipeline/trust/keyring.py) that a sampler
+# Keys under heterorl:<run>: (pipeline/clients/run_state.py, pipeline/trust/keyring.py) that a sampler
 # writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
                   "prompt_cursor", "claim_stats", "claims_sweep", "meta")
@@ -854,69 +854,84 @@ def start_stack(
         _redis_bin()
         s3_server = _pick_s3_server()
 
-        taken = {p for p in (kafka_port, redis_port, s3_port) if p}
         fixed = {"kafka": kafka_port, "redis": redis_port, "s3": s3_port}
-        for name, port in fixed.items():
-            # Another server already on a fixed port could answer our readiness probe.
-            if port and _tcp_open(port, host):
-                raise StackError(f"port {port} for {name} is already in use on {host}")
-        ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
-        if s3_server == "minio":
-            access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
-        else:
-            access, secret = "heterorl-local", secrets.token_urlsafe(24)
-        redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
-        state = StackState(
-            data_dir=str(data_dir),
-            kafka_bootstrap=external_kafka or f"{host}:{ports['kafka']}",
-            redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"], host),
-            s3_endpoint=f"http://{host}:{ports['s3']}",
-            s3_access_key=access,
-            s3_secret_key=secret,
-            s3_region="us-east-1",
-            bucket=bucket,
-            kafka_storage="external" if external_kafka else (
-                f"s3://{bucket}-kafka/" if kafka_storage == "s3" else "memory://tansu/"),
-            processes={},
-            started_at=time.time(),
-            s3_server=s3_server,
-            kafka_advertised=kafka_advertised,
-            redis_passwords=redis_passwords,
-            host=host,
-        )
+        taken = {p for p in fixed.values() if p}  # every port picked so far: picked ones differ
+        state = _plan_stack(data_dir, fixed, taken, s3_server=s3_server, bucket=bucket, kafka_storage=kafka_storage,
+                            external_kafka=external_kafka, kafka_advertised=kafka_advertised, host=host)
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        started: dict[str, tuple[int, int]] = {}
-        try:
-            for name in START_ORDER:
-                if name == "kafka" and external_kafka:
-                    continue
-                for attempt in range(3):
-                    try:
-                        proc = _launch_and_wait(state, name, deadline)
-                        break
-                    except _LaunchFailed as exc:
-                        # An auto-picked port can be grabbed by someone else before the
-                        # server binds it; pick another one.
-                        if not (exc.port_in_use and not fixed[name] and attempt < 2):
-                            raise
-                        _set_port(state, name, free_port(taken))
-                ticks = _start_ticks(proc.pid)
-                started[name] = (proc.pid, ticks)
-                state.processes[name] = proc.pid
-                state.process_start_ticks[name] = ticks
-                if name == "s3":
-                    _ensure_buckets(state)
-            _write_state(state)
-        except BaseException as exc:
-            _terminate(started, grace_s=5.0)
-            if isinstance(exc, StackError):
-                raise StackError(str(exc)) from None
-            if isinstance(exc, Exception):
-                raise StackError(f"local stack failed to start: {_one_line(repr(exc))}") from exc
-            raise
+        _launch_servers(state, fixed, taken, deadline, skip_kafka=bool(external_kafka))
     log.info("local stack up in %.1fs: kafka %s, redis %s, s3 %s (%s)", time.monotonic() - t0,
              state.kafka_bootstrap, strip_password(state.redis_url), state.s3_endpoint, state.kafka_storage)
     return state
+
+
+def _plan_stack(data_dir: Path, fixed: dict[str, int], taken: set[int], *, s3_server: str, bucket: str,
+                kafka_storage: str,
+                external_kafka: str | None, kafka_advertised: str, host: str) -> StackState:
+    """The stack to start: its ports (fixed ones checked free, 0 picked), credentials and storage."""
+    for name, port in fixed.items():
+        # Another server already on a fixed port could answer our readiness probe.
+        if port and _tcp_open(port, host):
+            raise StackError(f"port {port} for {name} is already in use on {host}")
+    ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
+    if s3_server == "minio":
+        access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
+    else:
+        access, secret = "heterorl-local", secrets.token_urlsafe(24)
+    redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
+    return StackState(
+        data_dir=str(data_dir),
+        kafka_bootstrap=external_kafka or f"{host}:{ports['kafka']}",
+        redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"], host),
+        s3_endpoint=f"http://{host}:{ports['s3']}",
+        s3_access_key=access,
+        s3_secret_key=secret,
+        s3_region="us-east-1",
+        bucket=bucket,
+        kafka_storage="external" if external_kafka else (
+            f"s3://{bucket}-kafka/" if kafka_storage == "s3" else "memory://tansu/"),
+        processes={},
+        started_at=time.time(),
+        s3_server=s3_server,
+        kafka_advertised=kafka_advertised,
+        redis_passwords=redis_passwords,
+        host=host,
+    )
+
+
+def _launch_servers(state: StackState, fixed: dict[str, int], taken: set[int], deadline: float, *,
+                    skip_kafka: bool) -> None:
+    """Start the servers in order, each answering before the next starts, and record them; on any
+    failure stop what this call started and raise StackError."""
+    started: dict[str, tuple[int, int]] = {}
+    try:
+        for name in START_ORDER:
+            if name == "kafka" and skip_kafka:
+                continue
+            for attempt in range(3):
+                try:
+                    proc = _launch_and_wait(state, name, deadline)
+                    break
+                except _LaunchFailed as exc:
+                    # An auto-picked port can be grabbed by someone else before the
+                    # server binds it; pick another one.
+                    if not (exc.port_in_use and not fixed[name] and attempt < 2):
+                        raise
+                    _set_port(state, name, free_port(taken))
+            ticks = _start_ticks(proc.pid)
+            started[name] = (proc.pid, ticks)
+            state.processes[name] = proc.pid
+            state.process_start_ticks[name] = ticks
+            if name == "s3":
+                _ensure_buckets(state)
+        _write_state(state)
+    except BaseException as exc:
+        _terminate(started, grace_s=5.0)
+        if isinstance(exc, StackError):
+            raise StackError(str(exc)) from None
+        if isinstance(exc, Exception):
+            raise StackError(f"local stack failed to start: {_one_line(repr(exc))}") from exc
+        raise
 
 
 def _stop_recorded(data_dir: Path) -> list[str]:

@@ -20,16 +20,16 @@ from typing import Optional
 
 from transformers.utils import logging as hf_logging
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, Manifest, connect_s3
-from pipeline.weights.policy import fetch_policy
+from pipeline.weights.store import CheckpointNotFound, CheckpointStore, Manifest, connect_s3
+from pipeline.weights.store import fetch_policy
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
-from pipeline.learning.engine import resolve_device, resolve_precision
+from pipeline.devices import resolve_device, resolve_precision
 from pipeline.trust.keyring import key_paths, load_learner_public
 from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
 from pipeline.models.cache import INFO_FILE, is_complete
-from pipeline.servers.redis_state import RunState, connect_redis
-from pipeline.servers.services import Services, check_reachable, require_services
+from pipeline.clients.run_state import RunState, connect_redis
+from pipeline.clients.services import Services, check_reachable, require_services
 from pipeline.wire.signing import SigningKey
 from pipeline.tasks import make_task
 
@@ -59,7 +59,7 @@ def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHa
 
 def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str]:
     """`cfg` with `precision: auto` (learner and sampler) replaced by what this machine does
-    fastest (`pipeline.learning.engine.machine_precision`), and a line saying what was chosen and why.
+    fastest (`pipeline.devices.machine_precision`), and a line saying what was chosen and why.
     Every role calls it once at its start, on its own machine, so the rest of the code sees
     `fp32` or `bf16` only."""
     learner, why_learner = resolve_precision(cfg.learner.precision, device)

@@ -37,7 +37,6 @@ import os
 import shutil
 import signal
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -46,28 +45,25 @@ from typing import Any, Callable, Optional
 
 import redis
 import torch
-import urllib3
-from minio.error import S3Error
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig, strip_password
-from pipeline.config.delays import RefreshGate, transit_stream
-from pipeline.learning.engine import resolve_device
-from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.sampling.delays import RefreshGate, transit_stream
+from pipeline.devices import resolve_device
+from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.trust.keyring import key_paths, load_sampler_key
-from pipeline.sampling.generation import ENGINE_COPY_SUFFIX, PolicyEngine, SamplingSettings, make_engine, pick_backend
+from pipeline.sampling.generation import PolicyEngine, SamplingSettings, make_generation_engine, pick_backend
+from pipeline.weights.follower import PolicyFollower
 from pipeline.models import decode_completion
 from pipeline.sampling.pacing import Pacing, StepPeriod
-from pipeline.servers.redis_state import RunView
-from pipeline.servers.retry import Backoff, retry_call
+from pipeline.clients.run_state import RunView
+from pipeline.clients.retry import Backoff, retry_call
 from pipeline.wire.rollout import Rollout
 from pipeline.runtime import (connect_run, make_task_from_config, setup_logging, touch_heartbeat_file,
                               with_machine_precision)
-from pipeline.servers.services import ServiceUnavailable
+from pipeline.clients.services import ServiceUnavailable
 from pipeline.wire.signing import KeyFileError, SignatureError, SigningKey
-from pipeline.trust import verify_pointer
-from pipeline.servers.spool import RolloutSpool
-from pipeline.weights.policy import fetch_policy
+from pipeline.weights.pointer import verify_pointer
+from pipeline.clients.spool import RolloutSpool
 
 
 def score_groups(task, tokenizer, problems, groups, *, sampler_id: str, policy_version: int, sampling: dict) -> list:
@@ -102,108 +98,6 @@ class StopRequest:
         self.requested = True
 
 
-class PolicyHolder:
-    """The weights a sampler generates with, and how it moves to a newer version.
-
-    Downloads run on a background thread (`request`), so a slow or failing link never
-    stalls generation: the loop keeps sampling with the weights it has and swaps the new
-    ones in between batches (`swap_if_ready`). `update` is the blocking form, for the
-    first load.
-    """
-
-    def __init__(self, store, work_dir: Path, log, engine: PolicyEngine):
-        self.store = store
-        self.engine = engine
-        self.work_dir = work_dir
-        self.log = log
-        self.version: Optional[int] = None
-        self.last_load_s: Optional[float] = None
-        """Seconds the newest version took from verified files to weights in use (`prepare` + `install`)."""
-        self.refused: set[str] = set()
-        self.fallbacks = 0
-        """Delta paths refused (a tampered delta, a copy that does not fit) before the keyframe path worked."""
-        self.bytes_downloaded = 0
-        self.downloading: Optional[int] = None
-        """Version being downloaded, if any."""
-        self._ready: Optional[tuple] = None
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-
-    def request(self, version: Optional[int], manifest_key: Optional[str], forced: bool = False) -> None:
-        """Start downloading `version` in the background if it is newer than ours and nothing is in flight."""
-        if version is None or manifest_key is None or (self.version is not None and version <= self.version):
-            return
-        if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
-            return
-        self.downloading = version
-        have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
-        self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
-                                        name=f"download-v{version}", daemon=True)
-        self._thread.start()
-
-    def _download(self, version: int, manifest_key: str, forced: bool, have: Optional[tuple[int, Path]]) -> None:
-        try:
-            started = time.perf_counter()
-            # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
-            path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
-                                           expect_version=version, work_dir=self.work_dir)
-            self.bytes_downloaded += report.bytes_downloaded
-            for reason in report.refused:
-                self.fallbacks += 1
-                self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
-            self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
-                          "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
-                          time.perf_counter() - started)
-            started = time.perf_counter()
-            prepared = self.engine.prepare(path)
-            with self._lock:
-                self._ready = (version, prepared, time.perf_counter() - started, forced)
-        except CorruptCheckpointError as e:
-            self.refused.add(manifest_key)
-            self.log.error("%s; keeping policy v%s", e, self.version)
-        except CheckpointNotFound as e:  # pruned between the Redis read and the fetch
-            self.log.warning("%s; will pick up a newer version", e)
-        except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
-            self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
-                             version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
-        except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never retry them
-            self.refused.add(manifest_key)
-            self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
-                           str(e).splitlines()[0][:160] if str(e) else "", self.version)
-        finally:
-            self.downloading = None
-
-    def swap_if_ready(self) -> Optional[bool]:
-        """Load a finished download; returns its `forced` flag, or None if nothing was ready."""
-        with self._lock:
-            ready, self._ready = self._ready, None
-        if ready is None:
-            return None
-        version, prepared, prepare_s, forced = ready
-        old = self.version
-        started = time.perf_counter()
-        self.engine.install(prepared)
-        install_s = time.perf_counter() - started
-        self.version, self.last_load_s = version, prepare_s + install_s
-        if old is not None:
-            shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
-            shutil.rmtree(self.work_dir / f"v{old}{ENGINE_COPY_SUFFIX}", ignore_errors=True)
-        self.log.info("policy v%d loaded into the %s engine in %.3fs (%.3fs preparing, %.3fs swapping in; was v%s)",
-                      version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
-        return forced
-
-    @property
-    def loaded(self) -> bool:
-        return self.version is not None
-
-    def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
-        """Blocking: load `version` if it is newer than ours; False (keep current weights) on failure."""
-        self.request(version, manifest_key)
-        if self._thread is not None:
-            self._thread.join()
-        return self.swap_if_ready() is not None
-
-
 class Outbox:
     """Finished groups on their way to the broker: simulated transit, then the on-disk spool.
 
@@ -215,7 +109,7 @@ class Outbox:
 
     def __init__(self, spool, make_sink, transit, retry_max_s: float, log, broker: str):
         self.spool = spool
-        self.make_sink = make_sink  # () -> RolloutSink; raises ServiceUnavailable while unreachable
+        self.make_sink = make_sink  # () -> TopicWriter; raises ServiceUnavailable while unreachable
         self.sink = None
         self.transit = transit  # DelayStream: seconds each group travels (0 when the delay model is off)
         self.held: list[tuple[float, Rollout]] = []
@@ -436,7 +330,7 @@ class Sampler:
                              max_groups=self.scfg.spool_max_groups)
         if spool.pending():
             self.log.info("recovered %d spooled groups from %s", spool.pending(), self.spool_dir)
-        self.outbox = Outbox(spool, lambda: RolloutSink(bootstrap, self.cfg.run.topic,
+        self.outbox = Outbox(spool, lambda: TopicWriter(bootstrap, self.cfg.run.topic,
                                                         send_timeout_s=self.scfg.send_timeout_s,
                                                         connect_timeout_s=self.scfg.send_timeout_s,
                                                         signer=self.signer, stamp=self.stamp,
@@ -445,7 +339,7 @@ class Sampler:
                              self.log, bootstrap)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = PolicyHolder(self.handles.store, self.work_dir, self.log, engine)
+        self.policy = PolicyFollower(self.handles.store, self.work_dir, self.log, engine)
         self.stop = self.parts.stop or StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
@@ -459,7 +353,7 @@ class Sampler:
         self.cfg, self.precision = with_machine_precision(self.cfg, device)
         self.scfg = self.cfg.sampler
         sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
-        return make_engine(pick_backend(self.scfg.backend, device, sampling), sampling, device,
+        return make_generation_engine(pick_backend(self.scfg.backend, device, sampling), sampling, device,
                            precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
                            max_model_len=self.scfg.vllm_max_model_len,
                            gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)

@@ -24,7 +24,7 @@ def register_attack(sub) -> None:
 
 def _cmd_attack(args) -> int:
     cfg = load_run_config(args, local_stack=False)
-    from heterorl.attack import run_attack
+    from lab.attack import run_attack
 
     return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators)
 
@@ -42,7 +42,7 @@ def register_adversary(sub) -> None:
 
 def _cmd_adversary(args) -> int:
     cfg = load_run_config(args, role="sampler")
-    from heterorl.adversaries import run_adversary
+    from lab.adversaries import run_adversary
 
     return run_adversary(args.kind, cfg, args.sampler_id)
 
@@ -71,7 +71,7 @@ def register_chaos(sub) -> None:
 
 def _cmd_chaos(args) -> int:
     cfg = load_run_config(args, local_stack=False)
-    from heterorl.chaos import run_chaos
+    from lab.chaos import run_chaos
 
     return run_chaos(cfg, Path(args.out), args.minutes, args.samplers, args.partition_s,
                      keep_stack=args.keep_stack, validators=args.validators)

@@ -44,7 +44,7 @@ def register_loadtest(sub) -> None:
 def _cmd_loadtest(args) -> int:
     args.config = args.config or "loadtest"
     cfg = load_run_config(args, local_stack=False)
-    from heterorl.loadtest.rig import run_loadtest
+    from lab.loadtest.rig import run_loadtest
 
     return run_loadtest(cfg, Path(args.out), args.samplers, compare=not args.no_compare, keep_stack=args.keep_stack,
                         validators=args.validators)

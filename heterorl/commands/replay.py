@@ -45,7 +45,7 @@ def _cmd_replay(args) -> int:
         args.overrides.append(f"learner.loss_type={args.loss}")
     cfg = load_run_config(args)
     from consumers.replay import ReplayFilter, parse_time, run_replay
-    from pipeline.servers.services import require_services
+    from pipeline.clients.services import require_services
 
     source = args.source
     if source.startswith("kafka:///"):
@@ -73,7 +73,7 @@ def register_export(sub) -> None:
 
 def _cmd_export(args) -> int:
     from pipeline.records.archive import export_topic
-    from pipeline.servers.services import require_services
+    from pipeline.clients.services import require_services
 
     bootstrap = args.bootstrap or require_services(load_run_config(args).services).kafka_bootstrap
     summary = export_topic(bootstrap, args.topic, Path(args.out))

@@ -83,7 +83,7 @@ def register_evaluator(sub) -> None:
 
 def _cmd_evaluator(args) -> int:
     cfg = load_run_config(args)
-    from consumers.evaluator import run_evaluator
+    from producers.evaluator import run_evaluator
 
     return run_evaluator(cfg, Path(args.out) if args.out else None)
 

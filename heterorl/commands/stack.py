@@ -92,7 +92,7 @@ def register_env(sub) -> None:
 
 def _cmd_env(args) -> int:
     from infra.local_stack import load_stack, stack_env
-    from pipeline.servers.services import ServiceUnavailable
+    from pipeline.clients.services import ServiceUnavailable
 
     state = load_stack(args.data_dir)
     if state is None:

@@ -67,7 +67,7 @@ def register_study(sub) -> None:
 
 
 def _cmd_study(args) -> int:
-    from heterorl.study import QUICK, quick_max_delays, run_delay_study
+    from lab.study import QUICK, quick_max_delays, run_delay_study
 
     config = config_path(args.config)
     if args.study == "pilot":
@@ -85,7 +85,7 @@ def _cmd_study(args) -> int:
 
 
 def _cmd_pilot(args, config: Path) -> int:
-    from heterorl.lr_pilot import run_lr_pilot
+    from lab.lr_pilot import run_lr_pilot
 
     try:
         lrs = _comma_list(args.lrs, float)

@@ -22,10 +22,10 @@ def register_weights(sub) -> None:
 
 def _cmd_weights(args) -> int:
     cfg = load_run_config(args)
-    from pipeline.servers.checkpoints import connect_s3
+    from pipeline.weights.store import connect_s3
     from pipeline.trust.keyring import key_paths, load_learner_public
-    from pipeline.servers.services import require_services
-    from pipeline.weights.policy import fetch_published
+    from pipeline.clients.services import require_services
+    from pipeline.weights.store import fetch_published
 
     trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
     client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)

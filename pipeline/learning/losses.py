@@ -470,19 +470,36 @@ def _prepare(
     # Everything validation needs, in one transfer: block maxima, L_i, A_i, sum of k3.
     batch, n_max = len(lengths), maxima.numel()
     values = torch.cat([maxima.reshape(-1), lengths, adv, *optional.values(), kl_rows.detach().sum().reshape(1)])
-    values = values.tolist()
+    length_list, kl_total = _check_swept_values(values.tolist(), n_max, batch, lengths, learner_logps, lq_in,
+                                                list(optional))
+    num_tokens = math.fsum(length_list)
+
+    if whole:
+        stats = _stats(loss_type, sum_lq, lengths, adv, index, sizes, seq_prob, max_completion_length,
+                       optional.get("rewards"))
+    return _Batch(
+        learner_logps=learner_logps, sampler_logps=lq_in, mask_in=mask.detach(), dtype=dtype,
+        lengths=lengths, num_tokens=num_tokens, stats=stats, group_index=index, group_sizes=sizes,
+        sum_lp=sum_lp, sum_lq=sum_lq, seq_lp=sum_lp / lengths if seq_prob == "geo_mean" else sum_lp,
+        kl_rows=kl_rows, kl_metric=kl_total / num_tokens, seq_prob=seq_prob,
+        sequence_weights=optional.get("sequence_weights"),
+    )
+
+
+def _check_swept_values(values: list[float], n_max: int, batch: int, lengths: Tensor, learner_logps: Tensor,
+                        sampler_logps: Tensor, optional: list[str]) -> tuple[list[float], float]:
+    """Validate the one transfer _prepare made (block maxima, L_i, A_i, the optional per-sequence inputs,
+    sum of k3): a ValueError naming the argument that is wrong. Returns the L_i and the k3 total."""
     lp_max, lq_max = max(values[0:n_max:2]), max(values[1:n_max:2])  # max() would skip a NaN: checked below
     columns = [values[n_max + k * batch : n_max + (k + 1) * batch] for k in range(2 + len(optional))]
     length_list, adv_list, kl_total = columns[0], columns[1], values[-1]
-    num_tokens = math.fsum(length_list)
-
     if any(x % 1 for x in length_list):  # a 0/1 mask has whole row sums; values are not checked one by one (cost)
         raise ValueError("mask must contain only 0 and 1 (a row sums to a fraction)")
     if min(length_list) < 1:
         rows = torch.nonzero(lengths < 1).flatten().tolist()
         raise ValueError(f"mask: sequences {rows[:10]} have no completion tokens (every sequence needs L_i >= 1)")
     if not all(map(math.isfinite, values[:n_max] + [kl_total])):  # NaN/inf anywhere reaches these
-        for name, values_in in (("learner_logps", learner_logps.detach()), ("sampler_logps", lq_in)):
+        for name, values_in in (("learner_logps", learner_logps.detach()), ("sampler_logps", sampler_logps)):
             if not bool(torch.isfinite(values_in).all()):
                 what = "NaN" if bool(torch.isnan(values_in).any()) else "inf"
                 raise ValueError(f"{name} contains {what}; every entry, padding included, must be finite")
@@ -497,17 +514,7 @@ def _prepare(
             raise ValueError(f"{name} contains NaN or inf")
         if name == "sequence_weights" and min(listed) < 0:
             raise ValueError("sequence_weights must be >= 0")
-
-    if whole:
-        stats = _stats(loss_type, sum_lq, lengths, adv, index, sizes, seq_prob, max_completion_length,
-                       optional.get("rewards"))
-    return _Batch(
-        learner_logps=learner_logps, sampler_logps=lq_in, mask_in=mask.detach(), dtype=dtype,
-        lengths=lengths, num_tokens=num_tokens, stats=stats, group_index=index, group_sizes=sizes,
-        sum_lp=sum_lp, sum_lq=sum_lq, seq_lp=sum_lp / lengths if seq_prob == "geo_mean" else sum_lp,
-        kl_rows=kl_rows, kl_metric=kl_total / num_tokens, seq_prob=seq_prob,
-        sequence_weights=optional.get("sequence_weights"),
-    )
+    return length_list, kl_total
 
 
 def _per_sequence_input(name: str, value: Tensor, batch: int, dtype: torch.dtype) -> Tensor:

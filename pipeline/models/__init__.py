@@ -4,7 +4,7 @@
   file converted once, a Hub id downloaded once, your own directory); `cache`: the model
   cache those conversions (and the tiny model) live in;
 - `policy`: loading a directory (safetensors only), its EOS and pad ids, completion text;
-- `sampling`: the `hf` backend's decoding loop, recording the learner's log-prob rule;
+- `decoding`: the `hf` backend's decoding loop, recording the learner's log-prob rule;
 - `logprobs`: the learner's chunked per-token log-probs, with gradient;
 - `evaluation`: held-out accuracy, sampled and greedy;
 - `tiny`: the built-in tiny model, its tokenizer and its supervised warm-up (`builtin:tiny`).
@@ -16,7 +16,7 @@ from pipeline.models.evaluation import evaluate_policy
 from pipeline.models.logprobs import completion_logprobs, logits_chunk_tokens
 from pipeline.models.policy import (DTYPES, decode_completion, eos_ids, generation_eos_ids, load_policy, load_tokenizer,
                                     load_weights_into, pad_id, tokenizer_fingerprint)
-from pipeline.models.sampling import SampledGroup, greedy_completions, sample_groups
+from pipeline.models.decoding import SampledGroup, greedy_completions, sample_groups
 from pipeline.models.sources import BUILTIN_MODELS, TINY, ModelSourceError, resolve_model
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from pipeline.models.policy import decode_completion, eos_ids
-from pipeline.models.sampling import greedy_completions, sample_groups
+from pipeline.models.decoding import greedy_completions, sample_groups
 from pipeline.tasks import Problem, Task
 
 __all__ = ["evaluate_policy"]

@@ -1,5 +1,5 @@
 """The learner's per-token log-probs of completions, with gradient (the sampler's rule,
-`pipeline.models.sampling`), computed without a batch × length × vocabulary tensor."""
+`pipeline.models.decoding`), computed without a batch × length × vocabulary tensor."""
 
 from __future__ import annotations
 

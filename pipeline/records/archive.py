@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import UserError
-from pipeline.servers.kafka_io import RawRecord, read_topic, topic_partitions
+from pipeline.clients.topics import RawRecord, read_topic, topic_partitions
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout, header_value
 from pipeline.records.update_log import UpdateEntry, read_entries_kafka, updates_topic
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from pipeline.servers.kafka_io import read_topic, topic_partitions
+from pipeline.clients.topics import read_topic, topic_partitions
 from pipeline.wire.rollout import header_value
 from pipeline.records.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
 

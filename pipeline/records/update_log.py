@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from pipeline.servers.kafka_io import read_topic, topic_partitions
+from pipeline.clients.topics import read_topic, topic_partitions
 
 UPDATE_LOG_SCHEMA = 1
 UPDATE_LOG_FILE = "updates.jsonl"

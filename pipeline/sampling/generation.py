@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from pipeline.servers.checkpoints import link_or_copy
+from pipeline.weights.follower import ENGINE_COPY_SUFFIX
+from pipeline.weights.store import link_or_copy
 from pipeline.config import ConfigError, vllm_logprobs_mode
 from pipeline.models import (DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, load_weights_into,
                              sample_groups)
@@ -125,7 +126,7 @@ class HfEngine:
         the GPU between two batches."""
         if self.model is None:
             return load_policy(model_dir, self.device, self.dtype)
-        from pipeline.weights.policy import read_weights
+        from pipeline.weights.store import read_weights
 
         tensors = {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
         if self.device.type != "cuda":
@@ -154,8 +155,6 @@ class HfEngine:
         self.model = None
 
 
-ENGINE_COPY_SUFFIX = ".engine"
-"""Suffix of the directory an engine that rewrites files loads from, beside the verified one."""
 
 
 def engine_copy(model_dir: Path) -> Path:
@@ -322,7 +321,7 @@ class VllmEngine:
         torch.set_num_threads = self._set_num_threads
 
 
-def make_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",
+def make_generation_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",
                 kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None,
                 gpu_memory_utilization: float = 0.3) -> PolicyEngine:
     """The engine of a resolved backend (`hf` or `vllm`)."""

@@ -15,7 +15,7 @@ make now could not be used or has nowhere to go:
 The backlog is the fleet's: groups being generated (claimed prompts), spooled here, and in
 the topic but not yet judged by the learner.
 
-The sampler reads what this needs from Redis once (`pipeline.servers.redis_state.RunView`), and
+The sampler reads what this needs from Redis once (`pipeline.clients.run_state.RunView`), and
 each check here is a plain function of those numbers, so it is tested without servers.
 """
 

@@ -17,7 +17,6 @@ holder's doing and strikes its key.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import Counter
@@ -259,26 +258,3 @@ class StrikePolicy:
         return None
 
 
-# ---- the policy pointer in Redis -------------------------------------------------------------
-def pointer_document(run: str, version: int, manifest_key: str, updated_at: str) -> dict:
-    """What the learner signs when it makes `version` current (Redis holds the fields as text)."""
-    return {"format": "heterorl-policy-pointer/1", "run": run, "version": int(version), "manifest_key": manifest_key,
-            "updated_at": str(updated_at)}
-
-
-def sign_pointer(run: str, version: int, manifest_key: str, updated_at: str, key: SigningKey) -> str:
-    """The pointer's `signature` field: JSON of {key_id, value}."""
-    return json.dumps(sign_document(pointer_document(run, version, manifest_key, updated_at), key)["signature"])
-
-
-def verify_pointer(run: str, version: int, manifest_key: str, updated_at: Optional[str], signature: Optional[str],
-                   trusted: PublicKey) -> None:
-    """SignatureError unless the learner's key signed exactly this pointer."""
-    if not signature:
-        raise SignatureError(f"the policy pointer to v{version} is not signed")
-    try:
-        sig = json.loads(signature)
-    except ValueError:
-        raise SignatureError(f"the policy pointer to v{version} has a malformed signature") from None
-    verify_document({**pointer_document(run, version, manifest_key, updated_at or ""), "signature": sig}, trusted,
-                    f"the policy pointer to v{version}")

@@ -1,10 +1,16 @@
-"""The weight path: how policy versions travel from the learner to samplers, and what the
-learner keeps to resume (docs/weights.md).
+"""The weight path: how a policy version travels from the learner to samplers, and what the
+learner keeps to resume (docs/weights.md). One version, learner to sampler, in this folder:
 
-- publish: `policy.PolicyPublisher` (a keyframe or a delta), through `publisher.BackgroundPublisher`
-  on the learner's side, with the recovery state (`recovery`, `learner_state`);
-- latest: the policy pointer in Redis for samplers; `recovery.latest_state` for the learner;
-- fetch: `policy.fetch_policy` (the cheaper path, every tensor verified, fallback to the keyframe).
+- `publisher`: the learner hands each version to its publisher process (`BackgroundPublisher`),
+  which writes it into `store` (`PolicyWriter`: a keyframe or a delta, in the byte format of
+  `codec`; `CheckpointStore`: files, then the signed manifest, in S3) and then sets `pointer`
+  (`PolicyPointer`: the signed pointer in Redis: write, read, verify);
+- `follower`: a sampler downloads the version the verified pointer names through
+  `store.fetch_policy` (every tensor checked) and swaps it in (`PolicyFollower`); the learner's
+  checks re-score stale groups with past versions (`PastPolicies`); the evaluator reads the
+  pointer and fetches the same way;
+- `recovery` and `learner_state`: the learner's own state, to resume.
 
-`codec` turns one version into a delta against an earlier one and back, bit for bit (pure).
+"Publish" means one thing here: the publisher's whole act, from the learner's copy to the
+pointer.
 """

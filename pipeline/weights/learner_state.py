@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.servers.checkpoints import LEARNER_STATE_DIR
+from pipeline.weights.store import LEARNER_STATE_DIR
 from pipeline.learning.engine import begin_micro_batch
 
 STATE_FORMAT = "heterorl-learner-state/1"

@@ -8,7 +8,7 @@ by non-blocking copies, where the model is on a GPU) and hands the buffer's numb
 priority than training). The child copies the buffer out, hands it back, and publishes, in
 order of submission:
 
-1. the policy (`PolicyPublisher`: a keyframe or a delta against the version it published
+1. the policy (`PolicyWriter`: a keyframe or a delta against the version it published
    last; files, then the signed manifest), then the version in Redis (the signed pointer),
    then pruning of policies no reachable version needs. When versions arrive faster than
    they can be published, a version still waiting when a newer one comes is skipped
@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.weights.learner_state import Capture
+from pipeline.weights.pointer import PolicyPointer
 
 log = logging.getLogger("publisher")
 
@@ -83,7 +84,7 @@ def slot_layout(model_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: torc
     packed one after another: floating-point ones in `dtype`, others (`dtypes`) as they are."""
     from safetensors import safe_open
 
-    from pipeline.weights.policy import weights_files
+    from pipeline.weights.store import weights_files
 
     places, offset = [], 0
     for file in weights_files(model_dir):
@@ -416,11 +417,10 @@ class _Child:
 
     def __init__(self, spec: dict):
         from pipeline.config import HeteroConfig
-        from pipeline.weights.policy import KeyframeRule, PolicyPublisher
         from pipeline.weights.recovery import recovery_store
-        from pipeline.servers.checkpoints import CheckpointStore, connect_s3
-        from pipeline.servers.redis_state import RunState, connect_redis
-        from pipeline.servers.services import require_services
+        from pipeline.weights.store import CheckpointStore, KeyframeRule, PolicyWriter, connect_s3
+        from pipeline.clients.run_state import RunState, connect_redis
+        from pipeline.clients.services import require_services
         from pipeline.wire.signing import read_key_file
 
         self.spec = spec
@@ -434,7 +434,7 @@ class _Child:
                                                  security=services.security), cfg.run.name)
                           if spec.get("announce") else None)
         self.recovery = recovery_store(store) if spec.get("recovery") else None
-        self.policies = PolicyPublisher(store, KeyframeRule(spec["keyframe_every"]), dtype=getattr(torch, spec["dtype"]),
+        self.policies = PolicyWriter(store, KeyframeRule(spec["keyframe_every"]), dtype=getattr(torch, spec["dtype"]),
                                         work_dir=Path(spec["work_dir"]))
         places = [TensorPlace(**{**p, "shape": tuple(p["shape"])}) for p in spec["places"]]
         self.slots = SnapshotSlots(places, fds=spec["slot_fds"])
@@ -494,15 +494,15 @@ class _Child:
                 return 1
 
     def publish_policy(self, job: dict) -> dict:
-        from pipeline.weights.policy import prune_policies
+        from pipeline.weights.store import prune_policies
 
         started = time.perf_counter()
         version = job["version"]
         tensors = {name: t for file in job.pop("weights").values() for name, t in file.items()}
-        key = self.policies.publish(version, self.template, job["extra"], parent_version=job["parent_version"],
+        key = self.policies.write(version, self.template, job["extra"], parent_version=job["parent_version"],
                                     keyframe=job["keyframe"], tensors=tensors)
         if self.run_state is not None:
-            self.run_state.publish_policy(version, key, signer=self.store.signer)
+            PolicyPointer(self.run_state).set(version, key, signer=self.store.signer)
         last = self.policies.published[-1]
         log.info("published v%d as a %s (%.2f MB, %.1f%% of a full copy) in %.1fs", version, last["kind"],
                  last["bytes"] / 1e6, 100 * last["bytes"] / max(1, last["full_bytes"]), time.perf_counter() - started)

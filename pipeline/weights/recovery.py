@@ -23,7 +23,7 @@ from typing import Optional
 
 from typing import Callable
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, Manifest
+from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, Manifest
 
 STATE_PREFIX = "state"
 STATE_LABEL = "s"
@@ -146,6 +146,6 @@ class RecoverySchedule:
 
 def save_recovery_state(store: CheckpointStore, step: int, snapshot: Path, extra: dict) -> str:
     """Upload `snapshot` (weights + learner_state/) as the recovery state of `step`, then prune."""
-    key = store.publish(step, snapshot, extra)
+    key = store.upload(step, snapshot, extra)
     store.prune(KEEP_STATES, current=step)
     return key

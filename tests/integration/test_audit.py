@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.records.update_log import (DroppedGroup, DuplicateGroup, UpdateEntry, UsedGroup, dead_letter_topic,
                                  rewind_entry, updates_topic)
 from tests.unit.test_rollout import make_rollout
@@ -18,7 +18,7 @@ def _record(bootstrap: str, log: list[UpdateEntry], n: int = 8, duplicate_at: in
     topic = f"audit-{uuid.uuid4().hex[:8]}"
     for t in (topic, updates_topic(topic), dead_letter_topic(topic)):
         ensure_topic(bootstrap, t)
-    sink = RolloutSink(bootstrap, topic)
+    sink = TopicWriter(bootstrap, topic)
     rollouts = [make_rollout() for _ in range(n)]
     for i, r in enumerate(rollouts):
         if i == junk_at:
@@ -26,7 +26,7 @@ def _record(bootstrap: str, log: list[UpdateEntry], n: int = 8, duplicate_at: in
         else:
             sink.send(rollouts[0] if i == duplicate_at else r)
     sink.close()
-    sink = RolloutSink(bootstrap, updates_topic(topic))
+    sink = TopicWriter(bootstrap, updates_topic(topic))
     for e in log(rollouts) if callable(log) else log:
         sink.send_raw(e.to_json().encode(), key=str(e.step).encode())
     sink.close()
@@ -52,7 +52,7 @@ def test_every_offset_accounted_and_a_voided_step_does_not_count(local_stack):
                             duplicates=[DuplicateGroup(0, 5, rs[0].rollout_id)])]
 
     topic, _ = _record(local_stack.kafka_bootstrap, log, duplicate_at=5, junk_at=6)
-    sink = RolloutSink(local_stack.kafka_bootstrap, dead_letter_topic(topic))
+    sink = TopicWriter(local_stack.kafka_bootstrap, dead_letter_topic(topic))
     sink.send_raw(b"junk", headers=[("reason", b"not msgpack"), ("source_partition", b"0"), ("source_offset", b"6")])
     sink.close()
     # offset 7 was not read yet when the final checkpoint was taken at offset 7

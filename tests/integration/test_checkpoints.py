@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline.servers.checkpoints import CheckpointStore, CorruptCheckpointError, connect_s3
-from pipeline.servers.services import Services
+from pipeline.weights.store import CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.clients.services import Services
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_publish_fetch_verify_and_load(local_stack, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     store = _store(local_stack, "ckpt-roundtrip")
-    key = store.publish(5, tiny_model_dir, extra={"offsets": {"0": 12}})
+    key = store.upload(5, tiny_model_dir, extra={"offsets": {"0": 12}})
     assert key == "ckpt-roundtrip/v5/manifest.json"
     assert store.list_versions() == [5]
     path, manifest = store.fetch(key, tmp_path / "v5")
@@ -52,7 +52,7 @@ def test_publish_fetch_verify_and_load(local_stack, tiny_model_dir, tmp_path):
 
 def test_tampered_file_is_refused_and_nothing_is_left_to_load(local_stack, tiny_model_dir, tmp_path):
     store = _store(local_stack, "ckpt-tamper")
-    key = store.publish(1, tiny_model_dir)
+    key = store.upload(1, tiny_model_dir)
     obj = store.client.get_object(store.bucket, "ckpt-tamper/v1/model.safetensors")
     data = bytearray(obj.read())
     obj.close()
@@ -70,7 +70,7 @@ def test_a_learner_resumes_from_the_state_before_a_newest_that_cannot_be_downloa
 
     states = recovery_store(_store(local_stack, "ckpt-fallback"))
     for step in (4, 5):
-        states.publish(step, tiny_model_dir, extra={"offsets": {"0": 10 * step}})
+        states.upload(step, tiny_model_dir, extra={"offsets": {"0": 10 * step}})
     # the newest state's weights altered, then gone, while its manifest still reads
     name = "ckpt-fallback/state/s5/model.safetensors"
     data = b"\x00" * states.client.stat_object(states.bucket, name).size
@@ -90,7 +90,7 @@ def test_a_learner_resumes_from_the_state_before_a_newest_that_cannot_be_downloa
 
 def test_version_without_manifest_does_not_exist(local_stack, tiny_model_dir):
     store = _store(local_stack, "ckpt-partial")
-    store.publish(1, tiny_model_dir)
+    store.upload(1, tiny_model_dir)
     # A learner that died mid-upload: files, no manifest.
     store.client.fput_object(store.bucket, "ckpt-partial/v2/model.safetensors", str(tiny_model_dir / "model.safetensors"))
     assert store.list_versions() == [1]
@@ -108,7 +108,7 @@ def test_malicious_manifest_path_is_refused(local_stack, tmp_path):
 def test_prune_keeps_the_newest(local_stack, tiny_model_dir):
     store = _store(local_stack, "ckpt-prune")
     for v in range(5):
-        store.publish(v, tiny_model_dir)
+        store.upload(v, tiny_model_dir)
     # v4 stands for a version an earlier, crashed learner published past the current v3.
     # v0, the base model, stays: a replay of the run starts from it.
     assert store.prune(keep_last=2, current=3) == [1]
@@ -158,7 +158,7 @@ class _CutOnce:
 def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path, monkeypatch):
     import os
 
-    import pipeline.servers.checkpoints as checkpoints
+    import pipeline.weights.store as checkpoints
 
     model = tmp_path / "model"
     model.mkdir()
@@ -166,7 +166,7 @@ def test_an_interrupted_download_resumes_where_it_stopped(local_stack, tmp_path,
     (model / "big.safetensors").write_bytes(os.urandom(size))
     (model / "config.json").write_text("{}")
     store = _store(local_stack, "ckpt-resume")
-    key = store.publish(1, model)
+    key = store.upload(1, model)
     monkeypatch.setattr(checkpoints, "CHUNK_BYTES", 256 * 1024)
     cut = _CutOnce(store.client, cut_at=900_000)  # the link drops at 90 %
     store.client = cut
@@ -186,7 +186,7 @@ def test_samplers_do_not_download_the_learner_state(local_stack, tiny_model_dir,
     (model / "learner_state").mkdir()
     (model / "learner_state" / "optimizer.safetensors").write_bytes(b"x" * 1000)
     store = _store(local_stack, "ckpt-private")
-    key = store.publish(2, model)
+    key = store.upload(2, model)
     public, _ = store.fetch(key, tmp_path / "sampler")
     assert not (public / "learner_state").exists() and (public / "model.safetensors").is_file()
     private, _ = store.fetch(key, tmp_path / "learner", learner_state=True)
@@ -211,7 +211,7 @@ def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(l
     import pickle
     import shutil
 
-    from pipeline.servers.checkpoints import MANIFEST_FORMAT, CorruptCheckpointError
+    from pipeline.weights.store import MANIFEST_FORMAT, CorruptCheckpointError
 
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Payload(marker))
@@ -221,7 +221,7 @@ def test_pickle_files_are_never_published_and_a_manifest_naming_one_is_refused(l
         (model / name).parent.mkdir(parents=True, exist_ok=True)
         (model / name).write_bytes(payload)
     store = _store(local_stack, "ckpt-pickle")
-    key = store.publish(1, model)
+    key = store.upload(1, model)
     names = [f["path"] for f in store.read_manifest(key).files]
     assert "model.safetensors" in names and not [n for n in names if n.endswith((".pt", ".pth", ".bin", ".pkl"))]
 
@@ -249,7 +249,7 @@ def _signed_stores(stack, run):
 
 def test_a_signed_manifest_is_read_and_names_its_parent(local_stack, tiny_model_dir, tmp_path):
     _, writer, reader = _signed_stores(local_stack, "ckpt-signed")
-    key = writer.publish(4, tiny_model_dir, parent_version=2)
+    key = writer.upload(4, tiny_model_dir, parent_version=2)
     path, manifest = reader.fetch(key, tmp_path / "v4")
     raw = json.loads(writer.client.get_object(writer.bucket, key).read())
     assert raw["parent_version"] == 2 and set(raw["signature"]) == {"key_id", "value"}
@@ -263,11 +263,11 @@ def test_a_sampler_pinning_the_learner_key_refuses_what_the_learner_did_not_sign
 
     run = f"ckpt-forged-{attack}"
     learner, writer, reader = _signed_stores(local_stack, run)
-    key = writer.publish(3, tiny_model_dir)
+    key = writer.upload(3, tiny_model_dir)
     manifest = json.loads(writer.client.get_object(writer.bucket, key).read())
     if attack == "unsigned":
         writer.signer = None
-        key = writer.publish(5, tiny_model_dir)
+        key = writer.upload(5, tiny_model_dir)
         expected = "not signed"
     else:
         if attack == "altered":  # a file's sha256 changed to match replaced bytes

@@ -16,6 +16,7 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import ENV_OVERRIDES, load_config, strip_password
+from pipeline.weights.pointer import current as current_pointer
 from tests.integration.test_local_stack import _gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -74,9 +75,9 @@ def _train_inspect_and_stop(tmp_path):
     # The version advanced in Redis and checkpoints with valid manifests exist in S3.
     cfg = with_local_stack(load_config(builtin_config("smoke"), [f"run.name={summary['run']}",
                                                                  f"services.data_dir={data}"], env={}))
-    from pipeline.weights.policy import fetch_policy
+    from pipeline.weights.store import fetch_policy
     handles = connect_run(cfg)
-    version, _ = handles.state.policy()
+    version, _ = current_pointer(handles.state)
     assert version == 4
     versions = handles.store.list_versions()
     # the base v0 that replays start from, and every version a group within the max delay may

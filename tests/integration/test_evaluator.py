@@ -12,6 +12,7 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import dump_config, load_config
+from pipeline.weights.pointer import PolicyPointer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
     from pipeline.records.metrics import read_metrics
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.runtime import connect_run
-    from pipeline.weights.policy import PolicyPublisher
+    from pipeline.weights.store import PolicyWriter
 
     cfg = load_config(builtin_config("smoke"), [
         f"run.name=evaluator-{uuid.uuid4().hex[:6]}", "eval.every=2", "eval.after_training=true",
@@ -42,7 +43,7 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
     config.write_text(dump_config(cfg))
     handles = connect_run(cfg)
     tokenizer = build_tokenizer()
-    publisher = PolicyPublisher(handles.store)
+    publisher = PolicyWriter(handles.store)
     run_dir = tmp_path / "run"
     evaluator = subprocess.Popen([sys.executable, "-m", "heterorl", "evaluator", "--config", str(config),
                                   "--out", str(run_dir)], cwd=ROOT, env=dict(os.environ),
@@ -53,7 +54,7 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
             build_tiny_model(tokenizer, ModelSize(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64),
                              seed=version).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
-            handles.state.publish_policy(version, publisher.publish(version, model_dir))
+            PolicyPointer(handles.state).set(version, publisher.write(version, model_dir))
             if version % 2 == 0 and version < 4:  # due: downloaded, held, not scored yet
                 _wait_for(lambda: (run_dir / ".evaluator" / f"v{version}").is_dir())
                 time.sleep(1.0)

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.records.archive import ArchiveError, export_topic, read_archive
-from pipeline.servers.kafka_io import RolloutSink, ensure_topic, read_topic
+from pipeline.clients.topics import TopicWriter, ensure_topic, read_topic
 from pipeline.wire.rollout import decode_rollout
 from pipeline.records.update_log import DroppedGroup, SkippedMessage, UpdateEntry, UsedGroup, updates_topic
 from tests.unit.test_rollout import make_rollout
@@ -21,7 +21,7 @@ def fresh_topic(prefix: str) -> str:
 def publish_update_log(bootstrap: str, topic: str, entries: list[UpdateEntry]) -> None:
     """Write the log as the learner does: one message per step, key = step."""
     ensure_topic(bootstrap, updates_topic(topic))
-    sink = RolloutSink(bootstrap, updates_topic(topic))
+    sink = TopicWriter(bootstrap, updates_topic(topic))
     for entry in entries:
         sink.send_raw(entry.to_json().encode(), key=str(entry.step).encode())
     sink.close()
@@ -30,7 +30,7 @@ def publish_update_log(bootstrap: str, topic: str, entries: list[UpdateEntry]) -
 def test_topic_and_update_log_round_trip_through_parquet(local_stack, tmp_path):
     bootstrap, topic = local_stack.kafka_bootstrap, fresh_topic("export")
     ensure_topic(bootstrap, topic, partitions=2)
-    sink = RolloutSink(bootstrap, topic)
+    sink = TopicWriter(bootstrap, topic)
     rollouts = [make_rollout(policy_version=v, prompt_id=f"p{v}") for v in range(5)]
     acks = sink.send_many(rollouts)
     garbage_at = sink.send_raw(b"garbage")
@@ -86,7 +86,7 @@ def test_messages_produced_in_one_batch_are_all_exported(local_stack, tmp_path):
     """The samplers' send_many packs several rollouts into one Kafka batch; none may be lost."""
     bootstrap, topic = local_stack.kafka_bootstrap, fresh_topic("export-batched")
     ensure_topic(bootstrap, topic)
-    sink = RolloutSink(bootstrap, topic)
+    sink = TopicWriter(bootstrap, topic)
     rollouts = [make_rollout(prompt_id=f"p{i}") for i in range(20)]
     acks = sink.send_many(rollouts)
     sink.close()
@@ -100,7 +100,7 @@ def test_messages_produced_in_one_batch_are_all_exported(local_stack, tmp_path):
 def test_export_of_a_topic_without_update_log(local_stack, tmp_path):
     bootstrap, topic = local_stack.kafka_bootstrap, fresh_topic("export-nolog")
     ensure_topic(bootstrap, topic)
-    sink = RolloutSink(bootstrap, topic)
+    sink = TopicWriter(bootstrap, topic)
     sink.send(make_rollout())
     sink.close()
     summary = export_topic(bootstrap, topic, tmp_path / "x.parquet")

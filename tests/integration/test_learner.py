@@ -8,8 +8,9 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import load_config
-from pipeline.servers.kafka_io import RolloutSink, ensure_topic
+from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.wire.rollout import Rollout
+from pipeline.weights.pointer import current as current_pointer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
         f"services.data_dir={tmp_path / 'data'}", *UNSIGNED])
     tok = build_tokenizer()
     ensure_topic(local_stack_env.kafka_bootstrap, cfg.run.topic)
-    sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    sink = TopicWriter(local_stack_env.kafka_bootstrap, cfg.run.topic)
     # Learner versions when each is read: 0, 1, 2, 2, 2 (it steps after every kept group).
     first = crafted_group(tok, 0, "tau0")
     sink.send(first)                                # τ = 0      -> used, learner v1
@@ -66,7 +67,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert [s["staleness_max"] for s in steps if s["kind"] == "learner"] == [0, 1, 0]
 
     handles = connect_run(cfg)
-    version, manifest_key = handles.state.policy()
+    version, manifest_key = current_pointer(handles.state)
     assert version == 3
     # Every version is published or, when a newer one came while it waited, skipped (the
     # publisher is still starting while these tiny steps are taken); the first and last never are.
@@ -107,7 +108,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert {e.topic for e in entries} == {cfg.run.topic}
 
     # The poison message was set aside on the dead-letter topic, with the reason in a header.
-    from pipeline.servers.kafka_io import read_topic
+    from pipeline.clients.topics import read_topic
     from pipeline.wire.rollout import header_value
     from pipeline.records.update_log import dead_letter_topic
     dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
@@ -119,15 +120,15 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     # logged step 4 are lost. The restarted learner resumes from the state of step 3 at offset 5,
     # publishes those weights as v5 (v4 is never reused), and reads only what came after.
     from pipeline.records.update_log import UpdateEntry
-    from pipeline.weights.policy import PolicyPublisher, fetch_policy
+    from pipeline.weights.store import PolicyWriter, fetch_policy
     orphan, _, _ = fetch_policy(handles.store, manifest_key, tmp_path / "orphan")
-    PolicyPublisher(handles.store).publish(4, orphan, {"step": 4}, parent_version=3)
+    PolicyWriter(handles.store).write(4, orphan, {"step": 4}, parent_version=3)
     lost = UpdateEntry(step=4, policy_version=4, loss_type="gepo", time=0.0, attempt="killed", topic=cfg.run.topic)
     from pipeline.records.update_log import updates_topic
-    log_sink = RolloutSink(local_stack_env.kafka_bootstrap, updates_topic(cfg.run.topic))
+    log_sink = TopicWriter(local_stack_env.kafka_bootstrap, updates_topic(cfg.run.topic))
     log_sink.send_raw(lost.to_json().encode(), key=b"4")
     log_sink.close()
-    sink = RolloutSink(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    sink = TopicWriter(local_stack_env.kafka_bootstrap, cfg.run.topic)
     sink.send(crafted_group(tok, 5, "after-restart-1"))
     sink.send(first)  # a producer retry's second copy, arriving after the checkpoint: ignored
     too_long = crafted_group(tok, 5, "too-long")
@@ -148,7 +149,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert resumed["offsets"] == {"0": 9}
     dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
     assert "exceeds sampler.max_new_tokens" in header_value(dead[-1].headers, "reason")
-    assert handles.state.policy()[0] == 7
+    assert current_pointer(handles.state)[0] == 7
     assert handles.store.read_manifest(handles.store.manifest_key(5)).parent_version == 3
     after = [v for v in handles.store.list_versions() if v > 5]  # v6 may have been overtaken by v7
     assert after[-1] == 7 and all(handles.store.read_manifest(handles.store.manifest_key(v)).parent_version == v - 1

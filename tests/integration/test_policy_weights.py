@@ -1,4 +1,4 @@
-"""Policy versions as keyframes and deltas in a real S3 server (pipeline/weights/policy.py):
+"""Policy versions as keyframes and deltas in a real S3 server (pipeline/weights/store.py):
 rebuilt bit for bit along either path, and refused whenever a piece does not fit."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
-from pipeline.servers.services import Services
+from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
-from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule, PolicyPublisher, fetch_policy, read_weights
+from pipeline.weights.store import DELTA, KEYFRAME, KeyframeRule, PolicyWriter, fetch_policy, read_weights
 
 pytestmark = pytest.mark.integration
 
@@ -57,9 +57,9 @@ def _published(stack, run, versions, keyframe_every=3):
 
     learner = SigningKey.generate()
     writer, reader = _store(stack, run, signer=learner), _store(stack, run, trusted=learner.public)
-    publisher = PolicyPublisher(writer, KeyframeRule(keyframe_every))
+    publisher = PolicyWriter(writer, KeyframeRule(keyframe_every))
     for version, path in enumerate(versions):
-        publisher.publish(version, path, extra={"step": version}, parent_version=version - 1 if version else None)
+        publisher.write(version, path, extra={"step": version}, parent_version=version - 1 if version else None)
     return publisher, writer, reader
 
 
@@ -150,9 +150,9 @@ def test_weights_fetch_takes_a_version_home_and_names_a_bad_address(local_stack,
     from heterorl import cli
     from infra.local_stack import stack_env
 
-    publisher = PolicyPublisher(_store(local_stack, "policy-cli"), KeyframeRule(3))
+    publisher = PolicyWriter(_store(local_stack, "policy-cli"), KeyframeRule(3))
     for version, path in enumerate(versions):
-        publisher.publish(version, path)
+        publisher.write(version, path)
     for key, value in stack_env(local_stack).items():
         monkeypatch.setenv(key, value)
     unsigned = ["--set", "security.require_signatures=false"]  # this run's manifests carry no signature
@@ -178,16 +178,16 @@ def test_what_only_a_keyframe_can_carry_and_a_copy_of_the_target_itself(local_st
     """A changed config, a version number not above the last, or nothing changed at all; a
     pickle-based file never travels; a sampler holding the target gets it checked, not trusted."""
     store = _store(local_stack, "policy-edges")
-    publisher = PolicyPublisher(store, KeyframeRule(10))
-    publisher.publish(0, versions[0])
+    publisher = PolicyWriter(store, KeyframeRule(10))
+    publisher.write(0, versions[0])
     same = shutil.copytree(versions[0], tmp_path / "same")
     (same / "training_args.bin").write_bytes(b"\x80\x04pickled")  # never published, never inherited
-    publisher.publish(1, same)  # nothing changed: a delta of `same` tensors and an empty payload
+    publisher.write(1, same)  # nothing changed: a delta of `same` tensors and an empty payload
     configured = shutil.copytree(versions[1], tmp_path / "configured")
     (configured / "generation_config.json").write_text('{"max_new_tokens": 7}')
-    publisher.publish(2, configured)
-    publisher.publish(3, versions[2])
-    publisher.publish(3, versions[3])  # republished under the same number
+    publisher.write(2, configured)
+    publisher.write(3, versions[2])
+    publisher.write(3, versions[3])  # republished under the same number
     assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, KEYFRAME, KEYFRAME, KEYFRAME]
     manifest = store.read_manifest(store.manifest_key(1))
     assert {e["encoding"] for e in manifest.extra["weights"]["files"]["model.safetensors"].values()} == {"same"}
@@ -209,9 +209,9 @@ def test_what_only_a_keyframe_can_carry_and_a_copy_of_the_target_itself(local_st
 def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versions, tmp_path, path):
     """Without signatures nothing vouches for a manifest: its paths are checked all the same."""
     store = _store(local_stack, f"policy-inherit-{abs(hash(path))}")
-    publisher = PolicyPublisher(store, KeyframeRule(10))
-    publisher.publish(0, versions[0])
-    publisher.publish(1, versions[1])
+    publisher = PolicyWriter(store, KeyframeRule(10))
+    publisher.write(0, versions[0])
+    publisher.write(1, versions[1])
     key = store.manifest_key(1)
     raw = json.loads(store.client.get_object(store.bucket, key).read())
     raw["extra"]["weights"]["inherit"].append({"path": path, "size": 1, "sha256": "0" * 64})
@@ -224,11 +224,11 @@ def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versio
 
 def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack, versions, tmp_path):
     from pipeline.wire.signing import SigningKey
-    from pipeline.weights.policy import fetch_published
+    from pipeline.weights.store import fetch_published
 
-    publisher = PolicyPublisher(_store(local_stack, "policy-unsigned"), KeyframeRule(3))
+    publisher = PolicyWriter(_store(local_stack, "policy-unsigned"), KeyframeRule(3))
     for version, path in enumerate(versions[:2]):
-        publisher.publish(version, path)
+        publisher.write(version, path)
     with pytest.raises(CorruptCheckpointError, match="refused"):
         fetch_published(publisher.store.client, f"s3://{local_stack.bucket}/policy-unsigned/v1/", tmp_path / "v1",
                         trusted=SigningKey.generate().public)
@@ -238,7 +238,7 @@ def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack,
 def test_pruning_keeps_every_chain_a_kept_version_needs(local_stack, versions, tmp_path):
     """Keyframes every 3 versions: v0 K, v1 D, v2 D, v3 K, v4 D, v5 D. Keeping v4 on keeps v3
     (its keyframe); v1 and v2 go; v0, the base model, stays; everything kept still rebuilds."""
-    from pipeline.weights.policy import prune_policies
+    from pipeline.weights.store import prune_policies
 
     publisher, writer, reader = _published(local_stack, "policy-prune", versions)
     assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]
@@ -255,13 +255,13 @@ def test_a_finished_study_cell_keeps_its_base_and_final_policy_only(local_stack,
     """`heterorl study` retires each finished cell's run: v0 and the final version with its chain
     stay (v5 rests on keyframe v3), every other version and every recovery state goes, and the
     bytes it reports freed are the ones gone from S3."""
-    from heterorl.study import retire_run, stored_bytes
+    from lab.study import retire_run, stored_bytes
     from pipeline.weights.recovery import recovery_store
 
     _, writer, reader = _published(local_stack, "study-cell-retired", versions)
     states = recovery_store(writer)
     for step in (4, 5):
-        states.publish(step, versions[step])
+        states.upload(step, versions[step])
     before = stored_bytes(writer)
     freed = retire_run(writer, final=5)
     assert writer.list_versions() == [0, 3, 4, 5] and states.list_versions() == []
@@ -281,10 +281,10 @@ def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack,
     (snapshot / "learner_state").mkdir()
     (snapshot / "learner_state" / "state.json").write_text("{}")
     store = _store(local_stack, "policy-dtype")
-    publisher = PolicyPublisher(store, KeyframeRule(10), dtype=torch.bfloat16)
-    publisher.publish(0, versions[1])
-    publisher.publish(1, snapshot)
-    publisher.publish(2, snapshot, keyframe=True)
+    publisher = PolicyWriter(store, KeyframeRule(10), dtype=torch.bfloat16)
+    publisher.write(0, versions[1])
+    publisher.write(1, snapshot)
+    publisher.write(2, snapshot, keyframe=True)
     assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, KEYFRAME]
     for version in (1, 2):
         manifest = store.read_manifest(store.manifest_key(version))

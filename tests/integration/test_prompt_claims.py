@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.clients.run_state import RunState, connect_redis
 
 pytestmark = pytest.mark.integration
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from pipeline.config import HeteroConfig
-from pipeline.servers.checkpoints import CheckpointStore, connect_s3
-from pipeline.servers.redis_state import RunState, connect_redis
-from pipeline.servers.services import Services
+from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.clients.run_state import RunState, connect_redis
+from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
-from pipeline.weights.policy import fetch_policy, read_weights
+from pipeline.weights.store import fetch_policy, read_weights
 from pipeline.weights.publisher import BackgroundPublisher, PublishTarget, copy_weights_into, slot_layout
 from pipeline.wire.signing import SigningKey, write_key_file
+from pipeline.weights.pointer import current as current_pointer
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +79,7 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
         got = {k: t for tensors in read_weights(path).values() for k, t in tensors.items()}
         assert got and all(np.array_equal(bits(got[k]), bits(expected[version][k])) for k in got), version
     state = RunState(connect_redis(local_stack.redis_url), "pub-exact")
-    assert state.policy()[0] == 3  # the pointer names the newest
+    assert current_pointer(state)[0] == 3  # the pointer names the newest
     seconds = publisher.take_seconds()
     assert seconds["background_policy_s"] > 0 and "background_copy_s" in seconds
 

@@ -159,7 +159,7 @@ def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
 def test_replay_refuses_bad_sources_and_bases_in_one_line(recorded, local_stack, tmp_path, monkeypatch, capsys):
     from heterorl import cli
     from infra.local_stack import stack_env
-    from pipeline.servers.kafka_io import ensure_topic
+    from pipeline.clients.topics import ensure_topic
     from pipeline.models import load_policy
 
     run_dir, summary, cfg = recorded

@@ -7,8 +7,9 @@ import uuid
 
 import pytest
 
-from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.clients.run_state import RunState, connect_redis
 from heterorl.status import collect_status, format_status
+from pipeline.weights.pointer import PolicyPointer
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ def test_a_renewed_lease_stays_live_and_a_restart_under_the_same_id_is_live_agai
 
 
 def test_status_lists_live_and_recently_gone_samplers_and_the_claims(local_stack, state):
-    state.publish_policy(3, "unused/manifest.json")
+    PolicyPointer(state).set(3, "unused/manifest.json")
     state.register_run(f"{state.run}.rollouts")
     state.renew_sampler_lease("live-1", {**INFO, "paused_s": 2.5, "backend": "vllm", "weight_load_s": 0.0712}, 60.0)
     state.renew_sampler_lease("crashed-1", INFO, 0.3)

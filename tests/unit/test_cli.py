@@ -142,7 +142,7 @@ def test_roles_started_by_our_commands_do_not_inherit_a_launchers_rank_variables
     """A shell (or a test process) that once ran a learner rank keeps WORLD_SIZE & co.; the
     learner that `heterorl train` starts must still start its own learner.num_processes ranks."""
     from heterorl.processes import child_env
-    from pipeline.servers.services import Services
+    from pipeline.clients.services import Services
 
     for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29500",
                         "MASTER_ADDR": "127.0.0.1", "SOME_USER_SETTING": "kept"}.items():

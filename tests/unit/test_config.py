@@ -109,7 +109,7 @@ def test_precision_auto_is_decided_by_the_machine(monkeypatch):
     bf16 is emulated), whatever the config; each role logs the choice and why."""
     import torch
 
-    from pipeline.learning import engine
+    from pipeline import devices as engine
     from pipeline.runtime import with_machine_precision
 
     cfg = load_config(None, ["learner.precision=auto", "sampler.precision=auto", "learner.zero_stage=0"], env={})

@@ -12,15 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pipeline.config.delays import (
-    DelayDistributionConfig,
-    DelayModelConfig,
-    DelayStream,
-    RefreshGate,
-    lognormal_params,
-    refresh_stream,
-    transit_stream,
-)
+from pipeline.config.delays import DelayDistributionConfig, DelayModelConfig, lognormal_params
+from pipeline.sampling.delays import DelayStream, RefreshGate, refresh_stream, transit_stream
 
 # The paper's refresh delay: 60..1920 s hold 99.5 % of the mass. These numbers were
 # computed outside the code under test, with scipy 1.17:

@@ -1,6 +1,6 @@
 """Which published versions the evaluator scores."""
 
-from consumers.evaluator import _due
+from producers.evaluator import _due
 from pipeline.config import load_config
 
 

@@ -93,7 +93,7 @@ def test_auto_is_hf_on_a_cpu_and_where_vllm_cannot_record_the_rule(monkeypatch):
 
 
 def test_untied_copy_computes_the_same_logits(models, tmp_path):
-    from pipeline.servers.checkpoints import sha256_file
+    from pipeline.weights.store import sha256_file
     from pipeline.sampling.generation import engine_copy
 
     verified = shutil.copytree(models[0], tmp_path / "v3")

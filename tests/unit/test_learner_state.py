@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import load_config
-from pipeline.learning.engine import make_engine
+from pipeline.learning.engine import make_deepspeed_engine
 from pipeline.weights.learner_state import META_FILE, TENSORS_FILE, load_learner_state, save_learner_state
 
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ def tiny_model(seed=0):
 def engine_for(overrides, model=None):
     cfg = load_config(None, ["learner.lr=3e-2", "learner.lr_warmup_steps=3", "learner.weight_decay=0.1",
                              *overrides], env={}).learner
-    return make_engine(model or tiny_model(), cfg, CPU)
+    return make_deepspeed_engine(model or tiny_model(), cfg, CPU)
 
 
 def train(engine, steps, seed):

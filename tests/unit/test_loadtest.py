@@ -7,10 +7,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from heterorl.loadtest.fleet import (ModeledEngine, assign_classes, completion_lengths, expected_groups_per_s,
+from lab.loadtest.fleet import (ModeledEngine, assign_classes, completion_lengths, expected_groups_per_s,
                                      lockstep_quotas)
-from heterorl.loadtest.report import name_bottleneck, quantile, steps_per_min, train_overlap
-from pipeline.config import GpuClassConfig, HeteroConfig, LoadtestConfig
+from lab.loadtest.report import name_bottleneck, quantile, steps_per_min, train_overlap
+from pipeline.config import HeteroConfig
+from pipeline.config.commands import GpuClassConfig, LoadtestConfig
 from pipeline.records.metrics import StageClock
 
 FLEET = [GpuClassConfig(name="h100", share=1, tokens_per_s=5000), GpuClassConfig(name="a100", share=1,
@@ -119,7 +120,7 @@ def test_loadtest_config_names_an_unknown_fleet():
 
 
 def test_the_modeled_screen_checks_the_groups_the_real_one_would():
-    from heterorl.loadtest.learner import ModeledScreen
+    from lab.loadtest.learner import ModeledScreen
     from pipeline.config import SecurityConfig
     from pipeline.wire.rollout import Rollout
 
@@ -140,8 +141,8 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
 
 def test_async_is_compared_with_lock_step_like_with_like():
     """The lock-step learner checks the groups itself: a row with validators is not its match."""
-    from heterorl.loadtest.report import compare_entry
-    from heterorl.loadtest.rig import Case
+    from lab.loadtest.report import compare_entry
+    from lab.loadtest.rig import Case
 
     rows = {Case(16, "heterogeneous", "async", 4): {"samplers": 16, "steps_per_min": 13.7, "learner_utilization": 0.91,
                                                     "bottleneck": "learner"},

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from heterorl.lr_pilot import PilotBar, choose, learning_per_100_steps, shortfalls, trade_off, write_pilot_report
+from lab.lr_pilot import PilotBar, choose, learning_per_100_steps, shortfalls, trade_off, write_pilot_report
 
 
 def cell(d, curve, kls, steps=200, wall=400.0):
@@ -68,7 +68,7 @@ def test_the_pilot_refuses_bad_rates_in_one_line(capsys):
 
 
 def test_the_pilot_runs_each_rate_once_and_reads_its_two_cells(tmp_path, monkeypatch):
-    from heterorl import lr_pilot
+    from lab import lr_pilot
 
     ran = []
 

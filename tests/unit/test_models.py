@@ -17,7 +17,7 @@ from pipeline.models import (
     load_policy,
     sample_groups,
 )
-from pipeline.models import sampling, tiny
+from pipeline.models import decoding, tiny
 from pipeline.models.tiny import BaseModelSettings, ModelSize, build_tiny_model, build_tokenizer, ensure_base_model
 from pipeline.tasks import make_task
 from tests.conftest import torch_threads
@@ -179,11 +179,11 @@ def test_top_k_one_is_greedy(tok, eos_model):
 
 def test_filter_logits_keeps_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = torch.isfinite(sampling._filter_logits(logits, 0, 0.7))
+    kept = torch.isfinite(decoding._filter_logits(logits, 0, 0.7))
     assert kept.tolist() == [[True, True, False, False]]
-    kept = torch.isfinite(sampling._filter_logits(logits, 0, 0.1))
+    kept = torch.isfinite(decoding._filter_logits(logits, 0, 0.1))
     assert kept.tolist() == [[True, False, False, False]]
-    kept = torch.isfinite(sampling._filter_logits(logits, 3, 1.0))
+    kept = torch.isfinite(decoding._filter_logits(logits, 3, 1.0))
     assert kept.tolist() == [[True, True, True, False]]
 
 
@@ -325,8 +325,8 @@ def test_a_top_k_draw_has_the_distribution_of_the_truncated_softmax():
     those of the softmax over what `_filter_logits` keeps (top-k, then the top-p nucleus)."""
     logits = torch.log(torch.tensor([0.30, 0.05, 0.25, 0.15, 0.10, 0.08, 0.07]))[None].repeat(20000, 1)
     for top_k, top_p in ((3, 1.0), (4, 0.8), (6, 0.9)):
-        want = sampling._filter_logits(logits[:1], top_k, top_p).softmax(-1)[0]
-        draws = sampling._draw(logits, top_k, top_p, torch.Generator().manual_seed(0))
+        want = decoding._filter_logits(logits[:1], top_k, top_p).softmax(-1)[0]
+        draws = decoding._draw(logits, top_k, top_p, torch.Generator().manual_seed(0))
         got = torch.bincount(draws, minlength=7).double() / len(draws)
         assert float((got - want).abs().max()) < 0.012, (top_k, top_p, got, want)
         assert set(torch.nonzero(want).flatten().tolist()) == set(draws.unique().tolist())

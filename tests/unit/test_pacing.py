@@ -103,7 +103,7 @@ def test_a_sampler_waiting_for_the_next_version_makes_only_groups_fresh_when_use
 
 
 def test_a_version_still_being_published_counts_toward_staleness():
-    from pipeline.servers.redis_state import RunView
+    from pipeline.clients.run_state import RunView
     # The learner stepped to v8 and is uploading it; v7 is the newest published. A sampler on
     # v4 with nothing queued makes groups 4 behind v8 (usable at max delay 4); on v3, 5 (dropped).
     uploading = RunView(7, "m", {}, learner_version=8)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pipeline.servers.services import free_port
+from pipeline.clients.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from safetensors.torch import save_file
     from pipeline.config import load_config
-    from pipeline.learning.engine import Ranks, make_engine
+    from pipeline.learning.engine import Ranks, make_deepspeed_engine
     from pipeline.learning.update import optimizer_step
     from tests.unit.test_learner_state import tiny_model, weights
     from tests.unit.test_update import groups
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     ranks = Ranks.from_env()
     cfg = load_config(None, ["learner.zero_stage={stage}", "learner.lr=1e-2", "learner.kl_coef=0.05",
                              "learner.micro_batch_tokens={budget}"], env={{}}).learner
-    engine = make_engine(tiny_model(), cfg, torch.device("cpu"), ranks)
+    engine = make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu"), ranks)
     norms = []
     for seed in (2, 3, 4):
         metrics = optimizer_step(engine, groups(n=5, seed=seed), [1.0, 0.5, 1.0, 1.0, 0.25], cfg,

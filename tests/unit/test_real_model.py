@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.learning.engine import make_engine
+from pipeline.learning.engine import make_deepspeed_engine
 from pipeline.sampling.generation import HfEngine, SamplingSettings, vllm_installed
 from pipeline.models import SampledGroup, completion_logprobs, decode_completion, load_policy, resolve_model
 from pipeline.models import sources
@@ -172,7 +172,7 @@ def test_one_learner_step_on_the_real_model(smollm2, task):
                              "learner.micro_batch_tokens=1"], env={}).learner
     model, _ = load_policy(smollm2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("down_proj.weight")}
-    engine = make_engine(model, cfg, torch.device("cpu"))
+    engine = make_deepspeed_engine(model, cfg, torch.device("cpu"))
     metrics = optimizer_step(engine, rollouts, [1.0, 1.0], cfg, temperature=1.0, max_completion_length=16)
     assert metrics["sequences"] == 8 and metrics["reward_mean"] == pytest.approx(3 / 8)
     assert metrics["completion_tokens"] == 2 * sum(len(c) for c in rollouts[0].completion_ids)

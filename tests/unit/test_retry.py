@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pipeline.servers.retry import Backoff, backoff_delay, retry_call
+from pipeline.clients.retry import Backoff, backoff_delay, retry_call
 
 
 def test_waits_double_up_to_the_bound_and_are_jittered_within_half_to_all():

@@ -4,7 +4,8 @@ log-prob check against the version a group claims."""
 import numpy as np
 import pytest
 
-from consumers.screening import GroupScreen, PastPolicies
+from consumers.screening import GroupScreen
+from pipeline.weights.follower import PastPolicies
 from pipeline.config import SecurityConfig
 from pipeline.models import sample_groups
 from pipeline.models.tiny import build_tiny_model, build_tokenizer
@@ -180,7 +181,7 @@ class GoneStore:
         return f"v{version}/manifest.json"
 
     def read_expected(self, *_, **__):
-        from pipeline.servers.checkpoints import CheckpointNotFound
+        from pipeline.weights.store import CheckpointNotFound
 
         raise CheckpointNotFound("pruned")
 

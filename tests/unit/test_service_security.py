@@ -9,10 +9,10 @@ import redis
 import urllib3
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
-import pipeline.servers.kafka_io as kafka_io
+import pipeline.clients.topics as topics
 from infra.local_stack import StackState, redis_acl_rules, stack_services
 from pipeline.config import ConfigError, dump_config, load_config, strip_password
-from pipeline.servers.services import ServiceSecurity, Services, require_services
+from pipeline.clients.services import ServiceSecurity, Services, require_services
 
 SASL = {"KAFKA_BOOTSTRAP_SERVERS": "kafka.example:9093", "REDIS_URL": "rediss://sampler:r3d1s-pw@redis.example:6380/0",
         "AWS_ENDPOINT_URL": "https://minio.example:9000", "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
@@ -35,17 +35,17 @@ def test_settings_from_the_environment_reach_the_kafka_clients():
     assert ServiceSecurity().kafka_kwargs() == {"security_protocol": "PLAINTEXT"}
 
 
-def test_kafka_io_hands_the_settings_to_the_producer(monkeypatch):
+def test_the_topic_writer_hands_the_settings_to_the_producer(monkeypatch):
     made = {}
 
     class Recording(KafkaProducer):
         def __init__(self, **configs):
             made.update(configs)
-            raise kafka_io.SaslAuthenticationFailedError("refused")
+            raise topics.SaslAuthenticationFailedError("refused")
 
-    monkeypatch.setattr(kafka_io, "KafkaProducer", Recording)
-    with pytest.raises(kafka_io.ServiceUnavailable, match="kafka.example:9093 refused the credentials"):
-        kafka_io.RolloutSink("kafka.example:9093", "t", security=_services().security)
+    monkeypatch.setattr(topics, "KafkaProducer", Recording)
+    with pytest.raises(topics.ServiceUnavailable, match="kafka.example:9093 refused the credentials"):
+        topics.TopicWriter("kafka.example:9093", "t", security=_services().security)
     assert made["security_protocol"] == "SASL_SSL" and made["sasl_plain_password"] == "k4fka-pw"
 
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka.errors import KafkaTimeoutError
 
-import pipeline.servers.spool as spool_module
+import pipeline.clients.spool as spool_module
 from pipeline.wire.rollout import RolloutDecodeError, encode_rollout
-from pipeline.servers.spool import (RECORD_HEADER, RolloutSpool, SpoolLockedError, list_segments, read_pointer,
+from pipeline.clients.spool import (RECORD_HEADER, RolloutSpool, SpoolLockedError, list_segments, read_pointer,
                             segment_path)
 from tests.unit.test_rollout import make_rollout
 

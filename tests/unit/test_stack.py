@@ -2,7 +2,7 @@
 
 from heterorl.stack import with_services
 from pipeline.config import dump_config, load_config
-from pipeline.servers.services import Services, require_services, resolve_services
+from pipeline.clients.services import Services, require_services, resolve_services
 
 STACK = Services("127.0.0.1:9092", "redis://127.0.0.1:6379/0", "http://127.0.0.1:9000", "key", "s3cr3t-value",
                  "us-east-1", "heterorl", from_local_stack=True)

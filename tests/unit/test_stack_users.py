@@ -3,7 +3,7 @@ dir) is stopped by the last of them to end, not under the other's feet."""
 
 import heterorl.stack as stack
 from pipeline.config import load_config
-from pipeline.servers.services import Services
+from pipeline.clients.services import Services
 
 
 def test_the_last_run_using_a_local_stack_stops_it(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from heterorl.study import write_report
+from lab.study import write_report
 
 
 def record(loss, d, best, last):
@@ -44,7 +44,7 @@ def test_report_table_gap_and_degradation(tmp_path):
 
 
 def test_a_written_analysis_survives_regeneration(tmp_path):
-    from heterorl.study import ANALYSIS_MARKER
+    from lab.study import ANALYSIS_MARKER
 
     records = [record("gepo", 0, 0.5, 0.5)]
     write_report(tmp_path, records, ["gepo"], [0], "cmd")
@@ -57,7 +57,7 @@ def test_a_written_analysis_survives_regeneration(tmp_path):
 
 
 def test_a_finished_cell_is_reused_only_with_the_same_settings():
-    from heterorl.study import _same_cell
+    from lab.study import _same_cell
 
     text = "# the seed's settings\nlearner:\n  lr: 1.0e-5\n  max_steps: 100\n"
     recorded = {"config": "configs/study.yaml", "config_text": text, "loss": "gepo", "max_delay": 4, "seed": 1,
@@ -74,7 +74,7 @@ def test_a_finished_cell_is_reused_only_with_the_same_settings():
 
 
 def test_seed_spread_and_the_two_claims():
-    from heterorl.study import claims
+    from lab.study import claims
 
     records = [{**record("gepo", 0, 0.50, 0.50), "seed": 1}, {**record("gepo", 0, 0.60, 0.56), "seed": 2},
                {**record("gepo", 64, 0.54, 0.54), "seed": 1}, {**record("gepo", 64, 0.55, 0.53), "seed": 2},
@@ -118,7 +118,7 @@ def test_the_long_study_design_is_fixed_in_its_config():
 
 
 def test_the_noise_robust_view_averages_consecutive_evaluations(tmp_path):
-    from heterorl.study import _smoothed
+    from lab.study import _smoothed
 
     noisy = {**record("gepo", 64, 0.0, 0.0), "eval_curve": [[0, 0.2], [25, 0.5], [50, 0.3], [75, 0.4], [100, 0.2]]}
     s = _smoothed(noisy)  # averages of 3: 0.333, 0.4, 0.3
@@ -135,7 +135,7 @@ def test_the_noise_robust_view_averages_consecutive_evaluations(tmp_path):
 
 
 def test_the_late_slope_tells_a_plateau_from_a_collapse():
-    from heterorl.study import late_slope
+    from lab.study import late_slope
 
     curve = [[x, 0.2 + 0.001 * x] for x in range(0, 300, 25)]  # rising 10 points per 100 steps ...
     plateau = {"eval_curve": curve + [[x, 0.5] for x in range(300, 425, 25)]}  # ... then flat
@@ -162,7 +162,7 @@ def test_the_seed_regime_configs_carry_the_seed_systems_settings(name, delays):
 
 
 def test_quick_runs_the_smallest_delay_and_the_largest_that_can_bind_in_50_steps():
-    from heterorl.study import quick_max_delays
+    from lab.study import quick_max_delays
 
     assert quick_max_delays([0, 4, 16, 64]) == [0, 16]       # `study`
     assert quick_max_delays([0, 32, 64]) == [0, 32]          # `seed_regime`
@@ -172,7 +172,7 @@ def test_quick_runs_the_smallest_delay_and_the_largest_that_can_bind_in_50_steps
 def test_report_only_reports_the_finished_cells_and_starts_nothing(tmp_path, monkeypatch):
     """Cells run apart and gathered into DIR/cells/ make a report of their own; the grid's
     missing cells show as "–" and nothing is run (no stack, no cell)."""
-    from heterorl import study
+    from lab import study
     from heterorl.config_files import config_path
 
     grid = Path(__file__).parents[2] / "docs/results/smollm2_study/grid/cells"
@@ -189,7 +189,7 @@ def test_report_only_reports_the_finished_cells_and_starts_nothing(tmp_path, mon
 
 
 def test_report_only_on_a_directory_without_finished_cells_is_a_one_line_error(tmp_path, capsys, monkeypatch):
-    from heterorl import study
+    from lab import study
     from heterorl.config_files import config_path
 
     monkeypatch.setattr(study, "services_for_run", lambda *a, **k: pytest.fail("--report-only started a stack"))

@@ -1,4 +1,4 @@
-"""The delay study's verdict on the first claim (heterorl/study_verdict.py), against hand and
+"""The delay study's verdict on the first claim (lab/study_verdict.py), against hand and
 scipy computations."""
 
 import math
@@ -7,7 +7,7 @@ import statistics
 import pytest
 from scipy import stats
 
-from heterorl.study_verdict import (degradation, difference, pooled_spread, seeds_to_decide, t975, t_interval,
+from lab.study_verdict import (degradation, difference, pooled_spread, seeds_to_decide, t975, t_interval,
                                     verdict, verdict_lines)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.learning.engine import Ranks, make_engine
+from pipeline.learning.engine import Ranks, make_deepspeed_engine
 from pipeline.wire.rollout import Rollout
 from pipeline.learning.update import micro_batches, optimizer_step, rank_share
 from tests.unit.test_learner_state import tiny_model, weights
@@ -57,7 +57,7 @@ def test_a_micro_batched_step_equals_the_one_shot_step(stage, loss):
     for budget in (100_000, 8):  # everything at once; about one sequence per micro-batch
         cfg = load_config(None, [f"learner.zero_stage={stage}", f"learner.loss_type={loss}", "learner.lr=1e-2",
                                  "learner.kl_coef=0.05", f"learner.micro_batch_tokens={budget}"], env={}).learner
-        engine = make_engine(tiny_model(), cfg, torch.device("cpu"))
+        engine = make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu"))
         metrics = [optimizer_step(engine, groups(seed=s), [1.0, 0.5, 1.0], cfg, temperature=1.0,
                                   max_completion_length=8) for s in (2, 3)]
         results.append((weights(engine), metrics))
@@ -92,8 +92,8 @@ def test_a_step_refused_by_the_fresh_check_leaves_the_engine_as_if_it_never_ran(
     from pipeline.learning.update import FreshCheck, StepRefused
 
     cfg = load_config(None, [*overrides, "learner.lr=1e-2"], env={}).learner
-    straight = make_engine(tiny_model(), cfg, torch.device("cpu"))
-    refusing = make_engine(tiny_model(), cfg, torch.device("cpu"))
+    straight = make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu"))
+    refusing = make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu"))
     forged = honest(groups(seed=7), refusing.module)
     forged[1].sampler_logps = [[-5.0] * len(c) for c in forged[1].completion_ids]
     with pytest.raises(StepRefused) as refused:
@@ -112,7 +112,7 @@ def test_a_step_whose_fresh_groups_pass_reports_their_statistic_of_float_noise()
     from pipeline.learning.update import FreshCheck
 
     cfg = load_config(None, ["learner.zero_stage=0", "learner.lr=1e-2"], env={}).learner
-    engine = make_engine(tiny_model(), cfg, torch.device("cpu"))
+    engine = make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu"))
     before = weights(engine)
     metrics = optimizer_step(engine, honest(groups(seed=4), engine.module), [1.0] * 3, cfg, temperature=1.0,
                              max_completion_length=8, fresh_check=FreshCheck((0, 2), threshold=0.10))

@@ -34,12 +34,13 @@ import msgpack
 import numpy as np
 import torch
 
-from pipeline.servers.checkpoints import CheckpointStore
+from pipeline.weights.store import CheckpointStore
 from pipeline.config import HeteroConfig
-from pipeline.servers.kafka_io import RolloutSink, read_topic
+from pipeline.clients.topics import TopicWriter, read_topic
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
+from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
 ATTACKER_KINDS = ("replay", "tampered_manifest")
@@ -88,7 +89,7 @@ class FalseVersion(Sampler):
         return rollouts
 
 
-class ForgingSink(RolloutSink):
+class ForgingSink(TopicWriter):
     """Alternates an unsigned body and a sealed one whose signature has a flipped byte."""
 
     sent = 0
@@ -133,10 +134,10 @@ class Replayer(threading.Thread):
         self.errors = 0
 
     def run(self) -> None:
-        sink: Optional[RolloutSink] = None
+        sink: Optional[TopicWriter] = None
         while not self.stopped.wait(self.every_s):
             try:
-                sink = sink or RolloutSink(self.bootstrap, self.topic)
+                sink = sink or TopicWriter(self.bootstrap, self.topic)
                 records = [r for r in read_topic(self.bootstrap, self.topic, timeout_s=10.0)
                            if (r.partition, r.offset) not in self.copies]
                 for r in self.rng.sample(records, min(self.batch, len(records))):
@@ -202,7 +203,7 @@ class ManifestTamperer(threading.Thread):
         self.store.client.put_object(self.store.bucket, key, io.BytesIO(data), len(data))
 
     def tamper_in_place(self) -> Optional[str]:
-        version, key = self.state.policy()
+        version, key = current_pointer(self.state)
         if not version:
             return None
         if self.old_pointer is None:
@@ -215,7 +216,7 @@ class ManifestTamperer(threading.Thread):
         return f"v{version} rewritten in place"
 
     def forge_next_version(self) -> Optional[str]:
-        version, key = self.state.policy()
+        version, key = current_pointer(self.state)
         if version is None:
             return None
         manifest = json.loads(self._get(key))
@@ -228,11 +229,11 @@ class ManifestTamperer(threading.Thread):
         manifest = sign_document({**{k: v for k, v in manifest.items() if k != "signature"}, "version": forged},
                                  self.key)
         self._put(self.store.manifest_key(forged), json.dumps(manifest).encode())
-        self.state.publish_policy(forged, self.store.manifest_key(forged), signer=self.key)
+        PolicyPointer(self.state).set(forged, self.store.manifest_key(forged), signer=self.key)
         return f"v{forged} forged and pointed to"
 
     def _newest_delta(self) -> Optional[tuple[int, str, dict]]:
-        version, key = self.state.policy()
+        version, key = current_pointer(self.state)
         if not version:
             return None
         manifest = json.loads(self._get(key))
@@ -291,10 +292,10 @@ class VerdictForger(threading.Thread):
         from pipeline.wire.rollout import decode_rollout
         from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
 
-        sink: Optional[RolloutSink] = None
+        sink: Optional[TopicWriter] = None
         while not self.stopped.wait(self.every_s):
             try:
-                sink = sink or RolloutSink(self.bootstrap, verdicts_topic(self.topic))
+                sink = sink or TopicWriter(self.bootstrap, verdicts_topic(self.topic))
                 genuine = [r for r in read_topic(self.bootstrap, verdicts_topic(self.topic), timeout_s=10.0)
                            if (r.partition, r.offset) not in self.own]
                 for record in read_topic(self.bootstrap, self.topic, timeout_s=10.0):

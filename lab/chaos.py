@@ -45,18 +45,19 @@ from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
 from pipeline.records.audit import audit_topic
-from pipeline.servers.checkpoints import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
+from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
-from pipeline.servers.kafka_io import read_topic
+from pipeline.clients.topics import read_topic
 from pipeline.trust.keyring import init_keys, key_paths
-from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.runtime import (evaluate_base, evaluate_final_state, make_task_from_config, resolve_base_model,
                               setup_logging)
-from pipeline.servers.services import LOOPBACK, Services, free_port
+from pipeline.clients.services import LOOPBACK, Services, free_port
 from pipeline.records.update_log import UpdateEntry, updates_topic
-from pipeline.weights.policy import DELTA_FILE
+from pipeline.weights.store import DELTA_FILE
 from pipeline.weights.recovery import latest_state, recovery_store
+from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
 """Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""
@@ -242,7 +243,7 @@ class ChaosRun:
         try:
             for _ in range(tries):
                 os.killpg(learner.pid, signal.SIGSTOP)  # the learner's session: its publisher too
-                version, key = self.run_state.policy()
+                version, key = current_pointer(self.run_state)
                 manifest = self.policies.read_manifest(key) if key else None
                 if manifest is not None and (manifest.extra.get("weights") or {}).get("kind") == "delta":
                     junk = random.Random(version).randbytes(next(f["size"] for f in manifest.files
@@ -253,7 +254,7 @@ class ChaosRun:
                     break
                 os.killpg(learner.pid, signal.SIGCONT)
                 deadline = time.monotonic() + 10.0
-                while self.run_state.policy()[0] == version and time.monotonic() < deadline:
+                while current_pointer(self.run_state)[0] == version and time.monotonic() < deadline:
                     time.sleep(0.2)
             if corrupted is None:
                 self.log.warning("chaos: the learner published no delta to corrupt (every version a keyframe)")
@@ -384,7 +385,7 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
                 if p is not None and p.poll() not in (None, 0, -signal.SIGKILL):
                     raise run.procs.failure(f"sampler-{slot}", f"sampler-{slot} exited with {p.returncode}")
             bar.update(int(time.monotonic() - t0) - bar.n)
-            bar.set_postfix_str(f"v{state.policy_version()} samplers {sum(map(run.sampler_alive, run.slots))} "
+            bar.set_postfix_str(f"v{PolicyPointer(state).version()} samplers {sum(map(run.sampler_alive, run.slots))} "
                                 f"faults {sum(run.faults.values())}")
             time.sleep(0.5)
         bar.close()
@@ -401,10 +402,10 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
                 learner.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 log.info("waiting for the learner to read the rest of %s (policy v%s)", cfg.run.topic,
-                         state.policy_version())
+                         PolicyPointer(state).version())
         if learner.returncode != 0:
             raise run.procs.failure("learner", f"learner exited with {learner.returncode} while draining")
-        version, _ = state.policy()
+        version, _ = current_pointer(state)
         # The learner's last weights (and the offsets and verdicts it reached), from its final
         # recovery state: whole, whatever an attacker did to the chain of deltas before them.
         after, final_state = evaluate_final_state(cfg, store, out / "final_weights", task)

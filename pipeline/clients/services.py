@@ -26,7 +26,7 @@ class ServiceUnavailable(UserError, RuntimeError):
     """A server that does not answer; the message names it, its URL and what to do."""
 
     retryable = True
-    """Whether waiting may help (`pipeline.servers.retry.retry_call` retries only these)."""
+    """Whether waiting may help (`pipeline.clients.retry.retry_call` retries only these)."""
 
 
 class CredentialsRefused(ServiceUnavailable):

@@ -59,7 +59,7 @@ from kafka.errors import KafkaError
 
 from pipeline.errors import UserError
 from pipeline.wire.rollout import Rollout, decode_rollout, encode_rollout
-from pipeline.servers.services import ServiceUnavailable
+from pipeline.clients.services import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class SpoolCorruptError(RuntimeError):
 
 
 class RolloutSender(Protocol):
-    """What `flush_to` needs from a sink (`pipeline.servers.kafka_io.RolloutSink` is one)."""
+    """What `flush_to` needs from a sink (`pipeline.clients.topics.TopicWriter` is one)."""
 
     def send_many(self, rollouts: list[Rollout]) -> list[tuple[int, int]]: ...
 

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pipeline.config import GpuClassConfig, HeteroConfig, LoadtestConfig
+from pipeline.config import HeteroConfig
+from pipeline.config.commands import GpuClassConfig, LoadtestConfig
 from pipeline.models import SampledGroup
 from pipeline.wire.rollout import Rollout
 from producers.sampler import Sampler, SamplerParts

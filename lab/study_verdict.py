@@ -184,7 +184,7 @@ def verdict_lines(records: list[dict], losses: list[str], delays: list[int]) -> 
              f"Degradation = (Best at max delay {base} − Last at the larger delay) / Best at max delay {base}, "
              f"in % of that Best, per seed; the paper's claim for GEPO: under {CLAIM_PCT:g} %. Interval: 95 %, "
              "Student's t over seeds (each seed is an independent replicate of training and evaluation; "
-             "heterorl/study_verdict.py says why not a bootstrap), with the between-seed spread pooled over "
+             "lab/study_verdict.py says why not a bootstrap), with the between-seed spread pooled over "
              "the losses at that delay. Verdict: holds if the whole interval is under "
              "the bar, fails if all of it is above, else undecided. Seeds to decide: the fewest seeds whose "
              "interval would exclude the bar if the mean and the between-seed spread stayed as measured. "

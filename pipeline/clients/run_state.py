@@ -66,9 +66,7 @@ from typing import Optional
 import redis
 
 from pipeline.config import strip_password
-from pipeline.servers.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
-from pipeline.wire.signing import SigningKey
-from pipeline.trust import sign_pointer
+from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 
 def _prefix(run: str) -> str:
@@ -234,29 +232,6 @@ class RunState:
         return self.client.hgetall(self.prefix + "meta")
 
     # ---- policy version ------------------------------------------------------------
-    def policy(self) -> tuple[Optional[int], Optional[str]]:
-        """(version, manifest_key) of the newest published policy, or (None, None)."""
-        data = self.client.hgetall(self.prefix + "policy")
-        if not data:
-            return None, None
-        return int(data["version"]), data["manifest_key"]
-
-    def policy_version(self) -> Optional[int]:
-        raw = self.client.hget(self.prefix + "policy", "version")
-        return None if raw is None else int(raw)
-
-    def publish_policy(self, version: int, manifest_key: str, signer: Optional[SigningKey] = None) -> None:
-        """Make `version` current; call only once its manifest is in S3. With `signer` (the
-        learner's key) the pointer carries a signature samplers check against the key they pin."""
-        updated_at = repr(time.time())
-        fields = {"version": version, "manifest_key": manifest_key, "updated_at": updated_at}
-        if signer is not None:
-            fields["signature"] = sign_pointer(self.run, version, manifest_key, updated_at, signer)
-        pipe = self.client.pipeline()
-        pipe.delete(self.prefix + "policy")  # no signature of an earlier pointer may survive
-        pipe.hset(self.prefix + "policy", mapping=fields)
-        pipe.execute()
-
     # ---- quarantined sampler keys (the learner's verdicts, for status) -------------------
     def record_quarantine(self, key_id: str, info: dict) -> None:
         self.client.hset(self.prefix + "quarantine", key_id, json.dumps(info, default=str))

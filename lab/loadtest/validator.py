@@ -4,10 +4,10 @@ Real: its lease and the partition leases in Redis, reading the rollout topic, th
 check against the key registry, which groups get which check (`GroupScreen`: probation, the
 secret draw of stale groups), the signed verdicts on `<topic>.verdicts` and the progress
 recorded per partition. Modeled by their time, as in the rig's learner
-(`heterorl.loadtest.learner.ModeledScreen`): re-scoring a group's rewards
+(`lab.loadtest.learner.ModeledScreen`): re-scoring a group's rewards
 (`loadtest.reward_check_s_per_group`) and its log-probs (`loadtest.logprob_check_s_per_group`;
 here a fresh group's check costs that too, there being no training forward to ride on). Run by
-the rig as `python -m heterorl.loadtest.validator CONFIG.json VALIDATOR_ID`.
+the rig as `python -m lab.loadtest.validator CONFIG.json VALIDATOR_ID`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from consumers.screening import GroupScreen
 from consumers.validator import Validator
-from heterorl.loadtest.learner import ModeledScreen
+from lab.loadtest.learner import ModeledScreen
 from pipeline.config import HeteroConfig
 
 

@@ -3,7 +3,8 @@
 Run: `heterorl evaluator --config C --out RUN_DIR` (`heterorl train` starts one when
 `eval.every` is set).
 
-The loop: watch Redis for the newest policy version; once it has reached the next
+The loop: watch the policy pointer in Redis (checked against the learner's signature, as a
+sampler checks it) for the newest version; once it has reached the next
 multiple of `eval.every` (or is the learner's last, `learner.max_steps`), download
 its checkpoint from S3 (verified like any sampler's), score it, and append an
 `{"kind": "eval"}` record to RUN_DIR/metrics.jsonl. With `eval.after_training` a version
@@ -26,13 +27,15 @@ from typing import Optional
 import torch
 from redis.exceptions import RedisError
 
-from pipeline.servers.checkpoints import CheckpointNotFound, CorruptCheckpointError
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError
 from pipeline.config import HeteroConfig
-from pipeline.learning.engine import resolve_device
+from pipeline.devices import resolve_device
 from pipeline.records.metrics import MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluation_completions, make_task_from_config,
                               setup_logging, with_machine_precision)
-from pipeline.weights.policy import fetch_policy
+from pipeline.weights.store import fetch_policy
+from pipeline.weights.pointer import PolicyPointer
+from pipeline.wire.signing import SignatureError
 
 
 def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
@@ -87,7 +90,15 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     """Versions downloaded and waiting for the end of training (`eval.after_training`)."""
     try:
         while not stopping:
-            version, manifest_key = handles.state.policy()
+            try:  # the learner's signature, as a sampler checks it
+                pointer = PolicyPointer(handles.state).read_verified(handles.store.trusted)
+            except SignatureError as e:
+                if str(e) not in refused:
+                    refused.add(str(e))
+                    log.error("refused the policy pointer: %s; waiting for one the learner signed", e)
+                time.sleep(poll_s)
+                continue
+            version, manifest_key = (None, None) if pointer is None else (pointer.version, pointer.manifest_key)
             if version is None or not _due(version, done | {v for v, _ in held}, cfg) or manifest_key in refused:
                 time.sleep(poll_s)
                 continue

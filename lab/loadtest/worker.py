@@ -3,7 +3,7 @@ key, spool and WAN link (its own Redis and S3 routes through `infra.fault_proxy`
 class's latency, jitter, bandwidth and resets; its groups' one-way transit delay is the
 product's `sampler.delays.transit`).
 
-Run by the rig as `python -m heterorl.loadtest.worker SPEC.json`. Every `STATS_EVERY_S` it
+Run by the rig as `python -m lab.loadtest.worker SPEC.json`. Every `STATS_EVERY_S` it
 writes the spec's `stats_path` (atomically): its links' byte counts per sampler and each
 sampler's own totals. SIGTERM: every sampler stops as a real one does (sends what it can,
 releases its lease), the last stats are written, exit 0 (1 if a sampler failed).
@@ -23,10 +23,11 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from infra.fault_proxy import CONTROL_TIMEOUT_S, FaultProxy, FaultSpec, Route
-from pipeline.config import GpuClassConfig, HeteroConfig
+from pipeline.config import HeteroConfig
+from pipeline.config.commands import GpuClassConfig
 from pipeline.config.delays import DelayDistributionConfig
 from pipeline.models import load_tokenizer
-from heterorl.loadtest.fleet import LockstepSampler, SimulatedSampler
+from lab.loadtest.fleet import LockstepSampler, SimulatedSampler
 
 STATS_EVERY_S = 1.0
 

@@ -1,6 +1,50 @@
-"""Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
+"""Published weights in S3: checkpoints and policy versions; readers verify every byte.
 
-A policy version is published through `pipeline.servers.checkpoints.CheckpointStore` (files, then a
+The store of published weights in S3: checkpoints (files, then a signed manifest) and, built
+on them, policy versions as keyframes and deltas (`PolicyWriter.write`, `fetch_policy`).
+
+## Checkpoints
+
+
+Layout in the bucket: `<run>/v<version>/<file>` for each file of a Hugging Face model
+directory (safetensors weights, config, tokenizer files), then
+`<run>/v<version>/manifest.json` written last:
+
+    {"format": "heterorl-checkpoint/1", "run": ..., "version": 3, "parent_version": 2,
+     "created_at": ..., "files": [{"path": "model.safetensors", "size": 123, "sha256": "..."}, ...],
+     "extra": {...},          # e.g. the Kafka offsets the learner had consumed
+     "signature": {"key_id": ..., "value": ...}}   # the learner's Ed25519 signature
+
+The signature covers the canonical JSON of everything else (`pipeline.wire.signing`), so the
+file list, every sha256, the version and its parent are the learner's word; a reader that
+pins the learner's public key (`trusted`) refuses an unsigned or altered manifest, and any
+manifest whose run and version do not match the key it was read from.
+
+A version without a manifest does not exist: `list_versions` and `fetch` only see
+versions whose manifest is present, so a learner that dies mid-upload leaves nothing
+a sampler could load. Fetching checks size and sha256 of every file and refuses the
+checkpoint (CorruptCheckpointError) on any mismatch.
+
+Policy versions samplers read (keyframes and deltas, below) and the
+learner's recovery states (`pipeline.weights.recovery`, under `<run>/state/s<step>/`, with
+`learner_state/`: optimizer moments, fp32 master weights and LR schedule as safetensors +
+JSON) are both published through this store; `fetch` leaves `learner_state/` out unless
+the learner asks for it.
+
+No pickle crosses the network: `publish` leaves out files that formats built on pickle
+use (`.pt`, `.pth`, `.bin`, `.pkl`, `.pickle`, `.ckpt`), for instance the PyTorch weights
+beside the safetensors of a downloaded model, and `fetch` refuses a manifest that names
+one.
+
+Downloads are chunked HTTP range requests into a partial file kept beside the
+destination: a transfer cut at 90 % resumes at 90 % (also in a later `fetch` of the same
+manifest), with bounded retries and backoff, so a slow link never restarts from zero.
+
+## Policy versions
+
+Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
+
+A policy version is written through `CheckpointStore` (files, then a
 signed manifest; every download chunked, resumable and checked against its sha256) in one
 of two kinds, named in the manifest's `extra["weights"]`:
 
@@ -13,7 +57,7 @@ of two kinds, named in the manifest's `extra["weights"]`:
   sha256: `{"kind": "delta", "base_version": b, "keyframe_version": k, "files": {file:
   {name: entry}}, "inherit": [{path, size, sha256}, ...]}`.
 
-The learner (`PolicyPublisher`) keeps the weights it published last and writes a delta
+The learner (`PolicyWriter`) keeps the weights it published last and writes a delta
 against them, or a keyframe: every `keyframe_every` versions or when the deltas since the
 last keyframe would outweigh a full copy (`KeyframeRule`), and whenever anything but the
 weights changed. A sampler (`fetch_policy`) holding version h rebuilds version t from the
@@ -28,22 +72,333 @@ it has been verified.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
+import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
+from urllib.parse import urlparse
 
 import torch
+import urllib3
+from minio import Minio
+from minio.error import S3Error
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.servers.checkpoints import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
-                                  link_or_copy,
-                                  Manifest, is_pickle_file, safe_relpath, sha256_file)
 from pipeline.errors import UserError
 from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
+from pipeline.clients.retry import retry_call
+from pipeline.clients.services import CredentialsRefused, ServiceUnavailable, Services
+from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "heterorl-checkpoint/1"
+LEARNER_STATE_DIR = "learner_state"
+"""Subdirectory of a checkpoint that only the learner downloads."""
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+"""File endings of formats that unpickle when loaded: never published, never fetched."""
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Size of one range request."""
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+"""What a dropped or failing link raises while downloading (retried, the file resumes)."""
+
+
+class CorruptCheckpointError(UserError, RuntimeError):
+    """A checkpoint whose files do not match its manifest; it must not be loaded."""
+
+
+class CheckpointNotFound(UserError, LookupError):
+    """No manifest where one was expected (never published, or pruned)."""
+
+
+def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
+    """A MinIO client for any S3-compatible endpoint, with timeouts and bounded retries."""
+    url = urlparse(services.s3_endpoint)
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=timeout_s, read=max(60.0, timeout_s)),
+        maxsize=10,  # as many connections as MinIO's own client keeps: a multipart upload sends parts in parallel
+        retries=urllib3.Retry(total=3, backoff_factor=0.5, backoff_jitter=0.5, status_forcelist=(500, 502, 503, 504)),
+        **services.security.s3_pool_kwargs(services.s3_endpoint))
+    client = Minio(url.netloc, access_key=services.s3_access_key or None,
+                   secret_key=services.s3_secret_key or None, secure=url.scheme == "https",
+                   region=services.s3_region, http_client=http)
+    try:
+        if not client.bucket_exists(services.bucket):
+            client.make_bucket(services.bucket)
+    except S3Error as e:
+        if e.code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+            raise CredentialsRefused(f"S3 at {services.s3_endpoint} refused the credentials ({e.code}): check "
+                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY") from None
+        raise ServiceUnavailable(f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({e.code}: "
+                                 f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None
+    except (urllib3.exceptions.HTTPError, OSError) as e:
+        raise ServiceUnavailable(
+            f"cannot use S3 bucket {services.bucket!r} at {services.s3_endpoint} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}): check the endpoint and credentials") from None
+    return client
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """`target` as a hard link to `source` (no bytes copied), or a copy where links fail
+    (another filesystem); its parent is created."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def safe_relpath(name: str) -> str:
+    """`name` as a relative path inside a checkpoint; CorruptCheckpointError for an absolute, `..` or
+    pickle-based one."""
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise CorruptCheckpointError(f"manifest names an unsafe path {name!r}")
+    if is_pickle_file(name):
+        raise CorruptCheckpointError(f"manifest names {name!r}, a pickle-based file: refused (checkpoints carry "
+                                     "safetensors and JSON only)")
+    return str(p)
+
+
+def is_pickle_file(name: str) -> bool:
+    return name.lower().endswith(PICKLE_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    version: int
+    created_at: float
+    files: list[dict]
+    extra: dict
+    key: str
+    parent_version: Optional[int] = None
+    """The version this one was trained from (after a learner's rewind: the version of the
+    recovery state it resumed from, not the number before it)."""
+
+    @property
+    def prefix(self) -> str:
+        return self.key.rsplit("/", 1)[0] + "/"
+
+
+class CheckpointStore:
+    """publish / list_versions / fetch / prune for one run's checkpoints."""
+
+    def __init__(self, client: Minio, bucket: str, run: str, *, signer: Optional[SigningKey] = None,
+                 trusted: Optional[PublicKey] = None, label: str = "v"):
+        """`signer`: the learner's key, which signs each manifest it publishes. `trusted`: the
+        learner public key a reader pins; then only manifests it signed are read. `label`: the
+        letter before each number in the keys (`v` for policy versions; the learner's recovery
+        states use `s` for steps, under their own prefix)."""
+        self.client = client
+        self.bucket = bucket
+        self.run = run
+        self.signer = signer
+        self.trusted = trusted
+        self.label = label
+
+    def version_prefix(self, version: int) -> str:
+        return f"{self.run}/{self.label}{version}/"
+
+    def manifest_key(self, version: int) -> str:
+        return self.version_prefix(version) + MANIFEST_NAME
+
+    def uri(self, version: int) -> str:
+        return f"s3://{self.bucket}/{self.version_prefix(version)}"
+
+    def upload(self, version: int, model_dir: Path, extra: Optional[dict] = None,
+                parent_version: Optional[int] = None) -> str:
+        """Upload every file of `model_dir`, then the manifest (signed, with a signer); returns
+        the manifest key. `parent_version`: the version this one was trained from."""
+        model_dir = Path(model_dir)
+        # A manifest left by a learner that died before setting Redis would make this
+        # version visible while its files are being replaced: hide it first.
+        self.client.remove_object(self.bucket, self.manifest_key(version))
+        files = []
+        for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and not is_pickle_file(p.name)):
+            rel = path.relative_to(model_dir).as_posix()
+            digest = sha256_file(path)
+            self.client.fput_object(self.bucket, self.version_prefix(version) + rel, str(path))
+            files.append({"path": rel, "size": path.stat().st_size, "sha256": digest})
+        manifest = {"format": MANIFEST_FORMAT, "run": self.run, "version": version, "parent_version": parent_version,
+                    "created_at": time.time(), "files": files, "extra": extra or {}}
+        if self.signer is not None:
+            manifest = sign_document(manifest, self.signer)
+        body = json.dumps(manifest, indent=1).encode()
+        self.client.put_object(self.bucket, self.manifest_key(version), io.BytesIO(body), len(body),
+                               content_type="application/json")
+        return self.manifest_key(version)
+
+    def list_versions(self) -> list[int]:
+        """Versions whose manifest exists (only those are visible), ascending."""
+        versions = []
+        n = len(self.label)
+        for obj in self.client.list_objects(self.bucket, prefix=f"{self.run}/", recursive=True):
+            parts = obj.object_name[len(self.run) + 1:].split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST_NAME and parts[0][:n] == self.label and parts[0][n:].isdigit():
+                versions.append(int(parts[0][n:]))
+        return sorted(versions)
+
+    def read_manifest(self, key: str) -> Manifest:
+        try:
+            resp = self.client.get_object(self.bucket, key)
+            try:
+                raw = resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchBucket"):
+                raise CheckpointNotFound(f"no checkpoint manifest at s3://{self.bucket}/{key}") from None
+            raise
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
+        if self.trusted is not None:
+            try:
+                data = verify_document(data, self.trusted, f"manifest s3://{self.bucket}/{key}")
+            except SignatureError as e:
+                raise CorruptCheckpointError(f"refused: {e.reason}") from None
+            if data.get("run") != self.run or key != self.manifest_key(data.get("version", -1)):
+                raise CorruptCheckpointError(f"refused: manifest s3://{self.bucket}/{key} is signed for run "
+                                             f"{data.get('run')!r} v{data.get('version')}, not the one at this key")
+        try:
+            if data.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}")
+            files = [{"path": safe_relpath(f["path"]), "size": int(f["size"]), "sha256": str(f["sha256"])}
+                     for f in data["files"]]
+            return Manifest(run=str(data["run"]), version=int(data["version"]),
+                            created_at=float(data["created_at"]), files=files,
+                            extra=dict(data.get("extra") or {}), key=key,
+                            parent_version=None if data.get("parent_version") is None else int(data["parent_version"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
+
+    def read_expected(self, manifest_key: str, expect_version: Optional[int]) -> Manifest:
+        """The manifest at `manifest_key`, refused if it is not of `expect_version` (the version the
+        caller was told this is: the policy pointer's), when given."""
+        manifest = self.read_manifest(manifest_key)
+        if expect_version is not None and manifest.version != expect_version:
+            raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
+                                         f"s3://{self.bucket}/{manifest_key} is v{manifest.version}")
+        return manifest
+
+    def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
+              network_retries: int = 8, expect_version: Optional[int] = None) -> tuple[Path, Manifest]:
+        """Download a checkpoint into `dest_dir`, verifying every file; only the learner
+        asks for `learner_state`.
+
+        Network errors resume the interrupted file (`network_retries` times, with backoff);
+        a file that arrives complete but mismatching is downloaded again, `attempts` times in
+        all, then CorruptCheckpointError. The directory only appears once verified.
+        `expect_version`: the version the caller was told this is (the policy pointer's); a
+        manifest of another version is refused.
+        """
+        manifest = self.read_expected(manifest_key, expect_version)
+        dest_dir = Path(dest_dir)
+        dest_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Stable per manifest, so a later fetch of the same version resumes what is there.
+        partial = dest_dir.parent / f".partial-{hashlib.sha256(json.dumps(manifest.files).encode()).hexdigest()[:16]}"
+        wanted = [f for f in manifest.files
+                  if learner_state or not f["path"].startswith(LEARNER_STATE_DIR + "/")]
+        last_error = ""
+        for _ in range(attempts):
+            try:
+                for f in wanted:
+                    target = partial / f["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    self._download(manifest.prefix + f["path"], target, f["size"], network_retries)
+                    digest = sha256_file(target)
+                    if digest != f["sha256"]:
+                        target.unlink()
+                        raise CorruptCheckpointError(f"{f['path']}: sha256 {digest[:12]}… != manifest {f['sha256'][:12]}…")
+                if dest_dir.exists():
+                    shutil.rmtree(dest_dir)
+                partial.rename(dest_dir)
+                return dest_dir, manifest
+            except CorruptCheckpointError as e:
+                last_error = str(e)
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CorruptCheckpointError(
+            f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
+
+    def _download(self, key: str, target: Path, size: int, network_retries: int) -> None:
+        """Range-request `key` into `target` from where it stops, CHUNK_BYTES at a time; a chunk
+        that fails on the network is retried (`network_retries` times in a row at most)."""
+        while True:
+            have = target.stat().st_size if target.exists() else 0
+            if have > size:
+                target.unlink()
+                raise CorruptCheckpointError(f"{key}: {have} bytes, manifest says {size}")
+            if have == size:
+                return
+            try:
+                retry_call(lambda: self._append_chunk(key, target, size), retry_on=NETWORK_ERRORS, first_s=0.5,
+                           max_s=8.0, attempts=network_retries + 1,
+                           on_retry=lambda e, wait, _: log.warning(
+                               "download of s3://%s/%s interrupted at %d/%d bytes (%s); resuming in %.1fs",
+                               self.bucket, key, target.stat().st_size if target.exists() else 0, size,
+                               type(e).__name__, wait))
+            except NETWORK_ERRORS as e:
+                raise ServiceUnavailable(f"download of s3://{self.bucket}/{key} failed {network_retries + 1} times "
+                                         f"in a row at byte {have} of {size}: {type(e).__name__}") from None
+
+    def _append_chunk(self, key: str, target: Path, size: int) -> None:
+        """Append the next chunk of `key` (from `target`'s current size) to `target`."""
+        have = target.stat().st_size if target.exists() else 0
+        try:
+            response = self.client.get_object(self.bucket, key, offset=have, length=min(CHUNK_BYTES, size - have))
+        except S3Error as e:
+            if e.code == "NoSuchKey":  # pruned while we were downloading
+                raise CheckpointNotFound(f"s3://{self.bucket}/{key} was deleted during the download") from None
+            if e.code == "InvalidRange":
+                raise CorruptCheckpointError(f"{key}: shorter than the manifest's {size} bytes") from None
+            raise
+        try:
+            with open(target, "ab") as out:
+                for block in response.stream(64 * 1024):
+                    out.write(block)
+        finally:
+            response.close()
+            response.release_conn()
+
+    def prune(self, keep_last: int, current: int) -> list[int]:
+        """Delete all but the newest `keep_last` versions up to `current`: manifest first, so none
+        is half-visible. Versions above `current` (left by an earlier, crashed learner) are not touched,
+        and neither is v0, the base model: `heterorl replay` starts from it."""
+        versions = [v for v in self.list_versions() if 0 < v <= current]
+        doomed = versions[:-keep_last] if keep_last > 0 else versions
+        for v in doomed:
+            self.delete(v)
+        return doomed
+
+    def delete(self, version: int) -> None:
+        """Remove one version: its manifest first, so it is never half-visible."""
+        self.client.remove_object(self.bucket, self.manifest_key(version))
+        for obj in self.client.list_objects(self.bucket, prefix=self.version_prefix(version), recursive=True):
+            self.client.remove_object(self.bucket, obj.object_name)
+
+
+# === policy versions: keyframes and deltas ====================================================
 
 DELTA_FILE = "delta.safetensors"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -165,7 +520,7 @@ def _payload_bytes(path: Path) -> dict[str, bytes]:
 
 # --- the learner's side -----------------------------------------------------------------------
 
-class PolicyPublisher:
+class PolicyWriter:
     """Publishes each policy version as a keyframe or a delta against the one before it.
 
     Only what samplers read is published: the weights (cast to `dtype` when given) and the
@@ -189,7 +544,7 @@ class PolicyPublisher:
         self.published: list[dict] = []
         """Per version: version, kind, bytes a sampler downloads, full bytes."""
 
-    def publish(self, version: int, model_dir: Path, extra: Optional[dict] = None,
+    def write(self, version: int, model_dir: Path, extra: Optional[dict] = None,
                 parent_version: Optional[int] = None, keyframe: bool = False,
                 tensors: Optional[dict[str, torch.Tensor]] = None) -> str:
         """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key.
@@ -226,7 +581,7 @@ class PolicyPublisher:
                 self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
             else:
                 description = self._stage_delta(delta, staged, others)
-            key = self.store.publish(version, staged, {**(extra or {}), "weights": description}, parent_version)
+            key = self.store.upload(version, staged, {**(extra or {}), "weights": description}, parent_version)
             nbytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
         if kind == DELTA:
             self._since_keyframe += 1

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from heterorl.study import kl_quantiles, run_delay_study, slope_per_100_steps
+from lab.study import kl_quantiles, run_delay_study, slope_per_100_steps
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def learning_per_100_steps(curve: list[list[float]]) -> Optional[float]:
 
 
 def trade_off(lr: float, fresh: dict, delayed: dict) -> dict:
-    """One rate's numbers from its two cells' records (`heterorl.study` records)."""
+    """One rate's numbers from its two cells' records (`lab.study` records)."""
     kl = kl_quantiles(delayed) or {"p50": None, "p95": None, "max": None}
     slope = learning_per_100_steps(fresh["eval_curve"])
     return {

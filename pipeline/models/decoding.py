@@ -102,16 +102,7 @@ def _decode_loop(
     """
     device = next(model.parameters()).device
     B = len(rows)
-    Lp = max(len(r) for r in rows)
-    input_ids = torch.full((B, Lp), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, Lp), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, Lp - len(r) :] = torch.tensor(r, dtype=torch.long)
-        attn[i, Lp - len(r) :] = 1
-    # Positions count real tokens only, so row i's first real token is position 0,
-    # exactly as in the learner's right-padded forward pass.
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
+    input_ids, attn, position_ids = _left_padded(rows, pad_id, device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
 
     if pause is not None:
@@ -159,8 +150,27 @@ def _decode_loop(
         logits = out.logits[:, -1, :].float()
         next_pos = next_pos + 1
 
-    tok_mat = torch.stack(tokens, dim=1).cpu().tolist()
-    lp_mat = torch.stack(logps, dim=1).cpu().tolist()
+    return _cut_after_eos(torch.stack(tokens, dim=1).cpu().tolist(), torch.stack(logps, dim=1).cpu().tolist(),
+                          eos_ids)
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and position ids of ``rows`` left-padded to one length, on ``device``."""
+    B, Lp = len(rows), max(len(r) for r in rows)
+    input_ids = torch.full((B, Lp), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, Lp), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, Lp - len(r) :] = torch.tensor(r, dtype=torch.long)
+        attn[i, Lp - len(r) :] = 1
+    # Positions count real tokens only, so row i's first real token is position 0,
+    # exactly as in the learner's right-padded forward pass.
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    return input_ids.to(device), attn.to(device), position_ids.to(device)
+
+
+def _cut_after_eos(tok_mat: list[list[int]], lp_mat: list[list[float]],
+                   eos_ids: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each decoded row's tokens and log-probs up to and including its first EOS."""
     eos_set = set(int(e) for e in eos_ids)
     completions, completion_logps = [], []
     for toks, lps in zip(tok_mat, lp_mat):

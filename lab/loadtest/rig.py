@@ -2,8 +2,8 @@
 
 A case (N samplers of a fleet profile, asynchronous or lock-step) is a fresh run on the
 shared stack: its own topic, Redis keys, S3 prefix and sampler keys. The rig starts the
-modeled learner (`heterorl.loadtest.learner`) and N simulated samplers in worker processes
-(`heterorl.loadtest.worker`), waits for `loadtest.warmup_steps` steps and `loadtest.warmup_s`, measures
+modeled learner (`lab.loadtest.learner`) and N simulated samplers in worker processes
+(`lab.loadtest.worker`), waits for `loadtest.warmup_steps` steps and `loadtest.warmup_s`, measures
 for `loadtest.measure_s` (snapshots of Redis, the broker's link, the workers' links and the
 learner's records at both ends, a Redis latency probe in between), then stops the samplers
 (they flush their spools), drains the learner and audits the topic (`pipeline.records.audit`):
@@ -36,19 +36,20 @@ from tqdm import tqdm
 
 from heterorl.keys import provision_local
 from heterorl.processes import RunFailed
-from heterorl.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_quotas
-from heterorl.loadtest.report import case_row, failed_row, write_report
+from lab.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_quotas
+from lab.loadtest.report import case_row, failed_row, write_report
 from infra.local_stack import stack_services, start_stack, stop_stack
 from pipeline.records.audit import audit_topic
-from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import HeteroConfig
 from pipeline.errors import UserError
-from pipeline.servers.kafka_io import read_topic
-from pipeline.servers.redis_state import RunState, connect_redis
+from pipeline.clients.topics import read_topic
+from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.runtime import resolve_base_model, setup_logging
-from pipeline.servers.services import Services
+from pipeline.clients.services import Services
 from pipeline.records.update_log import read_entries_file
 from pipeline.weights.recovery import latest_state, recovery_store
+from pipeline.weights.pointer import PolicyPointer
 
 FIRST_STEP_TIMEOUT_S = 600.0
 WARMUP_STEPS_WITHIN_S = 90.0
@@ -62,7 +63,7 @@ class Case:
     fleet: str
     mode: str  # "async" | "sync"
     validators: int = 0
-    """Modeled validators checking the groups instead of the learner (`heterorl.loadtest.validator`)."""
+    """Modeled validators checking the groups instead of the learner (`lab.loadtest.validator`)."""
 
     @property
     def label(self) -> str:
@@ -193,11 +194,11 @@ class Rig:
 
         state = RunState(self.admin_redis, name)
         try:
-            start("learner", "heterorl.loadtest.learner", str(learner_cfg), str(case_dir))
+            start("learner", "lab.loadtest.learner", str(learner_cfg), str(case_dir))
             validator_cfg = case_dir / "validator.json"
             validator_cfg.write_text(self.role_config(cfg, "validator").model_dump_json())
             for validator_id in validator_ids:
-                start(f"validator-{validator_id}", "heterorl.loadtest.validator", str(validator_cfg), validator_id)
+                start(f"validator-{validator_id}", "lab.loadtest.validator", str(validator_cfg), validator_id)
             sampler_cfg = json.loads(self.role_config(cfg, "sampler").model_dump_json())
             workers = []
             per = lt.samplers_per_process
@@ -207,7 +208,7 @@ class Rig:
                         "samplers": [{"id": ids[i], "class": classes[i].model_dump(), "quota": quotas[i]}
                                      for i in range(first, min(first + per, case.samplers))]}
                 (case_dir / f"worker{w}.json").write_text(json.dumps(spec))
-                start(f"worker{w}", "heterorl.loadtest.worker", str(case_dir / f"worker{w}.json"))
+                start(f"worker{w}", "lab.loadtest.worker", str(case_dir / f"worker{w}.json"))
                 workers.append(f"worker{w}")
             self._wait_for_steps(case_dir, procs, 1)
             self._wait_for_steps(case_dir, procs, lt.warmup_steps, within_s=WARMUP_STEPS_WITHIN_S, required=False)
@@ -285,7 +286,7 @@ class Rig:
         return {"time": time.time(), "redis_commands": info["total_commands_processed"], "redis_by_command": commands,
                 "validators_judging_s": judging,
                 "workers": workers_stats,
-                "policy_version": state.policy_version(),
+                "policy_version": PolicyPointer(state).version(),
                 "learner_offsets": sum(state.learner_offsets().values()),
                 "cpu_s": {n: cpu_seconds(p.pid) for n, p in procs.items()},
                 "rss_mb": {n: rss_mb(p.pid) for n, p in procs.items()},

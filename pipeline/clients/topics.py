@@ -20,7 +20,7 @@ from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFaile
 
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey
-from pipeline.servers.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
+from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _log_end(consumer: KafkaConsumer, tp: TopicPartition, listed: int) -> int:
     return max(listed, consumer.highwater(tp) or 0)
 
 
-class RolloutSink:
+class TopicWriter:
     """Sends encoded rollouts; `send` returns once the broker has acknowledged (acks=all)."""
 
     def __init__(self, bootstrap: str, topic: str, send_timeout_s: float = 30.0,
@@ -186,7 +186,7 @@ class RawRecord:
     timestamp_ms: int
 
 
-class RolloutSource:
+class TopicReader:
     """Reads every partition of a topic from given offsets, without a consumer group."""
 
     def __init__(self, bootstrap: str, topic: str, start_offsets: Optional[dict[int, int]] = None,
@@ -250,7 +250,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 10.0,
     Raises ServiceUnavailable if the log's end cannot be reached within `timeout_s` of
     no progress (a broker that reports more than it serves).
     """
-    source = RolloutSource(bootstrap, topic, start_offsets=start_offsets, max_records=500, security=security)
+    source = TopicReader(bootstrap, topic, start_offsets=start_offsets, max_records=500, security=security)
     try:
         wanted = end_offsets(bootstrap, topic, security=security)
         records: list[RawRecord] = []

@@ -7,7 +7,7 @@ evaluator on) with the cell's loss, max delay and seed, on one shared local stac
 - DIR/delay_study.md: the paper-shaped table (rows loss, columns max delay, Best / Last),
   best-to-last gap per loss, GEPO's degradation from delay 0 to the largest delay;
 - DIR/delay_verdict.json: the first claim per loss, with a 95 % interval over seeds
-  (heterorl/study_verdict.py), also a section of delay_study.md;
+  (lab/study_verdict.py), also a section of delay_study.md;
 - DIR/accuracy_curves.png, DIR/iw_variance_vs_kl.png, DIR/staleness_histogram.png.
 
 Cells already finished in DIR with the same config and overrides (recorded in each cell's
@@ -39,11 +39,11 @@ import yaml
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
-from heterorl.study_verdict import verdict_lines
-from pipeline.servers.checkpoints import CheckpointStore, connect_s3
+from lab.study_verdict import verdict_lines
+from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
-from pipeline.weights.policy import prune_policies
+from pipeline.weights.store import prune_policies
 from pipeline.weights.recovery import recovery_store
 
 QUICK_STEPS = 50

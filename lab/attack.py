@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from heterorl.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
+from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
                                   VerdictForger)
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
@@ -41,6 +41,7 @@ from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.wire.signing import read_key_file
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
+from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 QUARANTINE_WITHIN = 20
 """Groups within which each attributable adversary must be quarantined."""
@@ -122,7 +123,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
             for attacker in attackers:
                 attacker.stopped.set()
             procs.stop()
-        version, _ = handles.state.policy()
+        version, _ = current_pointer(handles.state)
         # The learner's last weights (and the offsets and verdicts it reached), from its final
         # recovery state: whole, whatever an attacker did to the chain of deltas before them.
         after, final_state = evaluate_final_state(cfg, handles.store, out / "final_weights", task)
@@ -156,7 +157,7 @@ def _wait(procs: Processes, state, seconds: float) -> None:
             if learner.poll() is not None:
                 raise procs.failure("learner", f"learner exited with {learner.returncode}")
             bar.update(int(time.monotonic() - t0) - bar.n)
-            bar.set_postfix_str(f"v{state.policy_version()} quarantined {len(state.quarantines())}")
+            bar.set_postfix_str(f"v{PolicyPointer(state).version()} quarantined {len(state.quarantines())}")
             time.sleep(1.0)
     finally:
         bar.close()

@@ -11,7 +11,7 @@ the deltas have a real step's size: `ModeledStep`), re-scoring a group's rewards
 be decoded and verified) and a stale group's log-probs (a forward pass). A fresh group's
 log-prob check rides on the step's own forward passes, so it costs nothing of its own. The
 learner is built with these modeled parts (`modeled_parts`); run by the rig as
-`python -m heterorl.loadtest.learner CONFIG.json RUN_DIR`.
+`python -m lab.loadtest.learner CONFIG.json RUN_DIR`.
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""The clients of Kafka, Redis and S3: service URLs, the rollout topic, run state in Redis, checkpoints, the on-disk spool, retries."""
