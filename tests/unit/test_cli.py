@@ -106,7 +106,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_built_in_configs_are_found_from_any_directory(tmp_path):
-    assert "built-in config (dataset_example, demo, loadtest, long_study, seed_regime, smoke, smollm2, smollm2_study, study)" in " ".join(heterorl("train", "--help").stdout.split())
+    assert "built-in config (dataset_example, demo, loadtest, long_study, seed_regime, smoke, smollm2, smollm2_plateau, smollm2_study, study)" in " ".join(heterorl("train", "--help").stdout.split())
     env = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "REDIS_URL": "redis://127.0.0.1:2/0",
            "AWS_ENDPOINT_URL": "http://127.0.0.1:3"}
     full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
@@ -116,7 +116,7 @@ def test_built_in_configs_are_found_from_any_directory(tmp_path):
     assert proc.returncode == 2 and f"invalid config {smoke}: learner.lr" in proc.stderr  # the config was found
     proc = subprocess.run([sys.executable, "-m", "heterorl", "train", "--config", "demoo"], cwd=tmp_path,
                           env=full_env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "config file not found: demoo (built-in configs: dataset_example, demo, loadtest, long_study, seed_regime, smoke, smollm2, smollm2_study, study)" in proc.stderr
+    assert proc.returncode == 2 and "config file not found: demoo (built-in configs: dataset_example, demo, loadtest, long_study, seed_regime, smoke, smollm2, smollm2_plateau, smollm2_study, study)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

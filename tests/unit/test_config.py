@@ -8,7 +8,7 @@ from pipeline.config import ConfigError, HeteroConfig, LossType, dump_config, lo
 
 def test_the_shipped_configs_are_found():
     assert builtin_configs() == ["dataset_example", "demo", "loadtest", "long_study", "seed_regime", "smoke",
-                                 "smollm2", "smollm2_study", "study"]
+                                 "smollm2", "smollm2_plateau", "smollm2_study", "study"]
 
 
 @pytest.mark.parametrize("name", builtin_configs())

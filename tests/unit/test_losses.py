@@ -653,6 +653,18 @@ def test_loss_specific_requirements():
 
 
 def test_defaults_are_documented_and_resolved():
+    """Each loss's default clipping range is the one docs/losses.md gives with its source; GSPO's
+    is its paper's (3e-4 below, 4e-4 above), not the token-level 0.2."""
+    from pathlib import Path
+    table = Path(__file__).resolve().parents[2] / "docs" / "losses.md"
+    documented = {}
+    for line in table.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in LOSS_TYPES:
+            low, high = (float(x.split()[0]) for x in cells[3].split(","))
+            documented[cells[0]] = (low, high)
+            assert "arXiv:" in cells[4], f"{cells[0]}: no source for its defaults"
+    assert documented == {name: DEFAULT_EPSILONS[name] for name in LOSS_TYPES}
     assert losses.resolve_epsilons("gspo") == (3e-4, 4e-4)
     assert losses.resolve_epsilons("gepo", None, 0.3) == (0.2, 0.3)
     assert DEFAULT_EPSILONS["gepo"] == (0.2, 0.2) and DEFAULT_EPSILONS["grpo"] == (0.2, 0.2)
