@@ -3,7 +3,7 @@
     python docs/results/smollm2/gepo_weights/gepo_weights.py [--prompts 64]
 
 On-policy the learner's p is the sampler's q, so GEPO's weight of completion i of a group
-is w_i = q̄_i / Ê_q[q] with Ê_q[q] = Σ_j q̄_j² / Σ_j q̄_j (REFERENCE.md §2; q̄ the geometric
+is w_i = q̄_i / Ê_q[q] with Ê_q[q] = Σ_j q̄_j² / Σ_j q̄_j (GEPO, arXiv:2508.17850; docs/losses.md; q̄ the geometric
 mean of the token probabilities): 1 only when the group's completions are equally likely.
 With the clip at 1 ± 0.2, a completion with positive advantage and w > 1.2 gets no gradient,
 and one with negative advantage and w < 0.8 none either. This samples groups of 8 from the
