@@ -120,7 +120,7 @@ def rollouts(shape: str, model, tokenizer, args) -> list:
 def policy_weights(engine, tokenizer, work: Path) -> tuple[dict, dict]:
     """(bf16 weights as published, fp32 master weights) of the engine now."""
     from pipeline.weights.learner_state import _full, save_weights
-    from pipeline.weights.store import read_weights
+    from pipeline.weights.policy import read_weights
 
     target = work / "snapshot"
     save_weights(engine, tokenizer, target)
@@ -193,7 +193,7 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
     from infra.local_stack import start_stack, stack_services, stop_stack
     from pipeline.weights.store import CheckpointStore, connect_s3
     from pipeline.sampling.generation import HfEngine, SamplingSettings
-    from pipeline.weights.store import KeyframeRule, PolicyWriter, _write_weights, fetch_policy
+    from pipeline.weights.policy import KeyframeRule, PolicyWriter, _write_weights, fetch_policy
 
     base_dir = work / "base"
     model.save_pretrained(base_dir, safe_serialization=True)

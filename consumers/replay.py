@@ -42,8 +42,7 @@ from tqdm import tqdm
 from consumers.recorder import StepRecorder
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.archive import ArchiveError, read_archive
-from pipeline.weights.store import (CheckpointNotFound, CheckpointStore,
-                                  CorruptCheckpointError, connect_s3)
+from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.learning.engine import make_deepspeed_engine
 from pipeline.devices import resolve_device
@@ -57,7 +56,7 @@ from pipeline.runtime import evaluate_model, make_task_from_config, setup_loggin
 from pipeline.clients.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
 from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
-from pipeline.weights.store import CheckpointUrlError, fetch_published, parse_checkpoint_url
+from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 
 

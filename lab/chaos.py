@@ -55,7 +55,7 @@ from pipeline.runtime import (evaluate_base, evaluate_final_state, make_task_fro
                               setup_logging)
 from pipeline.clients.services import LOOPBACK, Services, free_port
 from pipeline.records.update_log import UpdateEntry, updates_topic
-from pipeline.weights.store import DELTA_FILE
+from pipeline.weights.policy import DELTA_FILE
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 

@@ -43,7 +43,7 @@ from lab.study_verdict import verdict_lines
 from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
-from pipeline.weights.store import prune_policies
+from pipeline.weights.policy import prune_policies
 from pipeline.weights.recovery import recovery_store
 
 QUICK_STEPS = 50

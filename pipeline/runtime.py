@@ -21,7 +21,7 @@ from typing import Optional
 from transformers.utils import logging as hf_logging
 
 from pipeline.weights.store import CheckpointNotFound, CheckpointStore, Manifest, connect_s3
-from pipeline.weights.store import fetch_policy
+from pipeline.weights.policy import fetch_policy
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
 from pipeline.devices import resolve_device, resolve_precision

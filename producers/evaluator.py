@@ -33,7 +33,7 @@ from pipeline.devices import resolve_device
 from pipeline.records.metrics import MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluation_completions, make_task_from_config,
                               setup_logging, with_machine_precision)
-from pipeline.weights.store import fetch_policy
+from pipeline.weights.policy import fetch_policy
 from pipeline.weights.pointer import PolicyPointer
 from pipeline.wire.signing import SignatureError
 

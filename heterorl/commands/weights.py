@@ -25,7 +25,7 @@ def _cmd_weights(args) -> int:
     from pipeline.weights.store import connect_s3
     from pipeline.trust.keyring import key_paths, load_learner_public
     from pipeline.clients.services import require_services
-    from pipeline.weights.store import fetch_published
+    from pipeline.weights.policy import fetch_published
 
     trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
     client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)

@@ -126,7 +126,7 @@ class HfEngine:
         the GPU between two batches."""
         if self.model is None:
             return load_policy(model_dir, self.device, self.dtype)
-        from pipeline.weights.store import read_weights
+        from pipeline.weights.policy import read_weights
 
         tensors = {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
         if self.device.type != "cuda":

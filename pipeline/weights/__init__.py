@@ -2,11 +2,12 @@
 learner keeps to resume (docs/weights.md). One version, learner to sampler, in this folder:
 
 - `publisher`: the learner hands each version to its publisher process (`BackgroundPublisher`),
-  which writes it into `store` (`PolicyWriter`: a keyframe or a delta, in the byte format of
-  `codec`; `CheckpointStore`: files, then the signed manifest, in S3) and then sets `pointer`
+  which writes it as a keyframe or a delta (`policy.PolicyWriter`, in the byte format of
+  `codec`) into `store` (`CheckpointStore`: files, then the signed manifest, in S3; it needs no
+  torch, so commands such as `heterorl status` start fast) and then sets `pointer`
   (`PolicyPointer`: the signed pointer in Redis: write, read, verify);
 - `follower`: a sampler downloads the version the verified pointer names through
-  `store.fetch_policy` (every tensor checked) and swaps it in (`PolicyFollower`); the learner's
+  `policy.fetch_policy` (every tensor checked) and swaps it in (`PolicyFollower`); the learner's
   checks re-score stale groups with past versions (`PastPolicies`); the evaluator reads the
   pointer and fetches the same way;
 - `recovery` and `learner_state`: the learner's own state, to resume.

@@ -21,8 +21,8 @@ from minio.error import S3Error
 
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.models import load_policy, load_weights_into
-from pipeline.weights.store import (CheckpointNotFound, CheckpointStore, CorruptCheckpointError, fetch_policy,
-                                    read_weights)
+from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
+from pipeline.weights.policy import fetch_policy, read_weights
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def slot_layout(model_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: torc
     packed one after another: floating-point ones in `dtype`, others (`dtypes`) as they are."""
     from safetensors import safe_open
 
-    from pipeline.weights.store import weights_files
+    from pipeline.weights.policy import weights_files
 
     places, offset = [], 0
     for file in weights_files(model_dir):
@@ -418,7 +418,8 @@ class _Child:
     def __init__(self, spec: dict):
         from pipeline.config import HeteroConfig
         from pipeline.weights.recovery import recovery_store
-        from pipeline.weights.store import CheckpointStore, KeyframeRule, PolicyWriter, connect_s3
+        from pipeline.weights.store import CheckpointStore, connect_s3
+        from pipeline.weights.policy import KeyframeRule, PolicyWriter
         from pipeline.clients.run_state import RunState, connect_redis
         from pipeline.clients.services import require_services
         from pipeline.wire.signing import read_key_file
@@ -494,7 +495,7 @@ class _Child:
                 return 1
 
     def publish_policy(self, job: dict) -> dict:
-        from pipeline.weights.store import prune_policies
+        from pipeline.weights.policy import prune_policies
 
         started = time.perf_counter()
         version = job["version"]

@@ -75,7 +75,7 @@ def _train_inspect_and_stop(tmp_path):
     # The version advanced in Redis and checkpoints with valid manifests exist in S3.
     cfg = with_local_stack(load_config(builtin_config("smoke"), [f"run.name={summary['run']}",
                                                                  f"services.data_dir={data}"], env={}))
-    from pipeline.weights.store import fetch_policy
+    from pipeline.weights.policy import fetch_policy
     handles = connect_run(cfg)
     version, _ = current_pointer(handles.state)
     assert version == 4

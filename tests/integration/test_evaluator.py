@@ -33,7 +33,7 @@ def test_an_evaluator_after_training_holds_the_due_versions_and_scores_them_at_t
     from pipeline.records.metrics import read_metrics
     from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
     from pipeline.runtime import connect_run
-    from pipeline.weights.store import PolicyWriter
+    from pipeline.weights.policy import PolicyWriter
 
     cfg = load_config(builtin_config("smoke"), [
         f"run.name=evaluator-{uuid.uuid4().hex[:6]}", "eval.every=2", "eval.after_training=true",

@@ -120,7 +120,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     # logged step 4 are lost. The restarted learner resumes from the state of step 3 at offset 5,
     # publishes those weights as v5 (v4 is never reused), and reads only what came after.
     from pipeline.records.update_log import UpdateEntry
-    from pipeline.weights.store import PolicyWriter, fetch_policy
+    from pipeline.weights.policy import PolicyWriter, fetch_policy
     orphan, _, _ = fetch_policy(handles.store, manifest_key, tmp_path / "orphan")
     PolicyWriter(handles.store).write(4, orphan, {"step": 4}, parent_version=3)
     lost = UpdateEntry(step=4, policy_version=4, loss_type="gepo", time=0.0, attempt="killed", topic=cfg.run.topic)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
 from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
-from pipeline.weights.store import DELTA, KEYFRAME, KeyframeRule, PolicyWriter, fetch_policy, read_weights
+from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule, PolicyWriter, fetch_policy, read_weights
 
 pytestmark = pytest.mark.integration
 
@@ -224,7 +224,7 @@ def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versio
 
 def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack, versions, tmp_path):
     from pipeline.wire.signing import SigningKey
-    from pipeline.weights.store import fetch_published
+    from pipeline.weights.policy import fetch_published
 
     publisher = PolicyWriter(_store(local_stack, "policy-unsigned"), KeyframeRule(3))
     for version, path in enumerate(versions[:2]):
@@ -238,7 +238,7 @@ def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack,
 def test_pruning_keeps_every_chain_a_kept_version_needs(local_stack, versions, tmp_path):
     """Keyframes every 3 versions: v0 K, v1 D, v2 D, v3 K, v4 D, v5 D. Keeping v4 on keeps v3
     (its keyframe); v1 and v2 go; v0, the base model, stays; everything kept still rebuilds."""
-    from pipeline.weights.store import prune_policies
+    from pipeline.weights.policy import prune_policies
 
     publisher, writer, reader = _published(local_stack, "policy-prune", versions)
     assert [p["kind"] for p in publisher.published] == [KEYFRAME, DELTA, DELTA, KEYFRAME, DELTA, DELTA]

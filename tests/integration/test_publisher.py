@@ -16,7 +16,7 @@ from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
-from pipeline.weights.store import fetch_policy, read_weights
+from pipeline.weights.policy import fetch_policy, read_weights
 from pipeline.weights.publisher import BackgroundPublisher, PublishTarget, copy_weights_into, slot_layout
 from pipeline.wire.signing import SigningKey, write_key_file
 from pipeline.weights.pointer import current as current_pointer

@@ -199,7 +199,7 @@ def test_payloads_are_bounded_by_the_declared_size():
 # --- the weight path's pure decisions (pipeline/weights/store.py) -----------------------------
 
 def test_a_keyframe_every_n_versions_or_when_the_chain_outweighs_a_full_copy():
-    from pipeline.weights.store import DELTA, KEYFRAME, KeyframeRule
+    from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule
 
     rule = KeyframeRule(keyframe_every=4)
     assert [rule.choose(n, 10 * n, 10, 1000) for n in range(4)] == [DELTA, DELTA, DELTA, KEYFRAME]
@@ -209,7 +209,7 @@ def test_a_keyframe_every_n_versions_or_when_the_chain_outweighs_a_full_copy():
 
 def test_a_sampler_takes_the_cheaper_path_to_a_version():
     from pipeline.weights.store import CorruptCheckpointError
-    from pipeline.weights.store import DELTA, KEYFRAME, Link, choose_path
+    from pipeline.weights.policy import DELTA, KEYFRAME, Link, choose_path
 
     chain = [Link(10, KEYFRAME, None, 1000), Link(11, DELTA, 10, 30), Link(12, DELTA, 11, 30), Link(13, DELTA, 12, 30)]
     assert [link.version for link in choose_path(chain, have=12)] == [13]

@@ -1,0 +1,530 @@
+"""Policy versions as keyframes and deltas in S3: `PolicyWriter.write` and `fetch_policy`.
+
+Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
+
+A policy version is written through `pipeline.weights.store.CheckpointStore` (files, then a
+signed manifest; every download chunked, resumable and checked against its sha256) in one
+of two kinds, named in the manifest's `extra["weights"]`:
+
+- a **keyframe** holds the model directory as it is (`*.safetensors` weights, config,
+  tokenizer files) and, per weights file, the dtype, shape and sha256 of every tensor:
+  `{"kind": "keyframe", "files": {"model.safetensors": {name: {dtype, shape, sha256}}}}`;
+- a **delta** holds `delta.safetensors` (the compressed payload of `pipeline.weights.codec`
+  as uint8 tensors) and names its base version, the keyframe its chain starts from, each
+  tensor's encoding and sha256, and the non-weight files it takes from its base with their
+  sha256: `{"kind": "delta", "base_version": b, "keyframe_version": k, "files": {file:
+  {name: entry}}, "inherit": [{path, size, sha256}, ...]}`.
+
+The learner (`PolicyWriter`) keeps the weights it published last and writes a delta
+against them, or a keyframe: every `keyframe_every` versions or when the deltas since the
+last keyframe would outweigh a full copy (`KeyframeRule`), and whenever anything but the
+weights changed. A sampler (`fetch_policy`) holding version h rebuilds version t from the
+deltas after h when h is on t's chain (never more bytes than the keyframe path, by the rule
+above), else from t's keyframe and the deltas after it (`choose_path`). Every rebuilt tensor
+must match its signed sha256 bit for bit. When the path from h fails (its copy is not what
+the chain says, a delta does not fit), the failure is recorded in the returned
+`FetchReport` and the keyframe path is taken; when that fails too, or a version on the
+chain is gone, the version is refused. The rebuilt directory is written only once all of
+it has been verified.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pipeline.errors import UserError
+from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
+from pipeline.weights.store import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
+                                    Manifest, is_pickle_file, link_or_copy, safe_relpath, sha256_file)
+
+DELTA_FILE = "delta.safetensors"
+WEIGHTS_SUFFIX = ".safetensors"
+KEYFRAME, DELTA = "keyframe", "delta"
+
+
+# --- pure decisions -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KeyframeRule:
+    """When the learner publishes a full copy instead of a delta."""
+
+    keyframe_every: int = 10
+    """A keyframe at least every this many versions (1: every version is a keyframe)."""
+
+    def choose(self, versions_since_keyframe: int, chain_bytes: int, delta_bytes: int, full_bytes: int) -> str:
+        """`versions_since_keyframe`: deltas published since the last keyframe; `chain_bytes`: their
+        total size; `delta_bytes` / `full_bytes`: this version as a delta / as a keyframe."""
+        if self.keyframe_every <= 1 or versions_since_keyframe + 1 >= self.keyframe_every:
+            return KEYFRAME
+        if chain_bytes + delta_bytes >= full_bytes:  # a far-behind sampler would fetch more than a full copy
+            return KEYFRAME
+        return DELTA
+
+
+@dataclass(frozen=True)
+class Link:
+    """One version of a chain, as its manifest describes it."""
+
+    version: int
+    kind: str
+    base_version: Optional[int]
+    nbytes: int
+    """Bytes a sampler downloads for this version (its weights or its delta, no learner state)."""
+
+
+def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
+    """The versions to download, in order, to rebuild the last of `chain`.
+
+    `chain` runs from a keyframe, or from the version the sampler holds, to the target (each
+    link's base the one before it). A sampler holding `have` on the chain applies the deltas
+    after it (their bytes never exceed the keyframe's and its deltas': they are a part of
+    them); otherwise it starts from the keyframe."""
+    versions = [link.version for link in chain]
+    if have is not None and have in versions:
+        return chain[versions.index(have) + 1:]
+    if not chain or chain[0].kind != KEYFRAME:
+        raise CorruptCheckpointError("a policy chain must start from a keyframe")
+    return chain
+
+
+# --- reading and writing weights --------------------------------------------------------------
+
+def _is_policy_file(rel: PurePosixPath) -> bool:
+    """A file samplers get: not learner state, not a pickle-based format (never published)."""
+    return LEARNER_STATE_DIR not in rel.parts and not is_pickle_file(rel.name)
+
+
+def weights_files(model_dir: Path) -> list[str]:
+    """The safetensors weight files of a model directory (relative paths, sorted)."""
+    model_dir = Path(model_dir)
+    return sorted(p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*" + WEIGHTS_SUFFIX)
+                  if p.is_file() and _is_policy_file(PurePosixPath(p.relative_to(model_dir).as_posix())))
+
+
+def other_files(model_dir: Path) -> list[dict]:
+    """The model directory's other published files (config, tokenizer, ...): path, size, sha256."""
+    model_dir = Path(model_dir)
+    weights = set(weights_files(model_dir))
+    out = []
+    for p in sorted(model_dir.rglob("*")):
+        rel = p.relative_to(model_dir).as_posix()
+        if p.is_file() and rel not in weights and _is_policy_file(PurePosixPath(rel)):
+            out.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
+    return out
+
+
+def lay_out(tensors: dict[str, torch.Tensor], model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """`tensors` (a model's state dict) arranged by weights file as `model_dir` stores the same
+    model (only its files' headers are read). A tensor the files do not name must be one they
+    store under another name (tied weights, stored once); anything else is a ValueError, as is
+    a named tensor missing from `tensors`."""
+    from safetensors import safe_open
+
+    layout = {}
+    for name in weights_files(model_dir):
+        with safe_open(str(Path(model_dir) / name), framework="pt") as f:
+            layout[name] = list(f.keys())
+    placed = {key for keys in layout.values() for key in keys}
+    missing = sorted(placed - set(tensors))
+    stored = {id(tensors[key]) for key in placed & set(tensors)}
+    unplaced = sorted(k for k in set(tensors) - placed if id(tensors[k]) not in stored)
+    if missing or unplaced:
+        raise ValueError(f"the weights do not fit the files of {model_dir}: missing {missing[:3]}, "
+                         f"not stored there {unplaced[:3]}")
+    return {name: {key: tensors[key] for key in keys} for name, keys in layout.items()}
+
+
+def read_weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of a model directory, by weights file."""
+    return {name: load_file(str(Path(model_dir) / name)) for name in weights_files(model_dir)}
+
+
+def _write_weights(weights: dict[str, dict[str, torch.Tensor]], model_dir: Path) -> None:
+    for name, tensors in weights.items():
+        target = Path(model_dir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(target), metadata={"format": "pt"})
+
+
+def _payload_tensors(payload: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    return {key: torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+            for key, blob in payload.items()}
+
+
+def _payload_bytes(path: Path) -> dict[str, bytes]:
+    return {key: t.numpy().tobytes() for key, t in load_file(str(path)).items()}
+
+
+# --- the learner's side -----------------------------------------------------------------------
+
+class PolicyWriter:
+    """Publishes each policy version as a keyframe or a delta against the one before it.
+
+    Only what samplers read is published: the weights (cast to `dtype` when given) and the
+    model directory's other files; a `learner_state/` beside them is the recovery state's
+    (`pipeline.weights.recovery`), never the policy's."""
+
+    def __init__(self, store: CheckpointStore, rule: KeyframeRule = KeyframeRule(),
+                 dtype: Optional[torch.dtype] = None, work_dir: Optional[Path] = None):
+        """`work_dir`: where each version is staged before upload (default: beside the model
+        directory published; the learner passes its own, so a read-only base model is fine)."""
+        self.store = store
+        self.work_dir = work_dir
+        self.rule = rule
+        self.dtype = dtype
+        """The dtype samplers get (None: as saved, the learner's precision)."""
+        self._last: Optional[tuple[int, dict[str, dict[str, torch.Tensor]], list[dict]]] = None
+        """(version, weights, other files) published last: the base of the next delta."""
+        self._keyframe_version: Optional[int] = None
+        self._since_keyframe = 0
+        self._chain_bytes = 0
+        self.published: list[dict] = []
+        """Per version: version, kind, bytes a sampler downloads, full bytes."""
+
+    def write(self, version: int, model_dir: Path, extra: Optional[dict] = None,
+                parent_version: Optional[int] = None, keyframe: bool = False,
+                tensors: Optional[dict[str, torch.Tensor]] = None) -> str:
+        """Upload the policy of `model_dir` (a saved model) as `version`; returns the manifest key.
+        `keyframe`: a full copy whatever the rule says (the last version of a run: it stands alone).
+        `tensors`: the weights by name, in place of those in `model_dir`'s files and laid out as
+        they are (`lay_out`): the learner hands over what it copied in memory, so nothing is
+        written to disk and read back for a policy alone."""
+        model_dir = Path(model_dir)
+        weights = read_weights(model_dir) if tensors is None else lay_out(tensors, model_dir)
+        if not weights:
+            raise CorruptCheckpointError(f"{model_dir} holds no *.safetensors weights to publish")
+        cast = self.dtype is not None and any(t.is_floating_point() and t.dtype != self.dtype
+                                              for tensors in weights.values() for t in tensors.values())
+        if cast:
+            weights = {name: {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+                       for name, tensors in weights.items()}
+        others = other_files(model_dir)
+        full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
+        delta = None if keyframe else self._delta_against_last(version, weights, others)
+        kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
+                                                               sum(d.nbytes for d in delta.values()), full_bytes)
+        with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=self.work_dir or model_dir.parent) as tmp:
+            staged = Path(tmp)
+            for f in others:
+                link_or_copy(model_dir / f["path"], staged / f["path"])
+            if kind == KEYFRAME:
+                if cast or tensors is not None:
+                    _write_weights(weights, staged)
+                else:
+                    for name in weights:
+                        link_or_copy(model_dir / name, staged / name)
+                description = {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
+                                                           for name, tensors in weights.items()}}
+                self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
+            else:
+                description = self._stage_delta(delta, staged, others)
+            key = self.store.upload(version, staged, {**(extra or {}), "weights": description}, parent_version)
+            nbytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+        if kind == DELTA:
+            self._since_keyframe += 1
+            self._chain_bytes += nbytes
+        self._last = (version, weights, others)
+        self.published.append({"version": version, "kind": kind, "bytes": nbytes,
+                               "full_bytes": full_bytes + sum(f["size"] for f in others)})
+        return key
+
+    def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
+        """The delta from the last published version, or None where only a keyframe will do: the
+        first version, a version number not above the last, other files or architecture changed."""
+        if self._last is None or version <= self._last[0] or set(self._last[1]) != set(weights) \
+                or self._last[2] != others:
+            return None
+        try:
+            return {name: encode_delta(self._last[1][name], tensors) for name, tensors in weights.items()}
+        except DeltaError:  # a different architecture or dtype: start a new chain
+            return None
+
+    def _stage_delta(self, delta: dict[str, Delta], staged: Path, others: list[dict]) -> dict:
+        """Write `delta.safetensors` into `staged`; returns the manifest's description of the delta."""
+        payload: dict[str, bytes] = {}
+        files = {}
+        for name, file_delta in delta.items():
+            entries = {}
+            for tensor, entry in file_delta.entries.items():
+                for key in entry["parts"].values():
+                    payload[f"{name}::{key}"] = file_delta.payload[key]
+                entries[tensor] = {**entry, "parts": {part: f"{name}::{key}" for part, key in entry["parts"].items()}}
+            files[name] = entries
+        # The other files travel by reference ("inherit"): a delta's directory holds only its payload.
+        for f in others:
+            (staged / f["path"]).unlink()
+        for d in sorted((p for p in staged.rglob("*") if p.is_dir()), reverse=True):
+            d.rmdir()
+        save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
+        return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
+                "files": files, "inherit": others}
+
+
+def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:
+    """Delete the versions below `keep_from` (and up to `current`) that no version from
+    `keep_from` on needs: a kept delta keeps its whole chain back to its keyframe. v0, the
+    base model, and versions above `current` (left by a crashed learner) stay. Returns
+    the deleted versions."""
+    versions = [v for v in store.list_versions() if v <= current]
+    kept = [v for v in versions if v >= keep_from]
+    if not kept:
+        return []
+    floor = kept[0]
+    try:
+        links, _ = read_chain(store, store.read_manifest(store.manifest_key(kept[0])))
+        floor = links[0].version
+    except (CheckpointNotFound, CorruptCheckpointError):
+        return []  # an unreadable chain: keep everything rather than guess
+    doomed = [v for v in versions if 0 < v < floor]
+    for v in doomed:
+        store.delete(v)
+    return doomed
+
+
+# --- the sampler's side -----------------------------------------------------------------------
+
+@dataclass
+class FetchReport:
+    """What one `fetch_policy` did."""
+
+    path: list[int] = field(default_factory=list)
+    """Versions downloaded, in order."""
+    bytes_downloaded: int = 0
+    refused: list[str] = field(default_factory=list)
+    """Why a path was refused before the one that worked (a broken chain, a tampered delta)."""
+    from_keyframe: bool = False
+
+
+def weights_description(manifest: Manifest) -> dict:
+    """The manifest's `extra.weights`, checked for shape (a manifest without it is a plain
+    keyframe: every version published before deltas). CorruptCheckpointError if malformed."""
+    weights = manifest.extra.get("weights")
+    if weights is None:
+        return {"kind": KEYFRAME, "files": None}
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"manifest v{manifest.version}: {what}")
+
+    if not isinstance(weights, dict) or weights.get("kind") not in (KEYFRAME, DELTA):
+        raise bad(f"unknown weights kind {weights.get('kind') if isinstance(weights, dict) else weights!r}")
+    files = weights.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and isinstance(entries, dict)
+            and all(isinstance(t, str) and isinstance(e, dict) and e.get("dtype") in DTYPES for t, e in entries.items())
+            for name, entries in files.items()):
+        raise bad("its weights files are not described tensor by tensor")
+    if weights["kind"] == KEYFRAME:
+        return {"kind": KEYFRAME, "files": files}
+    base = weights.get("base_version")
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < manifest.version:
+        raise bad("a delta without a valid base version")
+    inherit = weights.get("inherit")
+    if not isinstance(inherit, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                                                and isinstance(f.get("sha256"), str) for f in inherit):
+        raise bad("a delta whose inherited files are not listed")
+    for f in inherit:
+        rel = PurePosixPath(safe_relpath(f["path"]))
+        if rel.name.endswith(WEIGHTS_SUFFIX) or not _is_policy_file(rel):
+            raise bad(f"a delta may not inherit {f['path']!r}")
+    return {"kind": DELTA, "base_version": base, "files": files, "inherit": inherit}
+
+
+def link_of(manifest: Manifest) -> Link:
+    """The chain link a manifest describes."""
+    description = weights_description(manifest)
+    nbytes = sum(f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/"))
+    return Link(manifest.version, description["kind"], description.get("base_version"), nbytes)
+
+
+def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
+               max_links: int = 1000) -> tuple[list[Link], dict[int, Manifest]]:
+    """The links from the keyframe `manifest`'s version rests on, or from `have` if the chain
+    passes through it, up to `manifest` (oldest first), and their manifests. Raises
+    CheckpointNotFound when a version on the way is gone."""
+    manifests = {manifest.version: manifest}
+    links = [link_of(manifest)]
+    while links[0].kind == DELTA and links[0].version != have:
+        if len(links) > max_links:
+            raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
+        base = store.read_manifest(store.manifest_key(links[0].base_version))
+        if base.version != links[0].base_version:
+            raise CorruptCheckpointError(f"the manifest at v{links[0].base_version} says v{base.version}")
+        manifests[base.version] = base
+        links.insert(0, link_of(base))
+    return links, manifests
+
+
+def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
+                 have: Optional[tuple[int, Path]] = None, expect_version: Optional[int] = None,
+                 work_dir: Optional[Path] = None) -> tuple[Path, Manifest, FetchReport]:
+    """Rebuild the version at `manifest_key` into `dest_dir` as a plain model directory.
+
+    `have`: (version, directory) of a verified copy the caller holds, the base for its deltas.
+    Every tensor is checked against the signed sha256 before `dest_dir` appears; a path from
+    `have` that fails (the copy is not what the chain says, a delta does not fit or was
+    tampered with) is recorded in the report, and the keyframe path is tried; if that fails
+    too, CorruptCheckpointError (or CheckpointNotFound when a version on the chain is gone)."""
+    target = store.read_expected(manifest_key, expect_version)
+    dest_dir = Path(dest_dir)
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(work_dir or dest_dir.parent)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    report = FetchReport()
+    links, manifests = read_chain(store, target, have=have[0] if have else None)
+    path = choose_path(links, have[0] if have else None)
+    if have is not None and (not path or path[0].kind == DELTA):
+        try:
+            origin = Path(have[1])
+            weights = _rebuild(store, path, manifests, origin, _read_local(origin), work_dir, report)
+            if not path:  # the caller holds the target itself: check it as if it had been downloaded
+                _check_tensors(target, weights)
+                _check_files(target, _other_files_of(target), origin)
+            return _finish(weights, origin, dest_dir, target), target, report
+        except (DeltaError, CorruptCheckpointError) as e:
+            report.refused.append(f"from v{have[0]}: {e}")
+            if links[0].kind != KEYFRAME:
+                links, manifests = read_chain(store, target)
+            path = links
+    report.from_keyframe = True
+    keyframe = path[0]
+    origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
+    try:
+        origin_dir, _ = store.fetch(store.manifest_key(keyframe.version), origin / "model",
+                                    expect_version=keyframe.version)
+        report.path.append(keyframe.version)
+        report.bytes_downloaded += keyframe.nbytes
+        weights = read_weights(origin_dir)
+        _check_tensors(manifests[keyframe.version], weights)
+        if len(path) == 1:  # the version is this keyframe: its verified files are the result
+            if dest_dir.exists():
+                shutil.rmtree(dest_dir)
+            shutil.move(str(origin_dir), str(dest_dir))
+            return dest_dir, target, report
+        weights = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report)
+        return _finish(weights, origin_dir, dest_dir, target), target, report
+    except DeltaError as e:
+        raise CorruptCheckpointError(f"refused policy v{target.version}: {e}") from None
+    finally:
+        shutil.rmtree(origin, ignore_errors=True)
+
+
+def _read_local(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The caller's own copy; one that cannot be read is a copy that does not fit (DeltaError)."""
+    try:
+        return read_weights(model_dir)
+    except (OSError, SafetensorError, ValueError) as e:
+        raise DeltaError(f"the local copy in {model_dir} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _check_tensors(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Every tensor as the manifest describes it: the same files and names, dtype, shape, sha256."""
+    files = weights_description(manifest)["files"]
+    if files is None:
+        return  # a plain checkpoint: its files' sha256 were checked by the download
+    if set(files) != set(weights):
+        raise DeltaError(f"v{manifest.version} holds weights files {sorted(files)}, the copy {sorted(weights)}")
+    for name, tensors in weights.items():
+        if set(files[name]) != set(tensors):
+            raise DeltaError(f"v{manifest.version}: {name} does not hold the tensors its manifest names")
+        for tensor, entry in files[name].items():
+            got = describe(tensors[tensor])
+            if any(got[k] != entry.get(k) for k in ("dtype", "shape", "sha256")):
+                raise DeltaError(f"v{manifest.version}: tensor {tensor!r} does not match its manifest")
+
+
+def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
+             weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport):
+    """Apply `deltas` in order to `weights` (read from `origin_dir`, which must hold each delta's
+    inherited files); returns the rebuilt weights."""
+    for link in deltas:
+        manifest = manifests[link.version]
+        description = weights_description(manifest)
+        scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
+        try:
+            delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version)
+            report.path.append(link.version)
+            report.bytes_downloaded += link.nbytes
+            payload = _payload_bytes(delta_dir / DELTA_FILE)
+        except SafetensorError as e:
+            raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        files = description["files"]
+        if set(files) != set(weights):
+            raise DeltaError(f"delta v{link.version} is for weights files {sorted(files)}, its base holds "
+                             f"{sorted(weights)}")
+        weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
+                   for name, entries in files.items()}
+        _check_files(manifest, description["inherit"], origin_dir)
+    return weights
+
+
+def _other_files_of(manifest: Manifest) -> list[dict]:
+    """The non-weight files a version's directory holds, with their sha256."""
+    description = weights_description(manifest)
+    if description["kind"] == DELTA:
+        return description["inherit"]
+    return [f for f in manifest.files if not f["path"].endswith(WEIGHTS_SUFFIX)
+            and _is_policy_file(PurePosixPath(f["path"]))]
+
+
+def _check_files(manifest: Manifest, files: list[dict], origin_dir: Path) -> None:
+    for f in files:
+        path = origin_dir / safe_relpath(f["path"])
+        if not path.is_file() or sha256_file(path) != f["sha256"]:
+            raise DeltaError(f"v{manifest.version} takes {f['path']} with sha256 {f['sha256'][:12]}…, which "
+                             f"{origin_dir} does not hold")
+
+
+def _finish(weights, origin_dir: Path, dest_dir: Path, target: Manifest) -> Path:
+    """Write the verified weights and the target's other files (from `origin_dir`) to `dest_dir`."""
+    staging = Path(tempfile.mkdtemp(prefix=".rebuilding-", dir=dest_dir.parent))
+    try:
+        for f in _other_files_of(target):
+            rel = safe_relpath(f["path"])
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(origin_dir / rel, staging / rel)
+        _write_weights(weights, staging)
+        if dest_dir.exists():
+            shutil.rmtree(dest_dir)
+        staging.rename(dest_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest_dir
+
+
+# --- any version, by its address ----------------------------------------------------------------
+
+class CheckpointUrlError(UserError, ValueError):
+    """A checkpoint address that does not name a published version."""
+
+
+_URL = re.compile(r"s3://(?P<bucket>[^/]+)/(?P<run>.+?)/v(?P<version>\d+)/?(?:manifest\.json)?")
+
+
+def parse_checkpoint_url(url: str) -> tuple[str, str, int]:
+    """`s3://BUCKET/RUN/vN/` (as runs print it, with or without `manifest.json`) -> (bucket, run, N)."""
+    match = _URL.fullmatch(url.strip())
+    if match is None:
+        raise CheckpointUrlError(f"{url!r} is not a published version: expected s3://BUCKET/RUN/vN/ "
+                                 "(as `heterorl train` prints it)")
+    return match["bucket"], match["run"], int(match["version"])
+
+
+def fetch_published(client, url: str, out: Path, trusted=None) -> tuple[Path, Manifest, FetchReport]:
+    """Rebuild the version at `url` into `out` (a plain Hugging Face directory), every tensor
+    checked against its manifest; `trusted`: the learner public key its manifests must carry."""
+    bucket, run, version = parse_checkpoint_url(url)
+    store = CheckpointStore(client, bucket, run, trusted=trusted)
+    out = Path(out)
+    return fetch_policy(store, store.manifest_key(version), out, expect_version=version)
