@@ -63,9 +63,11 @@ class WandbLogger:
         return logged
 
     def finish(self, summary: dict, report: Path | None = None) -> None:
-        """The last records, the run's summary (its numbers) and report.png, then close the run."""
+        """The last records, the run's summary (its numbers) and report.png, then close the run and
+        wait until W&B has written it all (its offline file is complete when this returns)."""
         self.poll()
         self.run.summary.update(numeric_fields(summary, "summary"))
         if report is not None and report.exists():
             self.run.log({"report": self.wandb.Image(str(report))})
         self.run.finish()
+        self.wandb.teardown()  # waits for W&B's service to write everything out before the command ends

@@ -226,7 +226,13 @@ def test_a_run_across_four_hosts_as_the_docs_say(hosts, tmp_path):
                .splitlines()]
     used_by = {g["rollout_id"] for e in entries for g in e.get("used", [])}
     assert len(used_by) == 32  # every group used once
-    for sampler in ("sampler-a", "sampler-b"):  # both fed the run, from their own hosts
+    # The run was fed from the samplers' hosts, each of which fetched the learner's weights from the
+    # servers' host. Which sampler published how many groups is a race (a sampler that starts late
+    # may find the run ahead of it and stop having published none), so only the total is asserted.
+    published = 0
+    for sampler in ("sampler-a", "sampler-b"):
         log = (tmp_path / f"{sampler}.log").read_text()
-        published = re.search(r"stopped after (\d+) groups", log)
-        assert published and int(published.group(1)) > 0, log[-2000:]
+        stopped = re.search(r"stopped after (\d+) groups.*weights_bytes_downloaded (\d+)", log)
+        assert stopped and int(stopped.group(2)) > 0, log[-2000:]
+        published += int(stopped.group(1))
+    assert published >= 32
