@@ -74,7 +74,7 @@ from pipeline.weights.learner_state import capture
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 from pipeline.weights.recovery import RecoverySchedule, ResumePoint, resume_point
 from pipeline.wire.rollout import encode_rollout
-from pipeline.weights.pointer import current as current_pointer
+from pipeline.weights.store import current as current_pointer
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:

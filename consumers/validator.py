@@ -42,7 +42,7 @@ import torch
 
 from consumers.screening import GroupScreen
 from pipeline.weights.follower import PastPolicies
-from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, current as current_pointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import RawRecord, TopicWriter, TopicReader, ensure_topic
 from pipeline.trust.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
@@ -52,7 +52,6 @@ from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_m
                               touch_heartbeat_file)
 from pipeline.trust import Rejected, RolloutVerifier, trusted_sampler
 from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
-from pipeline.weights.pointer import current as current_pointer
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,11 @@ import time
 from typing import Optional
 
 from heterorl.stack import resolved_services
-from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
 from pipeline.config import load_config
 from pipeline.clients.topics import end_offsets
 from pipeline.clients.run_state import RunState, connect_redis, latest_run
 from pipeline.clients.services import require_services
-from pipeline.weights.pointer import PolicyPointer
 
 
 RECENTLY_GONE_S = 3600.0  # samplers whose lease ended within this window are listed as gone

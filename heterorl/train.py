@@ -43,7 +43,7 @@ from pipeline.devices import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
                               make_task_from_config,
                               resolve_base_model, setup_logging, with_machine_precision)
-from pipeline.weights.pointer import current as current_pointer
+from pipeline.weights.store import current as current_pointer
 
 
 def completion_bar(desc: str, total: int) -> tqdm:

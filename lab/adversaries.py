@@ -34,13 +34,12 @@ import msgpack
 import numpy as np
 import torch
 
-from pipeline.weights.store import CheckpointStore
+from pipeline.weights.store import CheckpointStore, PolicyPointer, current as current_pointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import TopicWriter, read_topic
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
-from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
 ATTACKER_KINDS = ("replay", "tampered_manifest")

@@ -41,7 +41,7 @@ from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.wire.signing import read_key_file
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
-from pipeline.weights.pointer import PolicyPointer, current as current_pointer
+from pipeline.weights.store import PolicyPointer, current as current_pointer
 
 QUARANTINE_WITHIN = 20
 """Groups within which each attributable adversary must be quarantined."""

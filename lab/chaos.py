@@ -45,7 +45,7 @@ from heterorl.processes import Processes, child_env
 from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from infra.local_stack import restart_service, stack_services, start_stack, stop_stack
 from pipeline.records.audit import audit_topic
-from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3, current as current_pointer
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
 from pipeline.clients.topics import read_topic
@@ -57,7 +57,6 @@ from pipeline.clients.services import LOOPBACK, Services, free_port
 from pipeline.records.update_log import UpdateEntry, updates_topic
 from pipeline.weights.policy import DELTA_FILE
 from pipeline.weights.recovery import latest_state, recovery_store
-from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 SAMPLER_LINK_FAULTS = {"latency_ms": 20.0, "jitter_ms": 10.0, "reset_probability_per_s": 1 / 60}
 """Background faults on every sampler connection: 20±10 ms each way, a reset a minute."""

@@ -27,14 +27,13 @@ from typing import Optional
 import torch
 from redis.exceptions import RedisError
 
-from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, PolicyPointer
 from pipeline.config import HeteroConfig
 from pipeline.devices import resolve_device
 from pipeline.records.metrics import MetricsWriter, read_metrics
 from pipeline.runtime import (connect_run, evaluate_checkpoint, evaluation_completions, make_task_from_config,
                               setup_logging, with_machine_precision)
 from pipeline.weights.policy import fetch_policy
-from pipeline.weights.pointer import PolicyPointer
 from pipeline.wire.signing import SignatureError
 
 

@@ -62,7 +62,7 @@ from pipeline.runtime import (connect_run, make_task_from_config, setup_logging,
                               with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.wire.signing import KeyFileError, SignatureError, SigningKey
-from pipeline.weights.pointer import verify_pointer
+from pipeline.weights.store import verify_pointer
 from pipeline.clients.spool import RolloutSpool
 
 

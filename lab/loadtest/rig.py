@@ -40,7 +40,7 @@ from lab.loadtest.fleet import assign_classes, expected_groups_per_s, lockstep_q
 from lab.loadtest.report import case_row, failed_row, write_report
 from infra.local_stack import stack_services, start_stack, stop_stack
 from pipeline.records.audit import audit_topic
-from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
 from pipeline.config import HeteroConfig
 from pipeline.errors import UserError
 from pipeline.clients.topics import read_topic
@@ -49,7 +49,6 @@ from pipeline.runtime import resolve_base_model, setup_logging
 from pipeline.clients.services import Services
 from pipeline.records.update_log import read_entries_file
 from pipeline.weights.recovery import latest_state, recovery_store
-from pipeline.weights.pointer import PolicyPointer
 
 FIRST_STEP_TIMEOUT_S = 600.0
 WARMUP_STEPS_WITHIN_S = 90.0

@@ -1,9 +1,9 @@
 """Following the learner's versions: a role that generates with the newest policy
 (`PolicyFollower`: the sampler's weights, downloaded and verified in the background, swapped
 in between batches), and the learner's or a validator's past versions, which stale groups are
-re-scored with (`PastPolicies`). Both fetch through `pipeline.weights.store.fetch_policy`
+re-scored with (`PastPolicies`). Both fetch through `pipeline.weights.policy.fetch_policy`
 (every tensor checked against the learner's signed manifest); the pointer they follow is
-`pipeline.weights.pointer`.
+`pipeline.weights.store.PolicyPointer`.
 """
 
 from __future__ import annotations

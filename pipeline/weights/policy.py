@@ -1,7 +1,5 @@
 """Policy versions as keyframes and deltas in S3: `PolicyWriter.write` and `fetch_policy`.
 
-Policy versions as keyframes and deltas in S3: `publish`, `latest` and `fetch`.
-
 A policy version is written through `pipeline.weights.store.CheckpointStore` (files, then a
 signed manifest; every download chunked, resumable and checked against its sha256) in one
 of two kinds, named in the manifest's `extra["weights"]`:

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.weights.learner_state import Capture
-from pipeline.weights.pointer import PolicyPointer
+from pipeline.weights.store import PolicyPointer
 
 log = logging.getLogger("publisher")
 

@@ -16,7 +16,7 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import ENV_OVERRIDES, load_config, strip_password
-from pipeline.weights.pointer import current as current_pointer
+from pipeline.weights.store import current as current_pointer
 from tests.integration.test_local_stack import _gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

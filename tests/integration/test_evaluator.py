@@ -12,7 +12,7 @@ import pytest
 
 from heterorl.config_files import builtin_config
 from pipeline.config import dump_config, load_config
-from pipeline.weights.pointer import PolicyPointer
+from pipeline.weights.store import PolicyPointer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

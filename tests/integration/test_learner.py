@@ -10,7 +10,7 @@ from heterorl.config_files import builtin_config
 from pipeline.config import load_config
 from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.wire.rollout import Rollout
-from pipeline.weights.pointer import current as current_pointer
+from pipeline.weights.store import current as current_pointer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

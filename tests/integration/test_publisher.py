@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from pipeline.config import HeteroConfig
-from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.weights.store import CheckpointStore, connect_s3, current as current_pointer
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
 from pipeline.weights.policy import fetch_policy, read_weights
 from pipeline.weights.publisher import BackgroundPublisher, PublishTarget, copy_weights_into, slot_layout
 from pipeline.wire.signing import SigningKey, write_key_file
-from pipeline.weights.pointer import current as current_pointer
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.clients.run_state import RunState, connect_redis
 from heterorl.status import collect_status, format_status
-from pipeline.weights.pointer import PolicyPointer
+from pipeline.weights.store import PolicyPointer
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,9 @@ from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
 from infra.local_stack import REDIS_ACL_FILE, STATE_FILE, StackState, redis_server_version, s3_client, stack_services
-from pipeline.weights.store import connect_s3
+from pipeline.weights.store import PolicyPointer, connect_s3, current as current_pointer
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import ServiceUnavailable
-from pipeline.weights.pointer import PolicyPointer, current as current_pointer
 
 pytestmark = pytest.mark.integration
 

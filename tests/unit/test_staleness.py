@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.learning.staleness import REASONS, StalenessCounter, StalenessDecision, decide_staleness
+from pipeline.learning.admission import REASONS, StalenessCounter, StalenessDecision, decide_staleness
 
 
 def test_boundary_max_is_kept_and_max_plus_one_is_dropped():

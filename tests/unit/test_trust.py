@@ -15,7 +15,7 @@ from pipeline.wire.rollout import decode_rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import (KeyFileError, SignatureError, SigningKey, read_key_file, sign_document,
                               verify_document, write_key_file)
 from pipeline.trust import KeyEntry, KeyRegistry, Rejected, RolloutVerifier, StrikePolicy, logprob_gap, termination_error
-from pipeline.weights.pointer import sign_pointer, verify_pointer
+from pipeline.weights.store import sign_pointer, verify_pointer
 from tests.unit.test_rollout import make_rollout
 
 NOW = 1_700_000_000.0
