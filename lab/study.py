@@ -185,12 +185,13 @@ GSPO gap is 12 points)."""
 
 
 def _smoothed(r: dict, window: int = SMOOTHING) -> dict:
-    """The cell with Best / Last taken on the moving average of `window` consecutive evaluations."""
+    """The cell with Best / Last taken on the moving average of `window` consecutive evaluations
+    (Best: the highest average, Last: the final one); as it is with fewer evaluations."""
     ys = [y for _, y in r["eval_curve"]]
-    if len(ys) < window:
+    if len(ys) < window or window == 1:
         return r
     averages = [statistics.fmean(ys[i:i + window]) for i in range(len(ys) - window + 1)]
-    return {**r, "best_accuracy": max(averages), "last_accuracy": averages[-1]}
+    return {**r, "best_accuracy": max(averages), "last_accuracy": averages[-1], "evaluations_averaged": window}
 
 
 def kl_quantiles(r: dict) -> Optional[dict]:
@@ -261,7 +262,11 @@ def _bars(c: dict) -> list[str]:
 ANALYSIS_MARKER = "<!-- analysis: written by a person, kept when the report is regenerated -->"
 
 
-def write_report(out: Path, records: list[dict], losses: list[str], delays: list[int], command: str) -> None:
+def write_report(out: Path, records: list[dict], losses: list[str], delays: list[int], command: str,
+                 averaged: int = 1) -> None:
+    """delay_study.md / .json, delay_verdict.json and the plots; `averaged` > 1: Best and Last
+    are each the mean of that many consecutive evaluations (`study.evaluations_averaged`)."""
+    records = [_smoothed(r, averaged) for r in records]
     (out / "delay_study.json").write_text(json.dumps(records, indent=1))
     md_path = out / "delay_study.md"
     old = md_path.read_text() if md_path.exists() else ""
@@ -275,7 +280,9 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
         "# Delay study", "", f"Command: `{command}`", "",
         f"Held-out accuracy (mean exact match over {int(records[0]['eval_samples'])} samples per problem, "
         f"{int(records[0]['eval_problems'])} problems, in %); every cell starts from the same base model "
-        f"({start}). Best = highest evaluated version, Last = the final version. "
+        f"({start}). " + (f"Best = the highest mean of {averaged} consecutive evaluations, Last = the mean of "
+                   f"the final {averaged} (`study.evaluations_averaged`). " if averaged > 1 else
+                   "Best = highest evaluated version, Last = the final version. ") +
         f"Seeds: {', '.join(map(str, seeds))}" + (" (mean, and the range over seeds in brackets)."
                                                   if len(seeds) > 1 else "."), "",
         *_table(records, losses, delays), "",
@@ -309,6 +316,7 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
         first_claim, first_claim_data = verdict_lines(records, losses, delays)
         (out / "delay_verdict.json").write_text(json.dumps(first_claim_data, indent=1))
         lines += ["", *first_claim] if first_claim else []
+    if "gepo" in losses and len(delays) > 1 and averaged == 1:
         smoothed = [_smoothed(r) for r in records]
         lines += ["", f"## The same on a {SMOOTHING}-evaluation moving average", "",
                   f"A single evaluation is noisy, and Best is the largest of many, so it is biased upward. Here "
@@ -462,7 +470,7 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                 continue
             if not done:  # never reuse a cell made with other settings
                 if records:  # what is finished is reported before this cell starts
-                    write_report(out, records, losses, delays, command)
+                    write_report(out, records, losses, delays, command, cfg.study.evaluations_averaged)
                 print(f"[{i}/{len(cells)}] {loss}, max delay {d}, seed {seed}", file=sys.stderr)
                 if cell_dir.exists():
                     shutil.rmtree(cell_dir)
@@ -488,6 +496,6 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
     if not records:  # only --report-only gets here without a finished cell
         print(f"heterorl study: no finished cell of this grid in {out}/cells/ to report", file=sys.stderr)
         return 1
-    write_report(out, records, losses, delays, command)
+    write_report(out, records, losses, delays, command, cfg.study.evaluations_averaged)
     print(f"delay study: {out}/delay_study.md, {out}/delay_study.json")
     return 0

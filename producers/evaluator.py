@@ -5,7 +5,8 @@ Run: `heterorl evaluator --config C --out RUN_DIR` (`heterorl train` starts one 
 
 The loop: watch the policy pointer in Redis (checked against the learner's signature, as a
 sampler checks it) for the newest version; once it has reached the next
-multiple of `eval.every` (or is the learner's last, `learner.max_steps`), download
+multiple of `eval.every` (or is the learner's last, `learner.max_steps`) and is not before
+`eval.start_version`, download
 its checkpoint from S3 (verified like any sampler's), score it, and append an
 `{"kind": "eval"}` record to RUN_DIR/metrics.jsonl. With `eval.after_training` a version
 is downloaded when due but scored only once the last one is there: on a CPU whose cores
@@ -42,6 +43,8 @@ def _due(version: int, scored: set[int], cfg: HeteroConfig) -> bool:
     (published versions need not be exact multiples: see learner.sync_every), or is the last."""
     every = cfg.eval.every or 1
     newest_scored = max(scored, default=-1)
+    if 0 < version < cfg.eval.start_version and version < cfg.learner.max_steps:
+        return False
     return version > newest_scored and (version >= (newest_scored // every + 1) * every
                                         or version >= cfg.learner.max_steps)
 

@@ -474,6 +474,9 @@ class EvalConfig(Strict):
     every: Optional[int] = Field(None, ge=1)
     """If set, `train` runs an evaluator process that scores every k-th published version
     (and the last) while training runs; best and last accuracy come from these records."""
+    start_version: int = Field(0, ge=0)
+    """The evaluator scores no version before this one (v0, which `train` scores as the start,
+    excepted): a study that reads only the end of its curves spends no evaluation on the middle."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads of the evaluator process."""
     after_training: bool = False

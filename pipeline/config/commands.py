@@ -23,6 +23,9 @@ class StudyConfig(Strict):
     """`learner.max_delay_steps` of each column."""
     seeds: list[int] = Field(default_factory=lambda: [1], min_length=1)
     """`run.seed` and `sampler.delays.seed` of each repetition."""
+    evaluations_averaged: int = Field(1, ge=1)
+    """Best and Last are each the mean of this many consecutive evaluations: Best the highest
+    such mean, Last the mean of the final ones (1: single evaluations)."""
 
     @field_validator("max_delays")
     @classmethod

@@ -134,6 +134,27 @@ def test_the_noise_robust_view_averages_consecutive_evaluations(tmp_path):
     assert "is 40.0 % below its Best at max delay 0" in view  # Last 0.3 vs Best 0.5
 
 
+def test_best_and_last_as_means_of_the_last_evaluations_when_the_study_says_so(tmp_path):
+    curve0 = [[0, 0.1], [75, 0.34], [100, 0.36], [125, 0.38], [150, 0.37]]
+    curve16 = [[0, 0.1], [75, 0.30], [100, 0.33], [125, 0.35], [150, 0.36]]
+    records = [{**record("gepo", 0, 0.38, 0.37), "eval_curve": curve0, "mean_staleness_used": 0.0},
+               {**record("gepo", 16, 0.36, 0.36), "eval_curve": curve16, "mean_staleness_used": 5.0}]
+    write_report(tmp_path, records, ["gepo"], [0, 16], "cmd", averaged=3)
+    md = (tmp_path / "delay_study.md").read_text()
+    assert "Best = the highest mean of 3 consecutive evaluations, Last = the mean of the final 3" in md
+    # max delay 0: windows 0.267, 0.36, 0.37 -> Best 37.0, Last 37.0; 16: Best = Last = 34.7
+    assert "| gepo | 37.0 | 37.0 | 34.7 | 34.7 |" in md
+    assert "moving average" not in md  # the averaged view is the report itself
+    stored = json.loads((tmp_path / "delay_study.json").read_text())
+    assert [r["evaluations_averaged"] for r in stored] == [3, 3]
+    assert stored[1]["last_accuracy"] == pytest.approx((0.33 + 0.35 + 0.36) / 3)
+    verdict = json.loads((tmp_path / "delay_verdict.json").read_text())
+    # at matched age Last's versions 100, 125, 150 less 5 meet max delay 0 at 95, 120, 145
+    matched = (0.356 + 0.376 + 0.372) / 3
+    assert verdict["matched_age"][0]["per_seed_pct"] == pytest.approx([100 * (matched - (0.33 + 0.35 + 0.36) / 3)
+                                                                        / matched])
+
+
 def test_the_late_slope_tells_a_plateau_from_a_collapse():
     from lab.study import late_slope
 
