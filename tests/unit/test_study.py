@@ -207,6 +207,11 @@ def test_report_only_reports_the_finished_cells_and_starts_nothing(tmp_path, mon
     assert "| gepo | 30.2 | 30.2 | 25.5 | 25.5 |" in table and "| gspo | – | – | – | – |" in table
     records = json.loads((tmp_path / "delay_study.json").read_text())
     assert [(r["loss"], r["max_delay"]) for r in records] == [("gepo", 0), ("gepo", 32)]
+    shutil.rmtree(tmp_path / "cells" / "gepo-d0-s0")  # one cell: nothing to compare it with yet
+    assert study.run_delay_study(config_path("smollm2_study"), ["gepo", "gspo"], [0, 32], [0], tmp_path, [],
+                                 str(tmp_path / "data"), "cmd", report_only=True) == 0
+    assert "- Not yet computable: they need GEPO's cells at max delays 0 and 32." in \
+        (tmp_path / "delay_study.md").read_text()
 
 
 def test_report_only_on_a_directory_without_finished_cells_is_a_one_line_error(tmp_path, capsys, monkeypatch):
