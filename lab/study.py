@@ -318,13 +318,13 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
         first_claim, first_claim_data = verdict_lines(records, losses, delays)
         (out / "delay_verdict.json").write_text(json.dumps(first_claim_data, indent=1))
         lines += ["", *first_claim] if first_claim else []
-    if "gepo" in losses and len(delays) > 1 and averaged == 1:
-        smoothed = [_smoothed(r) for r in records]
-        lines += ["", f"## The same on a {SMOOTHING}-evaluation moving average", "",
-                  f"A single evaluation is noisy, and Best is the largest of many, so it is biased upward. Here "
-                  f"each cell's curve is first averaged over {SMOOTHING} consecutive evaluations: Best is the "
-                  f"highest average, Last the average of the final {SMOOTHING}.", "",
-                  *_gap_table(smoothed, losses, delays, "###"), "", *_bars(claims(smoothed, delays))]
+        if averaged == 1:  # single evaluations: the same again on a moving average
+            smoothed = [_smoothed(r) for r in records]
+            lines += ["", f"## The same on a {SMOOTHING}-evaluation moving average", "",
+                      f"A single evaluation is noisy, and Best is the largest of many, so it is biased upward. "
+                      f"Here each cell's curve is first averaged over {SMOOTHING} consecutive evaluations: Best is "
+                      f"the highest average, Last the average of the final {SMOOTHING}.", "",
+                      *_gap_table(smoothed, losses, delays, "###"), "", *_bars(claims(smoothed, delays))]
     lines += ["", "Plots: `accuracy_curves.png`, `kl_and_iw_variance.png`, `iw_variance_vs_kl.png` (each loss's "
                   "own weight), `weight_families_vs_kl.png` (Theorem 1: all three weights on the same batches), "
                   "`staleness_histogram.png`.", ""]
