@@ -39,7 +39,7 @@ import yaml
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
-from lab.study_verdict import verdict_lines
+from lab.study_verdict import accuracy_at, verdict_lines
 from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
@@ -221,6 +221,17 @@ def late_slope(r: dict, fraction: float = 0.25) -> Optional[float]:
     return slope_per_100_steps([p for p in curve if p[0] >= start], min_points=3)
 
 
+def last_quarter_share(r: dict, fraction: float = 0.25) -> Optional[float]:
+    """The share of a run's gain (last evaluation − first) made over its last `fraction` of
+    versions, evaluations linearly interpolated between: a curve whose last quarter adds at most
+    20 % of its gain has flattened. None without a gain to share."""
+    curve = r["eval_curve"]
+    if len(curve) < 2 or curve[-1][1] <= curve[0][1]:
+        return None
+    end = curve[-1][0]
+    return (curve[-1][1] - accuracy_at(curve, end - fraction * (end - curve[0][0]))) / (curve[-1][1] - curve[0][1])
+
+
 def slope_per_100_steps(curve: list[list[float]], min_points: int) -> Optional[float]:
     """Least-squares slope of (step, accuracy) points, in accuracy points per 100 steps; None
     with fewer than `min_points` points."""
@@ -290,14 +301,16 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
     lines += ["", "## Staleness actually used, completion length, KL, importance-weight variance, sampler waste", "",
               "IW variance is each loss's own weight: per token for grpo, per sequence for gspo and gepo. "
               "Late slope: the least-squares slope of held-out accuracy over the last quarter of the run, in "
-              "points per 100 steps (about 0: a plateau; clearly negative: a collapse).", "",
+              "points per 100 steps (about 0: a plateau; clearly negative: a collapse). Last quarter: the share "
+              "of the run's gain (last evaluation − first) made over its last quarter of versions, evaluations "
+              "linearly interpolated (at most 20 %: the curve has flattened).", "",
               "KL: the per-token learner–sampler KL of each step's batch (k3), its median, 95th percentile and "
               "maximum over the run's steps. Clip: the mean over steps of the fraction clipped (tokens for grpo, "
               "sequences for gspo and gepo).", "",
               "| loss | max delay | seed | steps | max τ used | mean τ used | mean completion tokens | groups used "
               "| dropped | generated | sampler stalls | forced refreshes | KL p50 | KL p95 | KL max | clip | mean IW var "
-              "| late slope | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| late slope | last quarter | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (losses.index(r["loss"]), r["max_delay"], r["seed"])):
         tokens = r.get("mean_completion_tokens")
         lines.append(f"| {r['loss']} | {r['max_delay']} | {r['seed']} | {r.get('steps', '–')} | "
@@ -305,7 +318,9 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
                      f"{'–' if tokens is None else f'{tokens:.1f}'} | {r['groups_used']} | {r['groups_dropped']} | "
                      f"{r['groups_generated']} | {r['sampler_stalls']} | {r['forced_refreshes']} | "
                      f"{_kl_columns(r)} | {_fraction(r.get('mean_clip_fraction'))} | {r['mean_iw_variance']:.2e} | "
-                     f"{'–' if (slope := late_slope(r)) is None else f'{slope:+.1f}'} | {r['wall_seconds']} |")
+                     f"{'–' if (slope := late_slope(r)) is None else f'{slope:+.1f}'} | "
+                     f"{'–' if (share := last_quarter_share(r)) is None else f'{100 * share:.0f} %'} | "
+                     f"{r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
         first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0])]
         last = [r["last_accuracy"] for r in _cells(records, "gepo", delays[-1])]

@@ -166,6 +166,19 @@ def test_the_late_slope_tells_a_plateau_from_a_collapse():
     assert late_slope({"eval_curve": [[0, 0.2], [400, 0.5]]}) is None  # too few evaluations to say
 
 
+def test_the_last_quarters_share_of_the_gain_says_whether_a_curve_has_flattened():
+    from lab.study import last_quarter_share
+
+    # the plateau pilot's max-delay-0 curve: at 112.5 halfway between 35.0 and 38.0, so the last
+    # quarter adds 39.75 - 36.5 = 3.25 of the 30.5 points gained
+    pilot = {"eval_curve": [[v, a / 100] for v, a in zip(range(0, 175, 25), [9.25, 21.5, 30.75, 31.75, 35.0, 38.0, 39.75])]}
+    assert last_quarter_share(pilot) == pytest.approx(3.25 / 30.5)
+    # a straight line adds a quarter of its gain in its last quarter, whatever the evaluations
+    assert last_quarter_share({"eval_curve": [[0, 0.1], [75, 0.25], [150, 0.4]]}) == pytest.approx(0.25)
+    assert last_quarter_share({"eval_curve": [[0, 0.3], [150, 0.2]]}) is None  # no gain to share
+    assert last_quarter_share({"eval_curve": [[0, 0.3]]}) is None
+
+
 @pytest.mark.parametrize("name, delays", [("seed_regime", [0, 32, 64]), ("smollm2_study", [0, 32])])
 def test_the_seed_regime_configs_carry_the_seed_systems_settings(name, delays):
     """As HanlardResearch/Hetero-RL set them: T 0.6, top-p 0.95, top-k 20, 8 completions per
