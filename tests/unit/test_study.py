@@ -74,7 +74,7 @@ def test_a_finished_cell_is_reused_only_with_the_same_settings():
 
 
 def test_seed_spread_and_the_two_claims():
-    from lab.study import claims
+    from lab.study import _bars, claims
 
     records = [{**record("gepo", 0, 0.50, 0.50), "seed": 1}, {**record("gepo", 0, 0.60, 0.56), "seed": 2},
                {**record("gepo", 64, 0.54, 0.54), "seed": 1}, {**record("gepo", 64, 0.55, 0.53), "seed": 2},
@@ -87,6 +87,12 @@ def test_seed_spread_and_the_two_claims():
     tiny = records[:4] + [{**record("gspo", 64, 0.600, 0.597), "seed": 1}, {**record("gspo", 64, 0.6, 0.6), "seed": 2}]
     assert abs(claims(tiny, [0, 64])["gspo_gap"] - 0.15) < 1e-9
     assert claims(tiny, [0, 64])["gap_reduction_pct"] is None  # a 0.15-point gap: nothing to be 85 % smaller than
+    # a seed run at max delay 0 only does not enter the bar: Best at 0 is seed 1's alone, as Last at 64 is
+    unpaired = records[:3]
+    c = claims(unpaired, [0, 64])
+    assert abs(c["gepo_drop_pct"] - 100 * (0.50 - 0.54) / 0.50) < 1e-9
+    assert _bars(c)[0].endswith("holds (on seed 1: the seeds with both cells).")
+    assert _bars(claims(records[:4], [0, 64]))[0].endswith(": holds.")  # every seed paired: nothing to say
 
 
 def test_the_report_shows_the_range_over_seeds(tmp_path):
