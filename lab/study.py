@@ -39,7 +39,7 @@ import yaml
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
-from lab.study_verdict import accuracy_at, verdict_lines
+from lab.study_verdict import accuracy_at, paired_seeds, verdict_lines
 from pipeline.weights.store import CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
@@ -155,11 +155,6 @@ def _table(records: list[dict], losses: list[str], delays: list[int]) -> list[st
     return [head, rule, *rows]
 
 
-def _paired_seeds(records: list[dict], loss: str, a: int, b: int) -> list[int]:
-    """The seeds with a cell of `loss` at both max delays."""
-    return sorted({r["seed"] for r in _cells(records, loss, a)} & {r["seed"] for r in _cells(records, loss, b)})
-
-
 def claims(records: list[dict], delays: list[int]) -> dict:
     """The paper's two claims on these records (None where a cell is missing):
 
@@ -168,7 +163,7 @@ def claims(records: list[dict], delays: list[int]) -> dict:
     - `gap_reduction_pct`: how much smaller GEPO's best-to-last gap is than GSPO's at the
       largest max delay, in % (the paper: 85 %, 1.8 vs 12.0 points)."""
     first, last = delays[0], delays[-1]
-    seeds = _paired_seeds(records, "gepo", first, last)
+    seeds = paired_seeds(records, "gepo", last, first)
     best0 = [r["best_accuracy"] for r in _cells(records, "gepo", first) if r["seed"] in seeds]
     last_far = [r["last_accuracy"] for r in _cells(records, "gepo", last) if r["seed"] in seeds]
     gepo_gap = [_gap(r) for r in _cells(records, "gepo", last)]
@@ -333,7 +328,7 @@ def write_report(out: Path, records: list[dict], losses: list[str], delays: list
                      f"{'–' if (share := last_quarter_share(r)) is None else f'{100 * share:.0f} %'} | "
                      f"{r['wall_seconds']} |")
     if "gepo" in losses and len(delays) > 1:
-        paired = _paired_seeds(records, "gepo", delays[0], delays[-1])
+        paired = paired_seeds(records, "gepo", delays[-1], delays[0])
         first = [r["last_accuracy"] for r in _cells(records, "gepo", delays[0]) if r["seed"] in paired]
         last = [r["last_accuracy"] for r in _cells(records, "gepo", delays[-1]) if r["seed"] in paired]
         if first and last:
