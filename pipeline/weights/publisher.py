@@ -427,6 +427,7 @@ class _Child:
         self.spec = spec
         cfg = HeteroConfig.model_validate_json(spec["config"])
         services = require_services(cfg.services)
+        self.services = services
         signer = read_key_file(Path(spec["signer_key"])) if spec.get("signer_key") else None
         store = CheckpointStore(connect_s3(services, timeout_s=cfg.services.connect_timeout_s), spec["bucket"],
                                 spec["prefix"], signer=signer)
@@ -491,8 +492,24 @@ class _Child:
                 self.reply(self.publish_policy(job) if job["op"] == "policy" else self.save_state(job))
             except Exception as e:  # noqa: BLE001 - the learner raises it at its next submit
                 log.exception("publishing failed")
-                self.reply({"op": "error", "message": f"{type(e).__name__}: {e}"})
+                self.reply({"op": "error", "message": self.failure(e)})
                 return 1
+
+    def failure(self, error: Exception) -> str:
+        """`error` in one line, naming the server it came from when it came from one (a store
+        that drops the connection says nothing more: its own log says why, a full disk for one)."""
+        import redis
+        import urllib3
+        from minio.error import MinioException
+
+        from pipeline.config import strip_password
+
+        said = f"{type(error).__name__}: {error}"
+        if isinstance(error, (MinioException, urllib3.exceptions.HTTPError)):
+            return f"S3 at {self.services.s3_endpoint} (bucket {self.spec['bucket']!r}): {said}"
+        if isinstance(error, redis.exceptions.RedisError):
+            return f"Redis at {strip_password(self.services.redis_url)}: {said}"
+        return said
 
     def publish_policy(self, job: dict) -> dict:
         from pipeline.weights.policy import prune_policies

@@ -6,11 +6,13 @@ stops the run with its error."""
 from __future__ import annotations
 
 import time
+from urllib.parse import urlparse
 
 import numpy as np
 import pytest
 import torch
 
+from infra.fault_proxy import FaultProxy, FaultSpec, Route
 from pipeline.config import HeteroConfig
 from pipeline.weights.store import CheckpointStore, connect_s3, current as current_pointer
 from pipeline.clients.run_state import RunState, connect_redis
@@ -106,22 +108,39 @@ def test_versions_faster_than_publishing_are_skipped_in_order(local_stack, tiny,
     assert handed_over_s < 10
 
 
-@pytest.mark.parametrize("fault", ["refused_credentials", "killed"])
+@pytest.mark.parametrize("fault", ["refused_credentials", "killed", "s3_gone"])
 def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, tmp_path, fault):
-    """An S3 server that refuses the credentials, or a publisher process that dies (a crash, an
-    OOM kill): the learner's next hand-over, or its close, raises; nothing hangs."""
+    """An S3 server that refuses the credentials, a publisher process that dies (a crash, an
+    OOM kill), or an S3 server gone after the start: the learner's next hand-over, or its close,
+    raises, naming the server where one failed; nothing hangs."""
     model, template = tiny
-    stack = local_stack
+    stack, proxy = local_stack, None
+    fields = ("kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key", "s3_secret_key", "s3_region", "bucket")
     if fault == "refused_credentials":
-        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in (
-            "kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key", "s3_region", "bucket")},
-            "s3_secret_key": "not-the-secret"})()
+        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields}, "s3_secret_key": "not-the-secret"})()
+    if fault == "s3_gone":
+        target = urlparse(local_stack.s3_endpoint)
+        proxy = FaultProxy([Route("s3", 0, target.hostname, target.port)], FaultSpec()).start()
+        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields},
+                                   "s3_endpoint": f"http://{proxy.address('s3')}"})()
     publisher = start(stack, tmp_path, model, template, f"pub-{fault}")
     if fault == "killed":
         publisher.child.kill()
         publisher.child.wait()
-    with pytest.raises(RuntimeError, match="checkpoint publishing failed"):
-        for version in range(4):
+    if proxy is not None:  # one version published through the proxy, then nothing answers there
+        slot = publisher.take_slot()
+        copy_weights_into(model, publisher.slots.views(slot))
+        publisher.submit_policy(slot, 0, {"step": 0}, parent_version=None)
+        deadline = time.monotonic() + 60
+        while not publisher.published and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert publisher.published == [0]
+        proxy.stop()
+    said = {"refused_credentials": f"S3 at {local_stack.s3_endpoint} refused the credentials",
+            "killed": "the publisher process (stopped|exited with code -9)",
+            "s3_gone": f"S3 at {stack.s3_endpoint} \\(bucket '{local_stack.bucket}'\\): "}[fault]
+    with pytest.raises(RuntimeError, match=f"^checkpoint publishing failed: .*{said}"):
+        for version in range(1, 5):
             slot = publisher.take_slot()
             copy_weights_into(model, publisher.slots.views(slot))
             publisher.submit_policy(slot, version, {"step": version}, parent_version=None)
