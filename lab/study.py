@@ -21,7 +21,8 @@ A finished cell's run keeps, in S3, only what a user takes home from it: v0 (the
 model, which `heterorl replay` starts from) and its final policy with the versions that
 policy's delta chain needs; its other versions and its recovery states are deleted
 (`retire_run`), unless `keep_checkpoints`. A real model's cell otherwise leaves gigabytes
-behind (6.6–12 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk.
+behind (6.6–12 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk. A
+failed cell's run is deleted whole: the study runs that cell again from the start.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import yaml
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
 from lab.study_verdict import accuracy_at, paired_seeds, verdict_lines
-from pipeline.weights.store import CheckpointStore, connect_s3
+from pipeline.clients.services import ServiceUnavailable
+from pipeline.weights.store import NETWORK_ERRORS, CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
 from pipeline.weights.policy import prune_policies
@@ -457,15 +459,36 @@ def stored_bytes(store: CheckpointStore) -> int:
     return sum(obj.size or 0 for obj in store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True))
 
 
-def retire_run(store: CheckpointStore, final: int) -> int:
-    """Delete what a finished run no longer needs: every policy version but v0 and `final`
-    (with the versions its delta chain rests on), and every recovery state. Returns the
+def retire_run(store: CheckpointStore, final: Optional[int]) -> int:
+    """Delete what a run no longer needs: every policy version but v0 and `final` (with the
+    versions its delta chain rests on), and every recovery state; with `final` None (a failed
+    cell, which the study runs again whole, under a new run name), every version. Returns the
     bytes freed."""
     before = stored_bytes(store)
-    prune_policies(store, current=final, keep_from=final)
+    if final is None:
+        for version in store.list_versions():
+            store.delete(version)
+    else:
+        prune_policies(store, current=final, keep_from=final)
     states = recovery_store(store)
     states.prune(keep_last=0, current=max(states.list_versions(), default=0))
     return before - stored_bytes(store)
+
+
+def _retire_failed_cell(cell_dir: Path, services) -> None:
+    """Delete a failed cell's run from S3 (a max-delay-16 SmolLM2 cell holds ~9 GB while it
+    trains), saying what was freed; the run's name is in the config its `heterorl train` wrote."""
+    try:
+        run = yaml.safe_load((cell_dir / "config.yaml").read_text())["run"]["name"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return  # it failed before naming a run: nothing of it is in S3
+    try:
+        freed = retire_run(CheckpointStore(connect_s3(services), services.bucket, run), final=None)
+    except (ServiceUnavailable, *NETWORK_ERRORS) as e:
+        print(f"  could not delete {run}'s checkpoints from S3 ({e})", file=sys.stderr)
+        return
+    print(f"  deleted {run}'s checkpoints from S3, {freed / 1e9:.2f} GB (--keep-checkpoints keeps them)",
+          file=sys.stderr)
 
 
 def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: list[int], out: Path,
@@ -509,6 +532,8 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                 if returncode != 0:
                     print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {returncode}); "
                           f"logs in {cell_dir}/logs/", file=sys.stderr)
+                    if not keep_checkpoints:
+                        _retire_failed_cell(cell_dir, services)
                     return 1
                 if not keep_checkpoints:
                     summary = json.loads((cell_dir / "summary.json").read_text())

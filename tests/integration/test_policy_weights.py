@@ -271,6 +271,26 @@ def test_a_finished_study_cell_keeps_its_base_and_final_policy_only(local_stack,
         assert_same_weights(rebuilt, versions[version])
 
 
+def test_a_failed_study_cell_leaves_nothing_in_s3(local_stack, versions, tmp_path, capsys):
+    """A failed cell is run again whole, under a new run name: the study deletes its run (named
+    in the config its `heterorl train` wrote), every version, v0 included, and every recovery
+    state, and says how much that freed."""
+    from lab.study import _retire_failed_cell, stored_bytes
+    from pipeline.clients.services import Services
+    from pipeline.weights.recovery import recovery_store
+
+    _, writer, _ = _published(local_stack, "study-cell-failed", versions)
+    recovery_store(writer).upload(4, versions[4])
+    before = stored_bytes(writer)
+    (tmp_path / "config.yaml").write_text("run:\n  name: study-cell-failed\n")
+    services = Services(local_stack.kafka_bootstrap, local_stack.redis_url, local_stack.s3_endpoint,
+                        local_stack.s3_access_key, local_stack.s3_secret_key, local_stack.s3_region, local_stack.bucket)
+    _retire_failed_cell(tmp_path, services)
+    assert writer.list_versions() == [] and recovery_store(writer).list_versions() == []
+    assert stored_bytes(writer) == 0 < before
+    assert f"deleted study-cell-failed's checkpoints from S3, {before / 1e9:.2f} GB" in capsys.readouterr().err
+
+
 def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack, versions, tmp_path):
     """The learner's snapshot holds fp32 weights and learner_state/: samplers get bf16 weights
     only; a forced keyframe is a full copy whatever the rule says."""
