@@ -22,7 +22,8 @@ model, which `heterorl replay` starts from) and its final policy with the versio
 policy's delta chain needs; its other versions and its recovery states are deleted
 (`retire_run`), unless `keep_checkpoints`. A real model's cell otherwise leaves gigabytes
 behind (6.6–12 GiB for a 100-step SmolLM2-135M cell), and a grid of them fills a disk. A
-failed cell's run is deleted whole: the study runs that cell again from the start.
+failed cell's run is deleted whole (`discard_run`): the next study runs that cell again from
+its start, under a new run name.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from minio.deleteobjects import DeleteObject
+from minio.error import MinioException
 
 from heterorl.processes import run_supervisor
 from heterorl.stack import services_for_run
 from lab.study_verdict import accuracy_at, paired_seeds, verdict_lines
-from pipeline.clients.services import ServiceUnavailable
+from pipeline.clients.services import ServiceUnavailable, Services
 from pipeline.weights.store import NETWORK_ERRORS, CheckpointStore, connect_s3
 from pipeline.config import ConfigError, config_from_text, load_config
 from pipeline.records.metrics import read_metrics
@@ -459,36 +462,49 @@ def stored_bytes(store: CheckpointStore) -> int:
     return sum(obj.size or 0 for obj in store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True))
 
 
-def retire_run(store: CheckpointStore, final: Optional[int]) -> int:
-    """Delete what a run no longer needs: every policy version but v0 and `final` (with the
-    versions its delta chain rests on), and every recovery state; with `final` None (a failed
-    cell, which the study runs again whole, under a new run name), every version. Returns the
+def retire_run(store: CheckpointStore, final: int) -> int:
+    """Delete what a finished run no longer needs: every policy version but v0 and `final`
+    (with the versions its delta chain rests on), and every recovery state. Returns the
     bytes freed."""
     before = stored_bytes(store)
-    if final is None:
-        for version in store.list_versions():
-            store.delete(version)
-    else:
-        prune_policies(store, current=final, keep_from=final)
+    prune_policies(store, current=final, keep_from=final)
     states = recovery_store(store)
     states.prune(keep_last=0, current=max(states.list_versions(), default=0))
     return before - stored_bytes(store)
 
 
-def _retire_failed_cell(cell_dir: Path, services) -> None:
-    """Delete a failed cell's run from S3 (a max-delay-16 SmolLM2 cell holds ~9 GB while it
-    trains), saying what was freed; the run's name is in the config its `heterorl train` wrote."""
+def discard_run(store: CheckpointStore) -> int:
+    """Delete every object of a run, v0 and the parts of an upload left without a manifest
+    included (a failed cell's: the next `heterorl study` runs the cell again from its start,
+    under a new run name). Returns the bytes freed."""
+    before = stored_bytes(store)
+    names = [obj.object_name for obj in store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True)]
+    for error in store.client.remove_objects(store.bucket, (DeleteObject(name) for name in names)):
+        print(f"  could not delete s3://{store.bucket}/{error.name} ({error.code})", file=sys.stderr)
+    return before - stored_bytes(store)
+
+
+def _retire_cell_run(cell_dir: Path, services: Services) -> None:
+    """Delete from S3 what a cell's run no longer needs, and say what that freed: a cell that
+    wrote its summary keeps v0 and its final policy (`retire_run`); one that failed before it,
+    nothing (`discard_run`; a max-delay-16 SmolLM2 cell holds ~9 GB while it trains), its run
+    named in the config its `heterorl train` wrote."""
+    if (cell_dir / "summary.json").exists():
+        summary = json.loads((cell_dir / "summary.json").read_text())
+        run, final = summary["run"], summary["final_policy_version"]
+    else:
+        try:
+            run, final = yaml.safe_load((cell_dir / "config.yaml").read_text())["run"]["name"], None
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            return  # it failed before naming a run: nothing of it is in S3
     try:
-        run = yaml.safe_load((cell_dir / "config.yaml").read_text())["run"]["name"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return  # it failed before naming a run: nothing of it is in S3
-    try:
-        freed = retire_run(CheckpointStore(connect_s3(services), services.bucket, run), final=None)
-    except (ServiceUnavailable, *NETWORK_ERRORS) as e:
+        store = CheckpointStore(connect_s3(services), services.bucket, run)
+        freed = discard_run(store) if final is None else retire_run(store, final)
+    except (ServiceUnavailable, MinioException, *NETWORK_ERRORS) as e:
         print(f"  could not delete {run}'s checkpoints from S3 ({e})", file=sys.stderr)
         return
-    print(f"  deleted {run}'s checkpoints from S3, {freed / 1e9:.2f} GB (--keep-checkpoints keeps them)",
-          file=sys.stderr)
+    kept = f"deleted {run}" if final is None else f"kept v0 and v{final} of {run}"
+    print(f"  {kept}, freed {freed / 1e9:.2f} GB (--keep-checkpoints keeps every version)", file=sys.stderr)
 
 
 def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: list[int], out: Path,
@@ -532,15 +548,10 @@ def run_delay_study(config: Path, losses: list[str], delays: list[int], seeds: l
                 if returncode != 0:
                     print(f"heterorl study: cell {_cell_name(loss, d, seed)} failed (exit {returncode}); "
                           f"logs in {cell_dir}/logs/", file=sys.stderr)
-                    if not keep_checkpoints:
-                        _retire_failed_cell(cell_dir, services)
-                    return 1
                 if not keep_checkpoints:
-                    summary = json.loads((cell_dir / "summary.json").read_text())
-                    store = CheckpointStore(connect_s3(services), services.bucket, summary["run"])
-                    freed = retire_run(store, summary["final_policy_version"])
-                    print(f"  kept v0 and v{summary['final_policy_version']} of {summary['run']}, freed "
-                          f"{freed / 1e9:.2f} GB (--keep-checkpoints keeps every version)", file=sys.stderr)
+                    _retire_cell_run(cell_dir, services)
+                if returncode != 0:
+                    return 1
             records.append(_cell_record(cell_dir, loss, d, seed))
     if not records:  # only --report-only gets here without a finished cell
         print(f"heterorl study: no finished cell of this grid in {out}/cells/ to report", file=sys.stderr)

@@ -272,23 +272,25 @@ def test_a_finished_study_cell_keeps_its_base_and_final_policy_only(local_stack,
 
 
 def test_a_failed_study_cell_leaves_nothing_in_s3(local_stack, versions, tmp_path, capsys):
-    """A failed cell is run again whole, under a new run name: the study deletes its run (named
-    in the config its `heterorl train` wrote), every version, v0 included, and every recovery
-    state, and says how much that freed."""
-    from lab.study import _retire_failed_cell, stored_bytes
+    """A failed cell is run again from its start, under a new run name: the study deletes its run
+    (named in the config its `heterorl train` wrote) whole, every version, v0 included, every
+    recovery state and an upload cut off before its manifest, and says how much that freed."""
+    import io
+
+    from lab.study import _retire_cell_run, stored_bytes
     from pipeline.clients.services import Services
     from pipeline.weights.recovery import recovery_store
 
     _, writer, _ = _published(local_stack, "study-cell-failed", versions)
     recovery_store(writer).upload(4, versions[4])
+    writer.client.put_object(local_stack.bucket, "study-cell-failed/v6/model.safetensors", io.BytesIO(b"x" * 1000), 1000)
     before = stored_bytes(writer)
     (tmp_path / "config.yaml").write_text("run:\n  name: study-cell-failed\n")
     services = Services(local_stack.kafka_bootstrap, local_stack.redis_url, local_stack.s3_endpoint,
                         local_stack.s3_access_key, local_stack.s3_secret_key, local_stack.s3_region, local_stack.bucket)
-    _retire_failed_cell(tmp_path, services)
-    assert writer.list_versions() == [] and recovery_store(writer).list_versions() == []
+    _retire_cell_run(tmp_path, services)
     assert stored_bytes(writer) == 0 < before
-    assert f"deleted study-cell-failed's checkpoints from S3, {before / 1e9:.2f} GB" in capsys.readouterr().err
+    assert f"deleted study-cell-failed, freed {before / 1e9:.2f} GB" in capsys.readouterr().err
 
 
 def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack, versions, tmp_path):

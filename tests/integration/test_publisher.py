@@ -5,6 +5,7 @@ stops the run with its error."""
 
 from __future__ import annotations
 
+import re
 import time
 from urllib.parse import urlparse
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from infra.fault_proxy import FaultProxy, FaultSpec, Route
+from infra.fault_proxy import FaultProxy, Route
 from pipeline.config import HeteroConfig
 from pipeline.weights.store import CheckpointStore, connect_s3, current as current_pointer
 from pipeline.clients.run_state import RunState, connect_redis
@@ -120,7 +121,7 @@ def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, 
         stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields}, "s3_secret_key": "not-the-secret"})()
     if fault == "s3_gone":
         target = urlparse(local_stack.s3_endpoint)
-        proxy = FaultProxy([Route("s3", 0, target.hostname, target.port)], FaultSpec()).start()
+        proxy = FaultProxy([Route("s3", 0, target.hostname, target.port)]).start()
         stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields},
                                    "s3_endpoint": f"http://{proxy.address('s3')}"})()
     publisher = start(stack, tmp_path, model, template, f"pub-{fault}")
@@ -128,17 +129,19 @@ def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, 
         publisher.child.kill()
         publisher.child.wait()
     if proxy is not None:  # one version published through the proxy, then nothing answers there
-        slot = publisher.take_slot()
-        copy_weights_into(model, publisher.slots.views(slot))
-        publisher.submit_policy(slot, 0, {"step": 0}, parent_version=None)
-        deadline = time.monotonic() + 60
-        while not publisher.published and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert publisher.published == [0]
-        proxy.stop()
-    said = {"refused_credentials": f"S3 at {local_stack.s3_endpoint} refused the credentials",
+        try:
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            publisher.submit_policy(slot, 0, {"step": 0}, parent_version=None)
+            deadline = time.monotonic() + 60
+            while not publisher.published and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert publisher.published == [0]
+        finally:
+            proxy.stop()
+    said = {"refused_credentials": re.escape(f"S3 at {local_stack.s3_endpoint} refused the credentials"),
             "killed": "the publisher process (stopped|exited with code -9)",
-            "s3_gone": f"S3 at {stack.s3_endpoint} \\(bucket '{local_stack.bucket}'\\): "}[fault]
+            "s3_gone": re.escape(f"S3 at {stack.s3_endpoint} (bucket '{local_stack.bucket}'): ")}[fault]
     with pytest.raises(RuntimeError, match=f"^checkpoint publishing failed: .*{said}"):
         for version in range(1, 5):
             slot = publisher.take_slot()
