@@ -17,8 +17,9 @@ def config_help() -> str:
 
 def keep_checkpoints_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", action="store_true",
-                   help="keep every policy version and recovery state of each finished cell in S3 (default: "
-                        "keep v0 and the final version, with its delta chain; a real model's cell is GBs)")
+                   help="keep every policy version and recovery state of each cell in S3 (default: a "
+                        "finished cell keeps v0 and the final version, with its delta chain, a failed one "
+                        "nothing; a real model's cell is GBs)")
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
