@@ -477,11 +477,10 @@ def discard_run(store: CheckpointStore) -> int:
     """Delete every object of a run, v0 and the parts of an upload left without a manifest
     included (a failed cell's: the next `heterorl study` runs the cell again from its start,
     under a new run name). Returns the bytes freed."""
-    before = stored_bytes(store)
-    names = [obj.object_name for obj in store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True)]
-    for error in store.client.remove_objects(store.bucket, (DeleteObject(name) for name in names)):
+    objects = list(store.client.list_objects(store.bucket, prefix=f"{store.run}/", recursive=True))
+    for error in store.client.remove_objects(store.bucket, (DeleteObject(obj.object_name) for obj in objects)):
         print(f"  could not delete s3://{store.bucket}/{error.name} ({error.code})", file=sys.stderr)
-    return before - stored_bytes(store)
+    return sum(obj.size or 0 for obj in objects) - stored_bytes(store)
 
 
 def _retire_cell_run(cell_dir: Path, services: Services) -> None:

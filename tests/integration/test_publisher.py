@@ -117,13 +117,16 @@ def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, 
     model, template = tiny
     stack, proxy = local_stack, None
     fields = ("kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key", "s3_secret_key", "s3_region", "bucket")
+
+    def stack_with(**changed):  # the local stack's addresses and credentials, some of them changed
+        return type("Stack", (), {**{k: getattr(local_stack, k) for k in fields}, **changed})()
+
     if fault == "refused_credentials":
-        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields}, "s3_secret_key": "not-the-secret"})()
+        stack = stack_with(s3_secret_key="not-the-secret")
     if fault == "s3_gone":
         target = urlparse(local_stack.s3_endpoint)
         proxy = FaultProxy([Route("s3", 0, target.hostname, target.port)]).start()
-        stack = type("Stack", (), {**{k: getattr(local_stack, k) for k in fields},
-                                   "s3_endpoint": f"http://{proxy.address('s3')}"})()
+        stack = stack_with(s3_endpoint=f"http://{proxy.address('s3')}")
     publisher = start(stack, tmp_path, model, template, f"pub-{fault}")
     if fault == "killed":
         publisher.child.kill()
