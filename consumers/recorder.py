@@ -14,13 +14,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from kafka.errors import KafkaError
 
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.metrics import MetricsWriter
 from pipeline.records.update_log import UpdateEntry, append_entry, dead_letter_topic, updates_topic
 from pipeline.clients.topics import RawRecord, TopicWriter
-from pipeline.clients.retry import retry_call
 
 PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
                  "duplicates_ignored")
@@ -75,8 +73,7 @@ class LearnerLogs:
     outage for up to `network_retry_s`, saying so each time."""
 
     def __init__(self, bootstrap: str, topic: str, run_dir: Path, network_retry_s: float, log, security=None):
-        self.bootstrap, self.topic, self.run_dir, self.network_retry_s, self.log = (
-            bootstrap, topic, Path(run_dir), network_retry_s, log)
+        self.topic, self.run_dir, self.network_retry_s, self.log = topic, Path(run_dir), network_retry_s, log
         self.update_log = TopicWriter(bootstrap, updates_topic(topic), security=security)
         self.dead_letters = TopicWriter(bootstrap, dead_letter_topic(topic), security=security)
 
@@ -99,11 +96,7 @@ class LearnerLogs:
                          dead_letter_topic(self.topic), reason)
 
     def _send(self, sink: TopicWriter, value: bytes, **kwargs) -> None:
-        retry_call(lambda: sink.send_raw(value, **kwargs), retry_on=(KafkaError,), first_s=1.0, max_s=30.0,
-                   give_up_after_s=self.network_retry_s,
-                   on_retry=lambda error, wait_s, _: self.log.warning(
-                       "writing to %s on Kafka at %s failed (%s); retrying in %.0fs", sink.topic, self.bootstrap,
-                       type(error).__name__, wait_s))
+        sink.retrying(lambda: sink.send_raw(value, **kwargs), self.network_retry_s, self.log)
 
     def close(self) -> None:
         self.update_log.close()

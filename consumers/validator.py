@@ -17,8 +17,8 @@ the three servers; start or stop them at any time). Its key must be registered w
      with the version the group claims, fetched and verified through the weight path
      (`consumers.screening`: probation, the secret draw of stale groups, the thresholds);
   4. publish one verdict per group (`pipeline.trust.verdicts`), signed with its key, to
-     `<topic>.verdicts`; once the broker acknowledged them, record in Redis where each
-     partition's verdicts end.
+     `<topic>.verdicts` (retried through a broker error for up to `validators.network_retry_s`);
+     once the broker acknowledged them, record in Redis where each partition's verdicts end.
 
 A message whose seal does not hold gets no verdict: the learner checks seals itself and
 dead-letters it. Groups are judged at least once (a new holder may judge again the last
@@ -229,7 +229,8 @@ class Validator:
         for record, rollout, failure in self.check_logprobs(judged):
             verdicts.append(self.verdict(record, rollout, failure))
         self.check_s += time.monotonic() - started
-        self.sink.send_raw_many([seal_verdict(v, self.key) for v in verdicts])
+        sealed = [seal_verdict(v, self.key) for v in verdicts]
+        self.sink.retrying(lambda: self.sink.send_raw_many(sealed), self.vcfg.network_retry_s, self.log)
         self.counts["judged"] += len(verdicts)
         self.counts["failed"] += sum(not v.passed for v in verdicts)
         for record in records:

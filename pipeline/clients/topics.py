@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -20,11 +20,14 @@ from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFaile
 
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey
+from pipeline.clients.retry import retry_call
 from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+T = TypeVar("T")
 
 
 def _security_kwargs(security: Optional[ServiceSecurity]) -> dict:
@@ -125,7 +128,7 @@ class TopicWriter:
                  security: Optional[ServiceSecurity] = None, stamp: Optional[Callable[[Rollout], None]] = None):
         """`signer`: the sampler's key; each rollout then goes out sealed (`seal_rollout`). `stamp`:
         gives a rollout made under another key (spooled before a key change) this key's fields."""
-        self.topic = topic
+        self.bootstrap, self.topic = bootstrap, topic
         self.signer = signer
         self.stamp = stamp
         self.send_timeout_s = send_timeout_s
@@ -171,6 +174,16 @@ class TopicWriter:
         """Publish arbitrary messages in order, pipelined; returns once every one is acknowledged."""
         futures = [self.producer.send(self.topic, value=value) for value in values]
         return [(m.partition, m.offset) for m in (f.get(timeout=self.send_timeout_s) for f in futures)]
+
+    def retrying(self, send: Callable[[], T], give_up_after_s: float, log: logging.Logger) -> T:
+        """`send()` (one of this writer's sends), retried through broker errors (an outage, or an
+        error the broker answers with) with doubling waits up to 30 s, each failure logged, for up
+        to `give_up_after_s`; then the last error is raised. Delivery stays at-least-once: a send
+        the broker stored before it failed is sent again, and readers drop the repeat."""
+        return retry_call(send, retry_on=(KafkaError,), first_s=1.0, max_s=30.0, give_up_after_s=give_up_after_s,
+                          on_retry=lambda error, wait_s, _: log.warning(
+                              "writing to %s on Kafka at %s failed (%s); retrying in %.0fs", self.topic,
+                              self.bootstrap, type(error).__name__, wait_s))
 
     def close(self) -> None:
         self.producer.flush(timeout=self.send_timeout_s)

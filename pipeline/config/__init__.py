@@ -567,6 +567,10 @@ class ValidatorsConfig(Strict):
     """How long a validator waits for new groups in one poll."""
     torch_threads: int = Field(1, ge=1)
     """CPU threads of a validator's re-scoring passes."""
+    network_retry_s: float = Field(300.0, gt=0)
+    """How long a validator retries sending its verdicts through a broker outage or a broker
+    error (with backoff, logged) before it gives up and exits; its partitions pass to the
+    others within `lease_s`, and a restart goes on from where its acknowledged verdicts end."""
     verdict_wait_s: float = Field(300.0, gt=0)
     """How long a draining learner waits for the verdicts of groups it has read; those still
     without one are dropped (`no_verdict`), so a drain ends even with every validator gone."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 
 import pytest
 from kafka import KafkaProducer
+from kafka.errors import UnknownError
 
 from pipeline.clients.topics import TopicWriter, ensure_topic, read_topic
 from pipeline.wire.rollout import decode_rollout, header_value
@@ -50,3 +53,40 @@ def test_groups_spooled_during_an_outage_reach_the_topic_in_order_exactly_once(l
     assert [r.offset for r in records] == list(range(20))
     assert received == generated  # every field, in generation order, none duplicated
     assert [header_value(r.headers, "rollout_id") for r in records] == [g.rollout_id for g in generated]
+
+
+def test_a_send_the_broker_fails_is_retried_then_given_up_with_its_error(local_stack, caplog):
+    """A validator's verdicts and the learner's update log go through `TopicWriter.retrying`: a
+    broker error (here the UnknownError Tansu answered a validator with) costs a logged wait, not
+    the process; one that persists past the limit is raised unchanged."""
+    topic = f"retry-{uuid.uuid4().hex[:8]}.verdicts"
+    ensure_topic(local_stack.kafka_bootstrap, topic, partitions=1)
+    sink = TopicWriter(local_stack.kafka_bootstrap, topic, send_timeout_s=10)
+    real_send, refusals = sink.producer.send, []
+
+    def refused_once(*args, **kwargs):
+        if not refusals:
+            refusals.append(args)
+            raise UnknownError("the broker answered with an unknown error")
+        return real_send(*args, **kwargs)
+
+    sink.producer.send = refused_once
+    log = logging.getLogger("validator")
+    try:
+        with caplog.at_level(logging.WARNING, logger="validator"):
+            assert sink.retrying(lambda: sink.send_raw_many([b"v1", b"v2"]), 60.0, log) == [(0, 0), (0, 1)]
+        assert len(refusals) == 1
+        assert f"writing to {topic} on Kafka at {local_stack.kafka_bootstrap} failed (UnknownError); retrying in" \
+            in caplog.text
+        def always_refused(*args, **kwargs):
+            raise UnknownError("still failing")
+
+        sink.producer.send = always_refused
+        started = time.monotonic()
+        with pytest.raises(UnknownError, match="still failing"):
+            sink.retrying(lambda: sink.send_raw_many([b"v3"]), 2.0, log)
+        assert time.monotonic() - started < 10
+    finally:
+        sink.producer.send = real_send
+        sink.close()
+    assert [r.value for r in read_topic(local_stack.kafka_bootstrap, topic)] == [b"v1", b"v2"]  # nothing lost or doubled
