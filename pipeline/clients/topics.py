@@ -16,7 +16,8 @@ from typing import Callable, Optional, TypeVar
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import AuthorizationError, KafkaError, SaslAuthenticationFailedError, TopicAlreadyExistsError
+from kafka.errors import (AuthorizationError, KafkaError, MessageSizeTooLargeError, RecordListTooLargeError,
+                          SaslAuthenticationFailedError, TopicAlreadyExistsError)
 
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey
@@ -178,9 +179,19 @@ class TopicWriter:
     def retrying(self, send: Callable[[], T], give_up_after_s: float, log: logging.Logger) -> T:
         """`send()` (one of this writer's sends), retried through broker errors (an outage, or an
         error the broker answers with) with doubling waits up to 30 s, each failure logged, for up
-        to `give_up_after_s`; then the last error is raised. Delivery stays at-least-once: a send
-        the broker stored before it failed is sent again, and readers drop the repeat."""
-        return retry_call(send, retry_on=(KafkaError,), first_s=1.0, max_s=30.0, give_up_after_s=give_up_after_s,
+        to `give_up_after_s`; then the last error is raised. Refused credentials and a message too
+        large are raised at once: waiting mends neither. Delivery stays at-least-once: a send the
+        broker stored before it failed is sent again, and readers drop the repeat."""
+        def attempt() -> T:
+            try:
+                return send()
+            except (SaslAuthenticationFailedError, AuthorizationError) as e:
+                raise _unreachable(self.bootstrap, e) from None
+            except (MessageSizeTooLargeError, RecordListTooLargeError) as e:
+                e.retryable = False
+                raise
+
+        return retry_call(attempt, retry_on=(KafkaError,), first_s=1.0, max_s=30.0, give_up_after_s=give_up_after_s,
                           on_retry=lambda error, wait_s, _: log.warning(
                               "writing to %s on Kafka at %s failed (%s); retrying in %.0fs", self.topic,
                               self.bootstrap, type(error).__name__, wait_s))

@@ -569,8 +569,9 @@ class ValidatorsConfig(Strict):
     """CPU threads of a validator's re-scoring passes."""
     network_retry_s: float = Field(300.0, gt=0)
     """How long a validator retries sending its verdicts through a broker outage or a broker
-    error (with backoff, logged) before it gives up and exits; its partitions pass to the
-    others within `lease_s`, and a restart goes on from where its acknowledged verdicts end."""
+    error (with backoff, logged; the last attempt may end up to 30 s later) before it gives up
+    and exits. While it retries it renews no lease, so after `lease_s` other validators take its
+    partitions from where its acknowledged verdicts end (a restart goes on from there too)."""
     verdict_wait_s: float = Field(300.0, gt=0)
     """How long a draining learner waits for the verdicts of groups it has read; those still
     without one are dropped (`no_verdict`), so a drain ends even with every validator gone."""

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 from kafka import KafkaProducer
-from kafka.errors import UnknownError
+from kafka.errors import MessageSizeTooLargeError, UnknownError
 
 from pipeline.clients.topics import TopicWriter, ensure_topic, read_topic
 from pipeline.wire.rollout import decode_rollout, header_value
@@ -62,11 +62,11 @@ def test_a_send_the_broker_fails_is_retried_then_given_up_with_its_error(local_s
     topic = f"retry-{uuid.uuid4().hex[:8]}.verdicts"
     ensure_topic(local_stack.kafka_bootstrap, topic, partitions=1)
     sink = TopicWriter(local_stack.kafka_bootstrap, topic, send_timeout_s=10)
-    real_send, refusals = sink.producer.send, []
+    real_send, sends = sink.producer.send, []
 
     def refused_once(*args, **kwargs):
-        if not refusals:
-            refusals.append(args)
+        sends.append(args)
+        if len(sends) == 1:
             raise UnknownError("the broker answered with an unknown error")
         return real_send(*args, **kwargs)
 
@@ -75,7 +75,7 @@ def test_a_send_the_broker_fails_is_retried_then_given_up_with_its_error(local_s
     try:
         with caplog.at_level(logging.WARNING, logger="validator"):
             assert sink.retrying(lambda: sink.send_raw_many([b"v1", b"v2"]), 60.0, log) == [(0, 0), (0, 1)]
-        assert len(refusals) == 1
+        assert len(sends) == 3  # refused, then both sent again
         assert f"writing to {topic} on Kafka at {local_stack.kafka_bootstrap} failed (UnknownError); retrying in" \
             in caplog.text
         def always_refused(*args, **kwargs):
@@ -86,6 +86,14 @@ def test_a_send_the_broker_fails_is_retried_then_given_up_with_its_error(local_s
         with pytest.raises(UnknownError, match="still failing"):
             sink.retrying(lambda: sink.send_raw_many([b"v3"]), 2.0, log)
         assert time.monotonic() - started < 10
+
+        def too_large(*args, **kwargs):
+            raise MessageSizeTooLargeError("the message is larger than the broker accepts")
+
+        sink.producer.send, started = too_large, time.monotonic()
+        with pytest.raises(MessageSizeTooLargeError):  # waiting does not mend it: raised at once
+            sink.retrying(lambda: sink.send_raw_many([b"v4"]), 60.0, log)
+        assert time.monotonic() - started < 1
     finally:
         sink.producer.send = real_send
         sink.close()
