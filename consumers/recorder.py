@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.metrics import MetricsWriter
 from pipeline.records.update_log import UpdateEntry, append_entry, dead_letter_topic, updates_topic

@@ -78,6 +78,7 @@ def test_a_send_the_broker_fails_is_retried_then_given_up_with_its_error(local_s
         assert len(sends) == 3  # refused, then both sent again
         assert f"writing to {topic} on Kafka at {local_stack.kafka_bootstrap} failed (UnknownError); retrying in" \
             in caplog.text
+
         def always_refused(*args, **kwargs):
             raise UnknownError("still failing")
 
