@@ -334,16 +334,15 @@ class Intake:
         del self.awaiting_at[rollout_id]
         self.by_key["judged"][group.rollout.key_id] += 1
         self.by_key["fresh_judged"][group.rollout.key_id] += group.staleness == 0
-        ref = f"{verdict.validator_key_id}:{verdict.seq}"
         if verdict.passed:
             self.verdict_counts["passed"] += 1
-            self.admission.release(rollout_id, self.version, time.time(), ref)
+            self.admission.release(rollout_id, self.version, time.time(), verdict.ref)
             return
         self.verdict_counts[f"failed:{verdict.failure}"] += 1
         self.admission.refuse_awaiting(rollout_id, f"failed_verdict:{verdict.failure}")
         if verdict.strikes:
             self.strike(group.rollout.key_id, group.rollout.sampler_id, verdict.failure,
-                        f"{verdict.detail} (verdict {ref} of validator {verdict.validator_id})")
+                        f"{verdict.detail} (verdict {verdict.ref} of validator {verdict.validator_id})")
 
     def expire_awaiting(self) -> None:
         """After a step: waiting groups past the staleness rule are dropped, as in the batch."""

@@ -18,7 +18,7 @@ Attackers run as threads of `heterorl attack`:
 - `VerdictForger`:   with validators (`heterorl attack --validators K`), writes verdicts that
                      would let the adversaries' groups in: unsigned, signed with an adversary's
                      sampler key, a genuine verdict moved onto another group, and genuine
-                     verdicts sent again.
+                     verdicts that let a group in, sent again.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import io
 import json
 import random
 import threading
+from collections import Counter
 from typing import Optional
 
 import msgpack
@@ -37,6 +38,7 @@ import torch
 from pipeline.weights.store import CheckpointStore, PolicyPointer, current as current_pointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import TopicWriter, read_topic
+from pipeline.records.update_log import read_entries_kafka
 from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
 from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
@@ -268,10 +270,15 @@ class ManifestTamperer(threading.Thread):
 
 class VerdictForger(threading.Thread):
     """An attacker that can write to the verdicts topic and holds an adversary's sampler key.
-    Every `every_s`, for the adversaries' groups read since (`adversary_ids`) it sends passing
-    verdicts: one unsigned, one signed with `sampler_key`, and a genuine verdict of another group
-    rewritten to name this one (its signature kept); and it re-sends genuine verdicts verbatim.
-    The learner must refuse every one (`FORGED_VERDICT_REFUSALS`)."""
+    Every `every_s`, for the adversaries' groups published since its last pass (`adversary_ids`)
+    it sends passing verdicts: one unsigned, one signed with `sampler_key`, and a validator's
+    genuine verdict on another group rewritten to name this one (its signature kept); and it
+    re-sends verbatim up to 4 genuine verdicts that let a group into an update (the update log
+    names each, so the learner has read every original). The learner must refuse every one
+    (`FORGED_VERDICT_REFUSALS`). Each pass reads only what the topics gained since the last and
+    sends its forgeries in one pipelined batch, so passes stay short as the topics grow; a step
+    that fails (the broker fails a send, a topic not created yet) is counted by error type in
+    `errors`, and what it had not sent is tried again at the next pass."""
 
     def __init__(self, bootstrap: str, topic: str, run: str, adversary_ids: set[str], sampler_key: SigningKey,
                  every_s: float = 2.0):
@@ -280,65 +287,111 @@ class VerdictForger(threading.Thread):
         self.adversary_ids, self.sampler_key = adversary_ids, sampler_key
         self.sent: dict[str, int] = {kind: 0 for kind in FORGED_VERDICT_KINDS}
         self.stopped = threading.Event()
-        self.errors = 0
-        self.seen_groups: set[tuple[int, int]] = set()
-        self.replayed: set[tuple[int, int]] = set()
-        self.own: set[tuple[int, int]] = set()
-        """Where its own messages landed in the verdicts topic (never taken for genuine ones)."""
+        self.errors: Counter = Counter()
+        self.read_to: dict[str, dict[int, int]] = {}
+        """Topic -> next offset to read per partition."""
+        self.genuine: dict[str, bytes] = {}
+        """The validators' verdicts read so far, by `GroupVerdict.ref` (the message's bytes)."""
+        self.replayed: set[str] = set()
+        """Refs of the verdicts it re-sent."""
         self.seq = 0
 
     def run(self) -> None:
-        from pipeline.wire.rollout import decode_rollout
-        from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict, verdicts_topic
+        from pipeline.trust.verdicts import verdicts_topic
 
         sink: Optional[TopicWriter] = None
         while not self.stopped.wait(self.every_s):
             try:
                 sink = sink or TopicWriter(self.bootstrap, verdicts_topic(self.topic))
-                genuine = [r for r in read_topic(self.bootstrap, verdicts_topic(self.topic), timeout_s=10.0)
-                           if (r.partition, r.offset) not in self.own]
-                for record in read_topic(self.bootstrap, self.topic, timeout_s=10.0):
-                    if self.stopped.is_set():
-                        break  # stops mid-pass: the learner drains once every attacker has stopped
-                    if (record.partition, record.offset) in self.seen_groups:
-                        continue
-                    self.seen_groups.add((record.partition, record.offset))
-                    try:
-                        group = decode_rollout(record.value)
-                    except ValueError:
-                        continue
-                    if group.sampler_id not in self.adversary_ids:
-                        continue
-                    self.seq += 1
-                    forged = GroupVerdict(run=self.run_name, rollout_id=group.rollout_id, partition=record.partition,
-                                          offset=record.offset, group_digest=group_digest(record.value),
-                                          sampler_id=group.sampler_id, key_id=group.key_id, passed=True,
-                                          checks=("rewards", "logprobs"), version_used=group.policy_version,
-                                          validator_id=group.sampler_id, validator_key_id=self.sampler_key.key_id,
-                                          seq=self.seq)
-                    signed = json.loads(seal_verdict(forged, self.sampler_key))
-                    unsigned = {k: v for k, v in signed.items() if k != "signature"}
-                    self.own.update(sink.send_raw_many([json.dumps(unsigned).encode(), json.dumps(signed).encode()]))
-                    self.sent["unsigned"] += 1
-                    self.sent["sampler_key"] += 1
-                    passing = [v for v in map(_json_or_none, (r.value for r in genuine))
-                               if isinstance(v, dict) and v.get("passed") is True and "signature" in v
-                               and v.get("rollout_id") != group.rollout_id]  # moved: onto another group
-                    if passing:  # a validator's real signature, on another group's verdict
-                        moved = {**passing[-1], "rollout_id": group.rollout_id, "partition": record.partition,
-                                 "offset": record.offset, "group_digest": group_digest(record.value),
-                                 "sampler_id": group.sampler_id, "key_id": group.key_id}
-                        self.own.add(sink.send_raw(json.dumps(moved).encode()))
-                        self.sent["other_group"] += 1
-                again = [r for r in genuine if (r.partition, r.offset) not in self.replayed][:4]
-                for r in again:
-                    self.replayed.add((r.partition, r.offset))
-                    self.own.add(sink.send_raw(r.value))
-                    self.sent["replayed"] += 1
-            except Exception:  # noqa: BLE001 - an attacker keeps trying
-                self.errors += 1
+                self.read_verdicts(verdicts_topic(self.topic))
+                self.replay(sink)
+            except Exception as e:  # noqa: BLE001 - an attacker keeps trying
+                self.errors[type(e).__name__] += 1
+                continue
+            try:  # on its own: a send the broker fails ends this step, not the pass's replays
+                self.forge(sink)
+            except Exception as e:  # noqa: BLE001
+                self.errors[type(e).__name__] += 1
         if sink is not None:
             sink.close()
+
+    def read_new(self, topic: str) -> tuple[list, dict[int, int]]:
+        """The messages of `topic` past `read_to[topic]`, and the positions after them (the
+        caller stores them in `read_to` once it has done with the messages)."""
+        positions = dict(self.read_to.get(topic, {}))
+        records = read_topic(self.bootstrap, topic, timeout_s=10.0, start_offsets=positions)
+        for r in records:
+            positions[r.partition] = max(positions.get(r.partition, 0), r.offset + 1)
+        return records, positions
+
+    def read_verdicts(self, topic: str) -> None:
+        """Keeps the validators' verdicts published since the last pass: signed by the key they
+        name, not its own. Its forgeries are not kept: unsigned, signed with its key, or (moved
+        and replayed) under the ref of an original read before them."""
+        from pipeline.trust.verdicts import Rejected, decode_verdict
+
+        records, self.read_to[topic] = self.read_new(topic)
+        for r in records:
+            try:
+                verdict, document = decode_verdict(r.value)
+            except Rejected:
+                continue
+            signature = document.get("signature")
+            if isinstance(signature, dict) and signature.get("key_id") == verdict.validator_key_id \
+                    and verdict.validator_key_id != self.sampler_key.key_id:
+                self.genuine.setdefault(verdict.ref, r.value)
+
+    def replay(self, sink: TopicWriter) -> None:
+        """Re-sends up to 4 genuine verdicts that the update log says let a group in."""
+        used = {g.verdict for e in read_entries_kafka(self.bootstrap, self.topic) or () for g in e.used if g.verdict}
+        again = [ref for ref in self.genuine if ref in used and ref not in self.replayed][:4]
+        if again:
+            sink.send_raw_many([self.genuine[ref] for ref in again])
+            self.replayed.update(again)
+            self.sent["replayed"] += len(again)
+
+    def forge(self, sink: TopicWriter) -> None:
+        """Three forged passing verdicts for each adversary's group published since the last pass,
+        sent in one batch; the groups are marked read once the broker has acknowledged it."""
+        from pipeline.wire.rollout import decode_rollout
+        from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict
+
+        records, positions = self.read_new(self.topic)
+        passing = [v for v in map(_json_or_none, list(self.genuine.values())[-64:]) if v.get("passed") is True]
+        messages: list[bytes] = []
+        kinds: list[str] = []
+        for record in records:
+            if self.stopped.is_set():
+                return  # the learner drains once every attacker has stopped
+            try:
+                group = decode_rollout(record.value)
+            except ValueError:
+                continue
+            if group.sampler_id not in self.adversary_ids:
+                continue
+            self.seq += 1
+            forged = GroupVerdict(run=self.run_name, rollout_id=group.rollout_id, partition=record.partition,
+                                  offset=record.offset, group_digest=group_digest(record.value),
+                                  sampler_id=group.sampler_id, key_id=group.key_id, passed=True,
+                                  checks=("rewards", "logprobs"), version_used=group.policy_version,
+                                  validator_id=group.sampler_id, validator_key_id=self.sampler_key.key_id,
+                                  seq=self.seq)
+            signed = json.loads(seal_verdict(forged, self.sampler_key))
+            unsigned = {k: v for k, v in signed.items() if k != "signature"}
+            messages += [json.dumps(unsigned).encode(), json.dumps(signed).encode()]
+            kinds += ["unsigned", "sampler_key"]
+            other = next((v for v in reversed(passing) if v["rollout_id"] != group.rollout_id), None)
+            if other is not None:  # a validator's real signature, on another group's verdict
+                moved = {**other, "rollout_id": group.rollout_id, "partition": record.partition,
+                         "offset": record.offset, "group_digest": group_digest(record.value),
+                         "sampler_id": group.sampler_id, "key_id": group.key_id}
+                messages.append(json.dumps(moved).encode())
+                kinds.append("other_group")
+        if messages:
+            sink.send_raw_many(messages)
+        for kind in kinds:
+            self.sent[kind] += 1
+        self.read_to[self.topic] = positions
 
 
 def _json_or_none(value: bytes):

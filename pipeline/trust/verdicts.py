@@ -65,6 +65,11 @@ class GroupVerdict:
     created_at: float = field(default_factory=time.time)
 
     @property
+    def ref(self) -> str:
+        """`<validator key id>:<seq>`: how the update log names the verdict that let a group in."""
+        return f"{self.validator_key_id}:{self.seq}"
+
+    @property
     def strikes(self) -> bool:
         """Whether a failure is the sampler's doing (an unverifiable group is not)."""
         return not self.passed and self.failure != "unverifiable"

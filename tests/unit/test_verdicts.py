@@ -34,6 +34,7 @@ def test_a_validators_verdict_round_trips_and_is_accepted():
     sent = verdict(key, passed=False, failure="logprob_mismatch", detail="median 0.2 > 0.1", version_used=None)
     got = checker.check(seal_verdict(sent, key), NOW)
     assert got == sent and got.strikes
+    assert got.ref == f"{key.key_id}:1"  # the update log's name for the verdict that let a group in
 
 
 def test_every_forged_verdict_is_refused_with_its_reason():
