@@ -13,7 +13,9 @@ order of submission:
    then pruning of policies no reachable version needs. When versions arrive faster than
    they can be published, a version still waiting when a newer one comes is skipped
    (counted): samplers only ever want the newest. A version handed over as a keyframe (the
-   first, the base model as v0; the last of a run) is never skipped;
+   first, the base model as v0; the last of a run) is never skipped. While no job waits, the
+   child reads the pointer back every `pointer_check_s` and sets it again if anybody else
+   moved it (a rollback or a forgery, which samplers refuse);
 2. a recovery state (every `learner.state_every_s`): its directory, written by a thread of
    the learner from the copies the learner took (`pipeline.weights.learner_state.Capture`),
    uploaded by the child, then older states pruned.
@@ -42,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.weights.learner_state import Capture
-from pipeline.weights.store import PolicyPointer
+from pipeline.weights.store import Pointer, PolicyPointer
 
 log = logging.getLogger("publisher")
 
@@ -197,6 +199,10 @@ class PublishTarget:
     keep_within: int = 0
     """Policies kept: the newest `keep_last` and every version within `keep_within` of the newest."""
     places: list[dict] = field(default_factory=list)
+    pointer_check_s: float = 5.0
+    """With `announce`, while no job waits, how often the child reads the pointer back: one that
+    anybody else moved since it set it (a rollback, a forgery: samplers refuse both, and would
+    wait for a version nobody announces again) is set again to the newest version published."""
 
 
 CONFIG_ENV = "HETERORL_PUBLISHER_TARGET"
@@ -445,6 +451,8 @@ class _Child:
         self.cond = threading.Condition()
         self.out_lock = threading.Lock()
         self.published: list[int] = []
+        self.pointer: Optional[Pointer] = None
+        """The pointer as this process last set it."""
         # Replies go to the learner through the original stdout; anything a library prints goes to stderr.
         self.replies = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
@@ -483,9 +491,12 @@ class _Child:
         threading.Thread(target=self.read, name="slots", daemon=True).start()
         while True:
             with self.cond:
-                while not self.jobs:
-                    self.cond.wait()
-                job = self.jobs.pop(0)
+                if not self.jobs:
+                    self.cond.wait(timeout=self.spec["pointer_check_s"])
+                job = self.jobs.pop(0) if self.jobs else None
+            if job is None:
+                self.restore_pointer()
+                continue
             if job["op"] == "close":
                 return 0
             try:
@@ -520,7 +531,7 @@ class _Child:
         key = self.policies.write(version, self.template, job["extra"], parent_version=job["parent_version"],
                                     keyframe=job["keyframe"], tensors=tensors)
         if self.run_state is not None:
-            PolicyPointer(self.run_state).set(version, key, signer=self.store.signer)
+            self.pointer = PolicyPointer(self.run_state).set(version, key, signer=self.store.signer)
         last = self.policies.published[-1]
         log.info("published v%d as a %s (%.2f MB, %.1f%% of a full copy) in %.1fs", version, last["kind"],
                  last["bytes"] / 1e6, 100 * last["bytes"] / max(1, last["full_bytes"]), time.perf_counter() - started)
@@ -531,6 +542,26 @@ class _Child:
         return {"op": "done", "version": version, "seconds": {"copy": job["copy_s"],
                                                               "policy": time.perf_counter() - started},
                 "sent": {"step": job["extra"].get("step"), "policy_bytes": last["bytes"], "state_bytes": 0}}
+
+    def restore_pointer(self) -> None:
+        """Set the pointer again if anybody else moved it since this process set it
+        (`PublishTarget.pointer_check_s`). Redis not answering is logged, and checked again later."""
+        import redis
+
+        if self.run_state is None or self.pointer is None:
+            return
+        pointer = PolicyPointer(self.run_state)
+        try:
+            found = pointer.read()
+            if found == self.pointer:
+                return
+            self.pointer = pointer.set(self.pointer.version, self.pointer.manifest_key, signer=self.store.signer)
+        except redis.exceptions.RedisError as e:
+            log.warning("could not check the policy pointer (%s); checking again in %.0fs", self.failure(e),
+                        self.spec["pointer_check_s"])
+            return
+        named = "nothing" if found is None else f"v{found.version} ({found.manifest_key})"
+        log.warning("the policy pointer named %s, not v%d as published: set it again", named, self.pointer.version)
 
     def save_state(self, job: dict) -> dict:
         from pipeline.weights.recovery import save_recovery_state

@@ -412,9 +412,10 @@ class PolicyPointer:
     def __init__(self, state):
         self.client, self.run, self.key = state.client, state.run, state.prefix + "policy"
 
-    def set(self, version: int, manifest_key: str, signer: Optional[SigningKey] = None) -> None:
+    def set(self, version: int, manifest_key: str, signer: Optional[SigningKey] = None) -> Pointer:
         """Make `version` current; call only once its manifest is in S3. With `signer` (the
-        learner's key) the pointer carries a signature samplers check against the key they pin."""
+        learner's key) the pointer carries a signature samplers check against the key they pin.
+        Returns the pointer as written (what `read` gives back until someone else sets it)."""
         updated_at = repr(time.time())
         fields = {"version": version, "manifest_key": manifest_key, "updated_at": updated_at}
         if signer is not None:
@@ -423,6 +424,7 @@ class PolicyPointer:
         pipe.delete(self.key)  # no signature of an earlier pointer may survive
         pipe.hset(self.key, mapping=fields)
         pipe.execute()
+        return Pointer(version, manifest_key, updated_at, fields.get("signature"))
 
     def read(self) -> Optional[Pointer]:
         """The pointer as it stands (None before the first version), not yet verified."""

@@ -1,7 +1,7 @@
 """The publisher process (pipeline/weights/publisher.py) against the real local S3 and Redis:
 what the learner copies into a shared buffer is what samplers rebuild, bit for bit; versions
-that arrive faster than they can be published are skipped, never reordered; a broken store
-stops the run with its error."""
+that arrive faster than they can be published are skipped, never reordered; a pointer
+somebody else moved is set again; a broken store stops the run with its error."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from infra.fault_proxy import FaultProxy, Route
 from pipeline.config import HeteroConfig
-from pipeline.weights.store import CheckpointStore, connect_s3, current as current_pointer
+from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3, current as current_pointer
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import Services
 from pipeline.weights.codec import bits
@@ -39,7 +39,8 @@ def tiny(tmp_path_factory):
     return model, path
 
 
-def start(stack, tmp_path, model, template, run: str, *, signer_key=None, announce=True) -> BackgroundPublisher:
+def start(stack, tmp_path, model, template, run: str, *, signer_key=None, announce=True,
+          pointer_check_s=5.0) -> BackgroundPublisher:
     cfg = HeteroConfig.model_validate({"run": {"name": run}, "services": {
         "kafka_bootstrap": stack.kafka_bootstrap, "redis_url": stack.redis_url, "s3_endpoint": stack.s3_endpoint,
         "s3_access_key": stack.s3_access_key, "s3_secret_key": stack.s3_secret_key, "s3_region": stack.s3_region,
@@ -47,8 +48,18 @@ def start(stack, tmp_path, model, template, run: str, *, signer_key=None, announ
     state = model.state_dict()
     places = slot_layout(template, {k: tuple(t.shape) for k, t in state.items()}, torch.bfloat16)
     target = PublishTarget(cfg.model_dump_json(), stack.bucket, run, str(template), str(tmp_path), "bfloat16",
-                           keyframe_every=10, signer_key=signer_key, announce=announce, keep_last=100)
+                           keyframe_every=10, signer_key=signer_key, announce=announce, keep_last=100,
+                           pointer_check_s=pointer_check_s)
     return BackgroundPublisher(target, places)
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def reader(stack, run, trusted=None) -> CheckpointStore:
@@ -61,7 +72,8 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
     model, template = tiny
     key = SigningKey.generate()
     key_file = write_key_file(key, tmp_path / "learner.key")
-    publisher = start(local_stack, tmp_path, model, template, "pub-exact", signer_key=str(key_file))
+    publisher = start(local_stack, tmp_path, model, template, "pub-exact", signer_key=str(key_file),
+                      pointer_check_s=0.5)
     expected = {}
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -72,6 +84,14 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
             publisher.submit_policy(slot, version, {"step": version}, parent_version=version - 1 if version else None)
             for p in model.parameters():  # the next step moves the weights while the last version is published
                 p.add_(1e-2 * torch.randn(p.shape, generator=generator))
+    state = RunState(connect_redis(local_stack.redis_url), "pub-exact")
+    pointer = PolicyPointer(state)
+    assert wait_for(lambda: current_pointer(state)[0] == 3, 60)  # the pointer names the newest
+    # Someone with write access to Redis moves it (to v0, signed by another key; samplers refuse
+    # such a pointer, and would wait for a version nobody announces): the publisher sets it again.
+    pointer.set(0, reader(local_stack, "pub-exact").manifest_key(0), signer=SigningKey.generate())
+    assert wait_for(lambda: pointer.read().version == 3, 10)
+    assert pointer.read_verified(key.public).version == 3  # signed by the learner's key again
     publisher.close()
     assert sorted(publisher.published + publisher.skipped) == [0, 1, 2, 3] and 3 in publisher.published
     store = reader(local_stack, "pub-exact", trusted=key.public)
@@ -80,8 +100,6 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
                                   expect_version=version)
         got = {k: t for tensors in read_weights(path).values() for k, t in tensors.items()}
         assert got and all(np.array_equal(bits(got[k]), bits(expected[version][k])) for k in got), version
-    state = RunState(connect_redis(local_stack.redis_url), "pub-exact")
-    assert current_pointer(state)[0] == 3  # the pointer names the newest
     seconds = publisher.take_seconds()
     assert seconds["background_policy_s"] > 0 and "background_copy_s" in seconds
 
