@@ -67,7 +67,11 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
         "services": cfg.services.model_copy(update={"data_dir": str(out / "data"), "kafka_bootstrap": None,
                                                     "redis_url": None, "s3_endpoint": None}),
-        "learner": cfg.learner.model_copy(update={"max_steps": 10**9}),
+        # A keyframe at least every max delay: samplers that lack a tampered version wait for the
+        # next keyframe, which groups no staler than the max delay must still reach
+        # (docs/security.md, "A tampered bucket holds back the samplers that lack the altered version").
+        "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "keyframe_every": min(
+            cfg.learner.keyframe_every, max(1, cfg.learner.max_delay_steps))}),
         "model": cfg.model.model_copy(update={"base": str(base)}),
         "validators": cfg.validators.model_copy(update={"enabled": validators > 0}),
         # An audit: the honest samplers' groups are checked too, so that "0 honest quarantined"
@@ -222,9 +226,12 @@ def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: 
 def _forged_verdicts(forger: VerdictForger, learner_verdicts: dict) -> dict:
     """What the forger sent by kind, and the learner's refusals under the code each should get:
     met if it sent every kind and the learner refused at least as many under each code (a
-    refusal it had not read before draining would be missing) and let none in."""
+    refusal it had not read before draining would be missing; a validator that re-sends a
+    verdict after a broker error adds `replayed_verdict` refusals of its own) and let none in.
+    `errors`: the forger's failed steps by error type (a send the broker failed, a topic not
+    created yet)."""
     refused = {kind: int(learner_verdicts.get(f"refused:{code}", 0)) for kind, code in FORGED_VERDICT_REFUSALS.items()}
-    return {"sent": dict(forger.sent), "refused_by_the_learner": refused, "errors": forger.errors,
+    return {"sent": dict(forger.sent), "refused_by_the_learner": refused, "errors": dict(forger.errors),
             "target_met": all(forger.sent[k] > 0 and refused[k] >= forger.sent[k] for k in FORGED_VERDICT_REFUSALS)}
 
 

@@ -82,13 +82,15 @@ class Link:
 def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
     """The versions to download, in order, to rebuild the last of `chain`.
 
-    `chain` runs from a keyframe, or from the version the sampler holds, to the target (each
-    link's base the one before it). A sampler holding `have` on the chain applies the deltas
-    after it (their bytes never exceed the keyframe's and its deltas': they are a part of
-    them); otherwise it starts from the keyframe."""
+    `chain` runs from a keyframe, or from the version the sampler holds or the one after it,
+    to the target (each link's base the one before it). A sampler holding `have` on the chain
+    applies the deltas after it (their bytes never exceed the keyframe's and its deltas': they
+    are a part of them); otherwise it starts from the keyframe."""
     versions = [link.version for link in chain]
     if have is not None and have in versions:
         return chain[versions.index(have) + 1:]
+    if have is not None and chain and chain[0].kind == DELTA and chain[0].base_version == have:
+        return chain
     if not chain or chain[0].kind != KEYFRAME:
         raise CorruptCheckpointError("a policy chain must start from a keyframe")
     return chain
@@ -345,12 +347,15 @@ def link_of(manifest: Manifest) -> Link:
 
 def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
                max_links: int = 1000) -> tuple[list[Link], dict[int, Manifest]]:
-    """The links from the keyframe `manifest`'s version rests on, or from `have` if the chain
-    passes through it, up to `manifest` (oldest first), and their manifests. Raises
+    """The links from the keyframe `manifest`'s version rests on, or from the version after
+    `have` if the chain passes through it, up to `manifest` (oldest first), and their
+    manifests. `have`'s own manifest is not read: the caller's copy was verified when it was
+    fetched, and a version altered in the bucket since then must not block the deltas after
+    it (every tensor they rebuild is checked against the target's signed manifest). Raises
     CheckpointNotFound when a version on the way is gone."""
     manifests = {manifest.version: manifest}
     links = [link_of(manifest)]
-    while links[0].kind == DELTA and links[0].version != have:
+    while links[0].kind == DELTA and (have is None or have not in (links[0].version, links[0].base_version)):
         if len(links) > max_links:
             raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
         base = store.read_manifest(store.manifest_key(links[0].base_version))

@@ -137,6 +137,25 @@ def test_a_tampered_delta_or_manifest_is_refused_and_nothing_is_written(local_st
     assert not (tmp_path / "v4").exists()
 
 
+def test_a_version_altered_after_a_sampler_took_it_does_not_block_the_deltas_after_it(local_stack, versions,
+                                                                                       tmp_path):
+    """The sampler's copy of v4 was verified when it was fetched: v4 altered in the bucket since
+    then (its manifest re-signed by nobody) leaves v5's delta usable from that copy, checked
+    against v5's signed manifest; a sampler that does not hold v4 needs v4 and is refused."""
+    _, writer, reader = _published(local_stack, "policy-altered-base", versions)
+    manifest_key = reader.manifest_key(4)
+    raw = json.loads(writer.client.get_object(writer.bucket, manifest_key).read())
+    raw["created_at"] += 1
+    body = json.dumps(raw).encode()
+    writer.client.put_object(writer.bucket, manifest_key, io.BytesIO(body), len(body))
+    rebuilt, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "v5", have=(4, versions[4]))
+    assert report.path == [5] and report.refused == []
+    assert_same_weights(rebuilt, versions[5])
+    with pytest.raises(CorruptCheckpointError, match="bad signature"):
+        fetch_policy(reader, reader.manifest_key(5), tmp_path / "from-v3", have=(3, versions[3]))
+    assert not (tmp_path / "from-v3").exists()
+
+
 def test_a_missing_base_is_named(local_stack, versions, tmp_path):
     _, writer, reader = _published(local_stack, "policy-pruned", versions)
     for obj in writer.client.list_objects(writer.bucket, prefix="policy-pruned/v4/", recursive=True):

@@ -217,6 +217,7 @@ def test_a_sampler_takes_the_cheaper_path_to_a_version():
     assert [link.version for link in choose_path(chain, have=None)] == [10, 11, 12, 13]
     assert [link.version for link in choose_path(chain, have=7)] == [10, 11, 12, 13]  # not on this chain
     assert choose_path(chain, have=13) == []  # already there
+    assert [link.version for link in choose_path(chain[2:], have=11)] == [12, 13]  # read_chain stops after have
     heavy = [Link(10, KEYFRAME, None, 100), Link(11, DELTA, 10, 80), Link(12, DELTA, 11, 80)]
     assert [link.version for link in choose_path(heavy, have=11)] == [12]  # 80 <= 100 + 160
     with pytest.raises(CorruptCheckpointError, match="keyframe"):
