@@ -39,7 +39,7 @@ from pipeline.weights.store import CheckpointStore, PolicyPointer, current as cu
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import TopicWriter, read_topic
 from pipeline.records.update_log import read_entries_kafka
-from pipeline.wire.rollout import Rollout, encode_rollout, seal_rollout
+from pipeline.wire.rollout import Rollout, encode_rollout, header_value, seal_rollout
 from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
 
@@ -124,13 +124,14 @@ def run_adversary(kind: str, cfg: HeteroConfig, sampler_id: str) -> int:
 
 class Replayer(threading.Thread):
     """Every `every_s`, re-sends verbatim copies of `batch` earlier messages of the topic
-    (with their headers), remembering where each copy landed."""
+    (with their headers), remembering each copy as the audit identifies a message:
+    (partition, offset where it landed, rollout id)."""
 
     def __init__(self, bootstrap: str, topic: str, every_s: float = 3.0, batch: int = 4, seed: int = 0):
         super().__init__(name="replayer", daemon=True)
         self.bootstrap, self.topic, self.every_s, self.batch = bootstrap, topic, every_s, batch
         self.rng = random.Random(seed)
-        self.copies: set[tuple[int, int]] = set()
+        self.copies: set[tuple[int, int, Optional[str]]] = set()
         self.stopped = threading.Event()
         self.errors = 0
 
@@ -140,9 +141,10 @@ class Replayer(threading.Thread):
             try:
                 sink = sink or TopicWriter(self.bootstrap, self.topic)
                 records = [r for r in read_topic(self.bootstrap, self.topic, timeout_s=10.0)
-                           if (r.partition, r.offset) not in self.copies]
+                           if (r.partition, r.offset, header_value(r.headers, "rollout_id")) not in self.copies]
                 for r in self.rng.sample(records, min(self.batch, len(records))):
-                    self.copies.add(sink.send_raw(r.value, headers=r.headers, key=None))
+                    where = sink.send_raw(r.value, headers=r.headers, key=None)
+                    self.copies.add((*where, header_value(r.headers, "rollout_id")))
             except Exception:  # noqa: BLE001 - an attacker keeps trying
                 self.errors += 1
         if sink is not None:
@@ -275,8 +277,9 @@ class VerdictForger(threading.Thread):
     genuine verdict on another group rewritten to name this one (its signature kept); and it
     re-sends verbatim up to 4 genuine verdicts that let a group into an update (the update log
     names each, so the learner has read every original). The learner must refuse every one
-    (`FORGED_VERDICT_REFUSALS`). Each pass reads only what the topics gained since the last and
-    sends its forgeries in one pipelined batch, so passes stay short as the topics grow; a step
+    (`FORGED_VERDICT_REFUSALS`). Each pass reads only what the rollout and verdicts topics gained
+    since the last (and the update log, which is small) and sends its forgeries in one pipelined
+    batch, so passes stay short as the topics grow; a step
     that fails (the broker fails a send, a topic not created yet) is counted by error type in
     `errors`, and what it had not sent is tried again at the next pass."""
 

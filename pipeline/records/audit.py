@@ -41,8 +41,8 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
 
     With `honest_sampler_ids` (the samplers the run started itself) it also counts, per sampler
     id, the messages produced and used, and `forged_used_in_updates`: used messages that name
-    another sampler, or whose (partition, offset) is in `forged_messages` (copies an attacker
-    re-sent under an honest sampler's name)."""
+    another sampler, or that are in `forged_messages` (copies an attacker re-sent under an
+    honest sampler's name, each as (partition, offset, rollout id): the identity below)."""
     log = read_topic(bootstrap, topic, timeout_s=timeout_s)
     ends: dict[int, int] = {p: 0 for p in topic_partitions(bootstrap, topic)}
     for r in log:
@@ -88,16 +88,7 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
     if honest_sampler_ids is not None:
         sender = {(r.partition, r.offset, header_value(r.headers, "rollout_id")): header_value(r.headers, "sampler_id")
                   for r in log}
-        used_messages = set(used) & messages
-        by_sampler: dict[str, dict] = {}
-        for m, sampler_id in sender.items():
-            row = by_sampler.setdefault(str(sampler_id), {"produced": 0, "used": 0})
-            row["produced"] += 1
-            row["used"] += m in used_messages
-        forged = {"forged_used_in_updates": sum(1 for m in used_messages if sender.get(m) not in honest_sampler_ids
-                                                or (m[0], m[1]) in forged_messages),
-                  "copies_used_in_updates": sum(1 for m in used_messages if (m[0], m[1]) in forged_messages),
-                  "by_sampler": by_sampler}
+        forged = forged_counts(sender, set(used) & messages, honest_sampler_ids, forged_messages)
     return {
         **forged,
         **counts,
@@ -113,3 +104,20 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
         "log_end_offsets": {str(p): e for p, e in ends.items()},
         "learner_final_offsets": {str(p): o for p, o in final_offsets.items()},
     }
+
+
+def forged_counts(sender: dict[tuple, Optional[str]], used_messages: set[tuple], honest_sampler_ids: set[str],
+                  forged_messages: frozenset = frozenset()) -> dict:
+    """Per sampler id, the messages produced and used; `forged_used_in_updates`, the used
+    messages that name no honest sampler or are an attacker's copies; `copies_used_in_updates`,
+    the copies alone. Messages are (partition, offset, rollout id) throughout, so a message that
+    shares its offset with a copy (two messages under one offset: Tansu 0.6) is not taken for it."""
+    by_sampler: dict[str, dict] = {}
+    for m, sampler_id in sender.items():
+        row = by_sampler.setdefault(str(sampler_id), {"produced": 0, "used": 0})
+        row["produced"] += 1
+        row["used"] += m in used_messages
+    return {"forged_used_in_updates": sum(1 for m in used_messages
+                                          if sender.get(m) not in honest_sampler_ids or m in forged_messages),
+            "copies_used_in_updates": len(used_messages & forged_messages),
+            "by_sampler": by_sampler}

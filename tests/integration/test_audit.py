@@ -75,3 +75,18 @@ def test_a_lost_group_and_a_reused_group_are_found(local_stack):
     assert audit["used_twice"] == 1  # offset 1, with its rollout id, in two updates
     assert [m.rsplit(":", 1)[0] for m in audit["unaccounted_offsets"]] == ["0:3"]  # read, but in no update
     assert audit["lost"] == 1
+
+
+def test_a_message_sharing_its_offset_with_an_attackers_copy_is_not_taken_for_it():
+    """Tansu 0.6 can store two messages under one offset: the audit tells them apart by rollout
+    id, so an honest group used at the offset a replayed copy was also given is not a forged one,
+    while the copy itself, used, is."""
+    from pipeline.records.audit import forged_counts
+
+    honest, copy = (0, 7, "honest-id"), (0, 7, "copied-id")  # one offset, two messages
+    sender = {honest: "s0", copy: "s0", (0, 3, "copied-id"): "s0", (0, 9, "forged-id"): "adv"}
+    counts = forged_counts(sender, {honest, (0, 3, "copied-id")}, {"s0"}, frozenset({copy}))
+    assert counts["forged_used_in_updates"] == 0 and counts["copies_used_in_updates"] == 0
+    assert counts["by_sampler"] == {"s0": {"produced": 3, "used": 2}, "adv": {"produced": 1, "used": 0}}
+    counts = forged_counts(sender, {copy, (0, 9, "forged-id")}, {"s0"}, frozenset({copy}))
+    assert counts["forged_used_in_updates"] == 2 and counts["copies_used_in_updates"] == 1
