@@ -552,7 +552,11 @@ class _Child:
             return
         pointer = PolicyPointer(self.run_state)
         try:
-            found = pointer.read()
+            try:
+                found = pointer.read()
+                named = "nothing" if found is None else f"v{found.version} ({found.manifest_key})"
+            except (KeyError, ValueError, TypeError) as e:  # a hash somebody wrote that is no pointer
+                found, named = None, f"a malformed pointer ({type(e).__name__}: {e})"
             if found == self.pointer:
                 return
             self.pointer = pointer.set(self.pointer.version, self.pointer.manifest_key, signer=self.store.signer)
@@ -560,7 +564,6 @@ class _Child:
             log.warning("could not check the policy pointer (%s); checking again in %.0fs", self.failure(e),
                         self.spec["pointer_check_s"])
             return
-        named = "nothing" if found is None else f"v{found.version} ({found.manifest_key})"
         log.warning("the policy pointer named %s, not v%d as published: set it again", named, self.pointer.version)
 
     def save_state(self, job: dict) -> dict:

@@ -92,6 +92,10 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
     pointer.set(0, reader(local_stack, "pub-exact").manifest_key(0), signer=SigningKey.generate())
     assert wait_for(lambda: pointer.read().version == 3, 10)
     assert pointer.read_verified(key.public).version == 3  # signed by the learner's key again
+    state.client.hset(pointer.key, "version", "not a number")  # a hash that is no pointer: the same
+    assert wait_for(lambda: state.client.hget(pointer.key, "version") == "3", 10)
+    assert pointer.read_verified(key.public).version == 3
+    publisher.check()  # the publisher process is still there: a malformed pointer did not stop it
     publisher.close()
     assert sorted(publisher.published + publisher.skipped) == [0, 1, 2, 3] and 3 in publisher.published
     store = reader(local_stack, "pub-exact", trusted=key.public)
