@@ -67,11 +67,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         "run": cfg.run.model_copy(update={"name": run_name, "rollout_topic": None}),
         "services": cfg.services.model_copy(update={"data_dir": str(out / "data"), "kafka_bootstrap": None,
                                                     "redis_url": None, "s3_endpoint": None}),
-        # A keyframe at least every max delay: samplers that lack a tampered version wait for the
-        # next keyframe, which groups no staler than the max delay must still reach
-        # (docs/security.md, "A tampered bucket holds back the samplers that lack the altered version").
-        "learner": cfg.learner.model_copy(update={"max_steps": 10**9, "keyframe_every": min(
-            cfg.learner.keyframe_every, max(1, cfg.learner.max_delay_steps))}),
+        "learner": cfg.learner.model_copy(update={"max_steps": 10**9}),
         "model": cfg.model.model_copy(update={"base": str(base)}),
         "validators": cfg.validators.model_copy(update={"enabled": validators > 0}),
         # An audit: the honest samplers' groups are checked too, so that "0 honest quarantined"
