@@ -293,8 +293,9 @@ class VerdictForger(threading.Thread):
         self.errors: Counter = Counter()
         self.read_to: dict[str, dict[int, int]] = {}
         """Topic -> next offset to read per partition."""
-        self.genuine: dict[str, bytes] = {}
-        """The validators' verdicts read so far, by `GroupVerdict.ref` (the message's bytes)."""
+        self.genuine: dict[str, tuple[bytes, dict]] = {}
+        """The validators' verdicts read so far, by `GroupVerdict.ref`: the message's bytes and its
+        decoded document."""
         self.replayed: set[str] = set()
         """Refs of the verdicts it re-sent."""
         self.seq = 0
@@ -342,14 +343,14 @@ class VerdictForger(threading.Thread):
             signature = document.get("signature")
             if isinstance(signature, dict) and signature.get("key_id") == verdict.validator_key_id \
                     and verdict.validator_key_id != self.sampler_key.key_id:
-                self.genuine.setdefault(verdict.ref, r.value)
+                self.genuine.setdefault(verdict.ref, (r.value, document))
 
     def replay(self, sink: TopicWriter) -> None:
         """Re-sends up to 4 genuine verdicts that the update log says let a group in."""
         used = {g.verdict for e in read_entries_kafka(self.bootstrap, self.topic) or () for g in e.used if g.verdict}
         again = [ref for ref in self.genuine if ref in used and ref not in self.replayed][:4]
         if again:
-            sink.send_raw_many([self.genuine[ref] for ref in again])
+            sink.send_raw_many([self.genuine[ref][0] for ref in again])
             self.replayed.update(again)
             self.sent["replayed"] += len(again)
 
@@ -360,7 +361,7 @@ class VerdictForger(threading.Thread):
         from pipeline.trust.verdicts import GroupVerdict, group_digest, seal_verdict
 
         records, positions = self.read_new(self.topic)
-        passing = [v for v in map(_json_or_none, list(self.genuine.values())[-64:]) if v.get("passed") is True]
+        passing = [document for _, document in list(self.genuine.values())[-64:] if document.get("passed") is True]
         messages: list[bytes] = []
         kinds: list[str] = []
         for record in records:
@@ -373,8 +374,9 @@ class VerdictForger(threading.Thread):
             if group.sampler_id not in self.adversary_ids:
                 continue
             self.seq += 1
+            digest = group_digest(record.value)
             forged = GroupVerdict(run=self.run_name, rollout_id=group.rollout_id, partition=record.partition,
-                                  offset=record.offset, group_digest=group_digest(record.value),
+                                  offset=record.offset, group_digest=digest,
                                   sampler_id=group.sampler_id, key_id=group.key_id, passed=True,
                                   checks=("rewards", "logprobs"), version_used=group.policy_version,
                                   validator_id=group.sampler_id, validator_key_id=self.sampler_key.key_id,
@@ -386,7 +388,7 @@ class VerdictForger(threading.Thread):
             other = next((v for v in reversed(passing) if v["rollout_id"] != group.rollout_id), None)
             if other is not None:  # a validator's real signature, on another group's verdict
                 moved = {**other, "rollout_id": group.rollout_id, "partition": record.partition,
-                         "offset": record.offset, "group_digest": group_digest(record.value),
+                         "offset": record.offset, "group_digest": digest,
                          "sampler_id": group.sampler_id, "key_id": group.key_id}
                 messages.append(json.dumps(moved).encode())
                 kinds.append("other_group")
@@ -395,10 +397,3 @@ class VerdictForger(threading.Thread):
         for kind in kinds:
             self.sent[kind] += 1
         self.read_to[self.topic] = positions
-
-
-def _json_or_none(value: bytes):
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
