@@ -74,7 +74,8 @@ from pipeline.weights.learner_state import capture
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 from pipeline.weights.recovery import RecoverySchedule, ResumePoint, resume_point
 from pipeline.wire.rollout import encode_rollout
-from pipeline.weights.store import current as current_pointer
+from pipeline.wire.signing import SignatureError
+from pipeline.weights.store import MalformedPointer, PolicyPointer
 
 
 def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
@@ -265,7 +266,7 @@ class Learner:
         """The newest recovery state (or the base model) in the engine, under a version never
         published before, and the publisher started."""
         store = self.handles.store
-        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, current_pointer(self.state)[0],
+        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, self.pointer_version(),
                              on_skip=lambda step, e: self.log.error("cannot resume from the recovery state of step "
                                                                     "%d (%s); trying the one before it", step, e))
         self.log.info("starting from %s at offsets %s", start.what, start.offsets)
@@ -287,6 +288,19 @@ class Learner:
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
         return start
+
+    def pointer_version(self) -> Optional[int]:
+        """The version the policy pointer names, if this run's learner wrote it (signed with its key,
+        where signatures are on); a pointer anybody else wrote, or that is no pointer, is said once
+        and left out (the versions in the bucket still keep the numbering), and the publisher sets
+        the pointer again with the first version."""
+        signer = self.handles.store.signer
+        try:
+            pointer = PolicyPointer(self.state).read_verified(None if signer is None else signer.public)
+        except (MalformedPointer, SignatureError) as e:
+            self.log.error("ignoring the policy pointer: %s; it is set again with the next version", e)
+            return None
+        return None if pointer is None else pointer.version
 
     def open_logs(self) -> None:
         self.logs = LearnerLogs(self.bootstrap, self.topic, self.run_dir, self.lcfg.network_retry_s, self.log,
@@ -378,8 +392,8 @@ class Learner:
         self.intake.trained(batch, step_metrics.pop("fresh_gaps", {}), self.version)
         stages = self.take_stage_seconds()
         values = self.recorder.record(self.version, batch.groups, {**step_metrics, **stages}, step=self.step)
-        self.state.report_learner({"step": self.step, "policy_version": self.version,
-                                   **self.admission.counters.as_dict()})
+        self.state.report_learner({"step": self.step, "policy_version": self.version})
+        self.state.report_learner_stats(self.admission.counters.as_dict())  # not for samplers' eyes
         self.log.info("step %d (v%d) loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.step,
                       self.version, values["loss"], values["reward_mean"], values["staleness_mean"],
                       values["staleness_max"], values["groups_used"], values["groups_dropped"])
@@ -423,10 +437,9 @@ class Learner:
         with self.clock.stage("snapshot"):
             views = self.publisher.slots.views(slot)
             copy_weights_into(self.engine.module, views, zero3=self.lcfg.zero_stage == 3)
-            if not self.ranks_share_weights:
-                module_state = self.engine.module.state_dict()
-                self.intake.keep(self.version, lambda: {name: module_state[name].detach().to(view.dtype)
-                                                        for tensors in views.values() for name, view in tensors.items()})
+            if not self.ranks_share_weights:  # the slot's bytes are the version samplers get: one copy of them kept
+                self.intake.keep(self.version, lambda: {name: view for tensors in views.values()
+                                                        for name, view in tensors.items()})
         self.publisher.submit_policy(slot, self.version, extra, parent_version=parent_version, keyframe=keyframe)
         self.published_version = self.version
 

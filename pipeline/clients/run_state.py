@@ -18,9 +18,13 @@ Keys (all under `heterorl:<run>:`):
                       `signature` over (run, version, manifest_key, updated_at).
 - `quarantine`        hash key id -> JSON {sampler_id, reason, at, strikes} of sampler keys
                       the learner stopped trusting (`pipeline.trust.StrikePolicy`).
-- `learner`           hash of the learner's latest progress (step, groups used/dropped), and
-                      `busy_until`: while it checks and trains a batch (samplers on its machine
-                      may pause meanwhile, `sampler.yield_to_learner`).
+- `learner`           hash of what samplers pace on: the learner's step and version, its position
+                      in the topic (offsets, unread, pending), and `busy_until`: while it checks
+                      and trains a batch (samplers on its machine may pause meanwhile,
+                      `sampler.yield_to_learner`). Samplers may read it.
+- `learner_stats`     hash of the learner's counters (groups used, dropped and refused by reason,
+                      staleness): for `heterorl status` and the operator. No sampler or validator
+                      user may read it: a forger would learn from it which of its groups were used.
 - `evaluator`         hash {version, done, total}: the evaluator's progress on the version it
                       scores (`heterorl train` shows it while it waits).
 - `validator:<id>`    hash {host, groups, started_at, heartbeat_at} with a TTL renewed by each
@@ -97,6 +101,55 @@ def latest_run(client: redis.Redis) -> Optional[str]:
     """The most recently started run on these servers, if any."""
     newest = client.zrevrange(RUNS_KEY, 0, 0)
     return newest[0] if newest else None
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """The policy pointer as Redis holds it (`heterorl:<run>:policy`), parsed but not verified:
+    its signature is checked by `pipeline.weights.store.verify_pointer`."""
+
+    version: int
+    manifest_key: str
+    updated_at: Optional[str] = None
+    signature: Optional[str] = None
+
+
+class MalformedPointer(ValueError):
+    """The policy key holds something no learner wrote: another type than a hash, a field
+    missing, a version that is no integer. Readers take it as "no new version" and go on; the
+    learner's publisher sets the pointer again."""
+
+
+POINTER_FIELDS = ("version", "manifest_key")
+"""The fields every pointer has (`updated_at` and `signature` may be absent: unsigned runs)."""
+
+
+def parse_pointer(fields: dict) -> Optional[Pointer]:
+    """The pointer in the hash's `fields` (None: no pointer yet); MalformedPointer, saying what
+    is wrong in one line, for a hash the learner did not write. The one parser of the pointer:
+    samplers (`RunState.sampler_view`) and every other reader (`PolicyPointer.read`) use it."""
+    if not fields:
+        return None
+    missing = [name for name in POINTER_FIELDS if name not in fields]
+    if missing:
+        raise MalformedPointer(f"the policy pointer lacks {', '.join(missing)} (fields: {', '.join(sorted(fields))})")
+    raw = fields["version"]
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
+        raise MalformedPointer(f"the policy pointer's version {str(raw)[:40]!r} is not a non-negative integer")
+    if not fields["manifest_key"]:
+        raise MalformedPointer("the policy pointer names no manifest")
+    return Pointer(int(raw), fields["manifest_key"], fields.get("updated_at"), fields.get("signature"))
+
+
+def wrong_type(error: BaseException) -> bool:
+    """Whether `error` is Redis saying a key holds another type than the command needs."""
+    return isinstance(error, redis.ResponseError) and str(error).startswith("WRONGTYPE")
+
+
+def not_a_hash(client: redis.Redis, key: str) -> MalformedPointer:
+    """The error for a pointer key of another type than a hash, naming the type (one more command,
+    only on this path)."""
+    return MalformedPointer(f"the policy pointer is a {client.type(key)}, not a hash")
 
 
 def _describe_gone_sampler(last: dict) -> dict:
@@ -470,8 +523,18 @@ class RunState:
         """Every value is stored as JSON, so readers get numbers, null and maps back."""
         self.client.hset(self.prefix + "learner", mapping={k: json.dumps(v) for k, v in progress.items()})
 
+    def report_learner_stats(self, counters: dict) -> None:
+        """The learner's counters (used, dropped, refused by reason...), where only the learner and
+        the admin may read them (`learner_stats`); stored as JSON like `report_learner`."""
+        self.client.hset(self.prefix + "learner_stats", mapping={k: json.dumps(v) for k, v in counters.items()})
+
     def learner_progress(self) -> dict:
-        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "learner").items()}
+        """The learner's progress and its counters (the latter readable by the admin only)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.prefix + "learner")
+        pipe.hgetall(self.prefix + "learner_stats")
+        progress, counters = pipe.execute()
+        return {k: json.loads(v) for k, v in {**progress, **counters}.items()}
 
     def report_evaluation(self, version: int, done: int, total: int) -> None:
         """The evaluator's progress on the version it is scoring: completions decoded of `total`."""
@@ -522,17 +585,26 @@ class RunState:
         pipe.hmget(self.prefix + "claim_stats", ["completed", "discarded_at_source"])
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
-        (offsets, unread, pending, learner_version), in_flight, (completed, discarded), *policy = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)  # a pointer of the wrong type is the pointer's problem
+        for reply in replies[:3] + [r for r in replies[3:] if not wrong_type(r)]:
+            if isinstance(reply, Exception):
+                raise reply
+        (offsets, unread, pending, learner_version), in_flight, (completed, discarded), *policy = replies
         completed = int(completed or 0) - int(discarded or 0)  # what can still reach the learner
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
         position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
                         completed=completed, learner_pending=int(json.loads(pending or "0") or 0),
                         learner_version=json.loads(learner_version) if learner_version is not None else None)
-        if not policy or not policy[0]:
+        try:
+            if policy and isinstance(policy[0], Exception):
+                raise not_a_hash(self.client, self.prefix + "policy")
+            pointer = parse_pointer(policy[0]) if policy else None
+        except MalformedPointer as e:
+            return RunView(None, None, pointer_error=str(e), **position)
+        if pointer is None:
             return RunView(None, None, **position)
-        p = policy[0]
-        return RunView(int(p["version"]), p["manifest_key"], updated_at=p.get("updated_at"),
-                       signature=p.get("signature"), **position)
+        return RunView(pointer.version, pointer.manifest_key, updated_at=pointer.updated_at,
+                       signature=pointer.signature, **position)
 
 
 @dataclass(frozen=True)
@@ -559,6 +631,9 @@ class RunView:
     """Groups the learner judged into its partly filled batch, as it last reported."""
     learner_version: Optional[int] = None
     """The learner's newest version as it last reported (after each step; published a moment later)."""
+    pointer_error: Optional[str] = None
+    """Why the policy pointer read could not be parsed (`MalformedPointer`; the version fields are
+    then None): the sampler keeps what it knew, as if nothing new were published."""
 
     @property
     def version_at_use(self) -> Optional[int]:

