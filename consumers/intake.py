@@ -86,8 +86,10 @@ class Intake:
         registry = None if root is None else RegistryFollower(state.client, cfg.run.name, root,
                                                               sec.registry_refresh_s, log)
         rescores = sec.check_logprobs and not cfg.validators.enabled
+        gib = lambda x: None if x is None else int(x * PastPolicies.GIB)  # noqa: E731 - None: a share of what is free
         past = PastPolicies(store, work_dir, model_dir, dtype=DTYPES[cfg.learner.precision], device=device,
-                            keep_last=(reach if sec.keep_versions is None else sec.keep_versions) if rescores else 0)
+                            keep_last=(reach if sec.keep_versions is None else sec.keep_versions) if rescores else 0,
+                            device_bytes=gib(sec.keep_versions_gib), host_bytes=gib(sec.keep_versions_host_gib))
         screen = screen or GroupScreen(sec, make_task_from_config(cfg), tokenizer, cfg.sampler.temperature, policy,
                                        past)
         intake = cls(cfg, admission, screen, state=state, registry=registry, dead_letter=dead_letter, clock=clock,
@@ -146,8 +148,14 @@ class Intake:
 
     def keep(self, version: int, tensors: Callable[[], dict]) -> None:
         """Keep a version the learner publishes for the checks of stale groups claiming it, where
-        some sampler key is not the run's own (`tensors()`: its weights, as samplers get them)."""
-        if self.past is not None and self.past.keep_last and not self.all_trusted():
+        some sampler key is not the run's own (`tensors()`: its weights, as samplers get them,
+        copied once more by `PastPolicies.keep` within its memory budget). While every key is the
+        run's own, nothing is kept, and what was kept before (and the re-scoring model) is freed."""
+        if self.past is None:
+            return
+        if self.all_trusted():
+            self.past.release()
+        elif self.past.keep_last:
             self.past.keep(version, tensors())
 
     def refresh_registry(self) -> None:

@@ -538,11 +538,28 @@ class SecurityConfig(Strict):
     pass). Drawn once per version from a secret random stream, so a sampler cannot predict it:
     a drawn version's groups are all checked, in one batched pass per batch; the others none."""
     keep_versions: Optional[int] = Field(None, ge=0)
-    """How many of its newest published versions the learner keeps on its device, as samplers
-    get them, to re-score stale groups claiming them (None: every version within the max
-    delay). Each costs one copy of the weights in `learner.policy_dtype`; a version not kept
-    (older, or from before a restart) is downloaded from S3 and verified when a check needs
-    it. Nothing is kept while every sampler key is trusted (above)."""
+    """How many of its newest published versions the learner keeps (on its device, else in host
+    memory: `keep_versions_gib`), as samplers get them, to re-score stale groups claiming them
+    (None: every version within the max delay). Each costs one copy of the weights in
+    `learner.policy_dtype`; a version not kept (past the memory budget, older, or from before
+    a restart) is downloaded from S3 and verified when a check needs it. Nothing is kept while
+    every sampler key is trusted (above), and what was kept is freed when every key is the
+    run's own again."""
+    keep_versions_gib: Optional[float] = Field(None, ge=0)
+    """GiB the kept versions (`keep_versions`) may take on the learner's device. A version past
+    it goes to pinned host memory (`keep_versions_host_gib`), past that it is not kept (its
+    checks download it from S3); each such version is said in the log, with the budget. An
+    out-of-memory error while copying one onto the device puts it in host memory and lowers
+    this budget to what is in use: it never stops the learner. None: a quarter of the device's
+    free memory at each keep (`torch.cuda.mem_get_info`, the kept versions counted as free),
+    measured then because the optimizer's state and the step's peak come with the first steps
+    (PyTorch's cache keeps that peak reserved, so it is not counted as free), and a quarter
+    leaves the rest to them and to fragmentation; on a CPU learner, a quarter of the available
+    host memory (MemAvailable), its device being host memory."""
+    keep_versions_host_gib: Optional[float] = Field(None, ge=0)
+    """GiB of host memory (pinned, beside a GPU) for the kept versions that do not fit
+    `keep_versions_gib` (0: none). None: on a GPU learner a quarter of the available host memory
+    at each keep; on a CPU learner 0, its device being host memory already."""
     strikes_to_quarantine: int = Field(2, ge=1)
     """Failed reward / log-prob / termination checks that quarantine a sampler's key;
     a valid signature on a future policy version, a reused sequence number or a sampler id

@@ -46,6 +46,8 @@ from pipeline.config import ConfigError, vllm_logprobs_mode
 from pipeline.models import (DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, load_weights_into,
                              sample_groups)
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "hf", "vllm")
 
 
@@ -109,6 +111,24 @@ def pick_backend(setting: str, device: torch.device, settings: SamplingSettings)
     return "vllm" if usable else "hf"
 
 
+def copy_to_gpu(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`tensors` copied to the GPU `device` (floats in `dtype`) on a CUDA stream of their own, so
+    the sampler goes on generating meanwhile. On torch.cuda.OutOfMemoryError the copies made so
+    far are dropped before it is raised: the traceback keeps this frame, and with it `moved`."""
+    stream = torch.cuda.Stream(device)
+    moved: dict[str, torch.Tensor] = {}
+    try:
+        with torch.cuda.stream(stream):
+            for name, t in tensors.items():
+                moved[name] = t.to(device, dtype if t.is_floating_point() else t.dtype, non_blocking=True)
+        stream.synchronize()
+        return moved
+    except torch.cuda.OutOfMemoryError:
+        stream.synchronize()  # the copies already queued finish before their memory is let go
+        moved.clear()
+        raise
+
+
 class HfEngine:
     """The `transformers` model and the product's decoding loop (`pipeline.models.sample_groups`)."""
 
@@ -117,13 +137,16 @@ class HfEngine:
     def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32"):
         self.settings, self.device, self.dtype = settings, device, DTYPES[precision]
         self.model = self.tokenizer = None
+        self.in_place_swaps = 0
+        """Versions swapped in from host memory: the GPU had no room for their second copy."""
 
     def prepare(self, model_dir: Path):
         """The first version: the model itself; a later one: its tensors, read (memory-mapped),
         for `install` to copy into the model in place (building a model anew took 1-2 s of
         SmolLM2's 2-3 s per version on a CPU). On a GPU they are moved there here, on a stream
         of their own, so the sampler goes on generating meanwhile and `install` is a copy within
-        the GPU between two batches."""
+        the GPU between two batches; where the GPU has no room for that second copy they stay
+        on the host and `install` copies them in from there (slower, but the sampler updates)."""
         if self.model is None:
             return load_policy(model_dir, self.device, self.dtype)
         from pipeline.weights.policy import read_weights
@@ -131,12 +154,24 @@ class HfEngine:
         tensors = {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
         if self.device.type != "cuda":
             return tensors
-        stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            moved = {name: t.to(self.device, self.dtype if t.is_floating_point() else t.dtype, non_blocking=True)
-                     for name, t in tensors.items()}
-        stream.synchronize()
-        return moved
+        try:
+            return copy_to_gpu(tensors, self.device, self.dtype)
+        except torch.cuda.OutOfMemoryError as e:
+            reason = str(e).splitlines()[0][:160] if str(e) else "out of memory"
+        torch.cuda.empty_cache()  # out of the except block: the partial copy is unreachable by now
+        self._swap_from_host(Path(model_dir).name, tensors, reason)
+        return tensors
+
+    def _swap_from_host(self, version: str, tensors: dict[str, torch.Tensor], reason: str) -> None:
+        """Count a version that `install` copies in from host memory; say so once, the first time
+        (a GPU too full for one version is too full for the next)."""
+        self.in_place_swaps += 1
+        if self.in_place_swaps > 1:
+            return
+        size = sum(t.numel() * (self.dtype.itemsize if t.is_floating_point() else t.element_size())
+                   for t in tensors.values())
+        log.warning("no GPU memory for a second copy of %s (%.1f MB: %s); swapping it and later versions that "
+                    "do not fit in place from host memory between batches (slower)", version, size / 1e6, reason)
 
     def install(self, prepared) -> None:
         if isinstance(prepared, dict):

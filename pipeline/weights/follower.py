@@ -8,7 +8,9 @@ re-scored with (`PastPolicies`). Both fetch through `pipeline.weights.policy.fet
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import shutil
 import threading
 import time
@@ -94,6 +96,9 @@ class PolicyFollower:
         except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
             self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
                              version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
+        except torch.cuda.OutOfMemoryError as e:  # this GPU's fault, not the version's: never refuse for it
+            self.log.warning("no GPU memory to load policy v%d (%s); keeping v%s and retrying", version,
+                             str(e).splitlines()[0][:160] if str(e) else "out of memory", self.version)
         except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never retry them
             self.refused.add(manifest_key)
             self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
@@ -136,33 +141,175 @@ class PastPolicies:
     """The versions stale groups are re-scored with, run on one model (`scratch`) on the
     checker's device and in its precision, loaded with whichever version is asked for.
 
-    The learner hands over each version it publishes (`keep`: its own weights as samplers get
-    them, copied on its device; the newest `keep_last`), so re-scoring with one of those is a
-    copy into `scratch`, with nothing rebuilt or hashed: the learner made those bytes. Any other
-    version (made before a restart; every version, for a validator) is downloaded from S3 and
-    verified like a sampler's."""
+    The learner hands over each version it publishes (`keep`: its weights as samplers get them,
+    the publisher's copy, copied once more here; the newest `keep_last`), so re-scoring with one
+    of those is a copy into `scratch`, with nothing rebuilt or hashed: the learner made those
+    bytes. They are kept on the device while `device_bytes` allows, then in pinned host memory
+    while `host_bytes` does, else not at all; a version not kept (past those, older, made
+    before a restart; every version, for a validator) is downloaded from S3 and verified like a
+    sampler's. `release` frees them all and `scratch` (the learner's keys all its own again)."""
+
+    GIB = 1 << 30
+    SHARE = 0.25
+    """Of the memory free at a keep, the share the kept versions may take where no budget is set
+    (why: `security.keep_versions_gib`)."""
 
     def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", keep_last: int = 0):
+                 device: torch.device | str = "cpu", keep_last: int = 0, device_bytes: Optional[int] = None,
+                 host_bytes: Optional[int] = None):
         """`model_dir`: a directory of this model (its architecture; the weights are replaced);
-        `dtype` and `device`: where re-scoring computes; `keep_last`: versions `keep` holds."""
+        `dtype` and `device`: where re-scoring computes; `keep_last`: versions `keep` holds, in
+        at most `device_bytes` on `device` then `host_bytes` of (pinned) host memory (None:
+        `SHARE` of what is free at each keep; for `host_bytes`, on a device other than a GPU, 0:
+        the device is host memory already)."""
         self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
         self.dtype, self.device, self.keep_last = dtype, torch.device(device), keep_last
+        self.device_bytes, self.host_bytes = device_bytes, host_bytes
         self.scratch: Optional[torch.nn.Module] = None
         self.loaded: Optional[int] = None
         """The version `scratch` holds."""
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
-        """Version -> its tensors by name, on `device` (the newest `keep_last` handed to `keep`)."""
+        """Version -> its tensors by name (the newest `keep_last` handed to `keep` that fit)."""
+        self.where: dict[int, str] = {}
+        """Version kept -> "device" or "host"."""
 
-    def keep(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Hold a copy of `tensors` (a published version, as samplers get it) on this device."""
+    # ---- what is kept, where -------------------------------------------------------------
+    def keep(self, version: int, tensors: dict[str, torch.Tensor]) -> Optional[str]:
+        """Hold one copy of `tensors` (a published version, as samplers get it, in its dtype):
+        on the device within its budget, else in host memory within its own, else not (said in
+        the log). Returns where ("device", "host") or None. An out-of-memory error on the
+        device puts it in host memory and lowers the device budget to what is in use."""
         if self.keep_last <= 0:
-            return
-        with torch.no_grad():
-            self.kept[version] = {name: t.detach().to(self.device, copy=True) for name, t in tensors.items()}
-        for old in sorted(self.kept)[:-self.keep_last]:
-            del self.kept[old]
+            return None
+        self._drop(version)
+        while len(self.kept) >= self.keep_last:  # the oldest go first: their memory is the new one's
+            self._drop(min(self.kept))
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        device_budget, host_budget = self.budgets()
+        used = self.used()
+        if used["device"] + need <= device_budget:
+            try:
+                return self._store(version, tensors, "device")
+            except RuntimeError as e:
+                if not (isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)):
+                    raise
+                error = str(e).splitlines()[0][:120] if str(e) else "out of memory"
+            self._free_cache()  # the part copied is gone with the error
+            self.device_bytes = used["device"]
+            why = (f"out of memory copying it onto {self.device} ({error}); the device budget "
+                   f"(security.keep_versions_gib) is now {self.size(used['device'])}, what the "
+                   f"{self._count('device')} version(s) kept there take")
+        else:
+            why = (f"the device budget (security.keep_versions_gib{self._unset(self.device_bytes)}) of "
+                   f"{self.size(device_budget)} holds "
+                   f"{self._count('device')} version(s) in {self.size(used['device'])}")
+        if used["host"] + need <= host_budget:
+            try:
+                where = self._store(version, tensors, "host")
+            except RuntimeError as e:  # pinned memory refused
+                why += f"; host memory refused it ({str(e).splitlines()[0][:120]})"
+            else:
+                log.info("kept policy v%d (%s) in host memory, not on %s: %s", version, self.size(need),
+                         self.device, why)
+                return where
+        else:
+            why += (f"; the host budget (security.keep_versions_host_gib{self._unset(self.host_bytes)}) of "
+                    f"{self.size(host_budget)} holds "
+                    f"{self._count('host')} version(s) in {self.size(used['host'])}")
+        log.warning("not keeping policy v%d (%s) for re-scoring: %s; a check of its stale groups downloads it "
+                    "from S3", version, self.size(need), why)
+        return None
 
+    def _unset(self, budget: Optional[int]) -> str:
+        return f" unset: {self.SHARE:g} of the free memory" if budget is None else ""
+
+    @classmethod
+    def size(cls, nbytes: int) -> str:
+        return f"{nbytes / cls.GIB:.2f} GiB" if nbytes >= cls.GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
+
+    def budgets(self) -> tuple[int, int]:
+        """Bytes the kept versions may take on the device, then in host memory (the set budgets,
+        else `SHARE` of what is free now, the kept versions counted as free)."""
+        used = self.used()
+        device = self.device_bytes
+        if device is None:
+            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else self.host_available())
+            device = int(self.SHARE * (free + used["device"]))
+        host = self.host_bytes
+        if host is None:
+            host = int(self.SHARE * (self.host_available() + used["host"])) if self.device.type == "cuda" else 0
+        return device, host
+
+    def used(self) -> dict[str, int]:
+        """Bytes the kept versions take, by where they are."""
+        used = {"device": 0, "host": 0}
+        for version, tensors in self.kept.items():
+            used[self.where[version]] += sum(t.numel() * t.element_size() for t in tensors.values())
+        return used
+
+    def release(self) -> bool:
+        """Free every kept version and `scratch` (every sampler key is the run's own again: no
+        log-prob is re-scored); whether anything was held."""
+        if not self.kept and self.scratch is None:
+            return False
+        count = len(self.kept)
+        self.kept.clear()
+        self.where.clear()
+        self.scratch, self.loaded = None, None
+        gc.collect()
+        self._free_cache()
+        log.info("released the %d kept version(s) and the re-scoring model: every sampler key is the run's own",
+                 count)
+        return True
+
+    @staticmethod
+    def host_available() -> int:
+        """Bytes of host memory available now (MemAvailable)."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def _store(self, version: int, tensors: dict[str, torch.Tensor], where: str) -> str:
+        """Copy `tensors` to `where`, one copy each (nothing left behind if it fails)."""
+        on_device = where == "device"
+        target = self.device if on_device else torch.device("cpu")
+        pin = not on_device and self.device.type == "cuda"
+        if not on_device and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the publisher's slot may still be filling (non-blocking copies)
+        copies: dict[str, torch.Tensor] = {}
+        try:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    copies[name] = self._allocate(t, target, pin, where)
+                    # onto a GPU: ordered after the copies into the source on the same stream
+                    copies[name].copy_(t.detach(), non_blocking=on_device and target.type == "cuda")
+        except BaseException:
+            copies.clear()  # the traceback keeps this frame: not its copies
+            raise
+        self.kept[version], self.where[version] = copies, where
+        return where
+
+    def _allocate(self, like: torch.Tensor, target: torch.device, pin: bool, where: str) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device=target, pin_memory=pin)
+
+    def _drop(self, version: int) -> None:
+        self.kept.pop(version, None)
+        self.where.pop(version, None)
+
+    def _count(self, where: str) -> int:
+        return sum(w == where for w in self.where.values())
+
+    def _free_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- a version's model ---------------------------------------------------------------
     def get(self, version: int) -> Optional[torch.nn.Module]:
         """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
         if self.loaded == version:

@@ -1,0 +1,124 @@
+"""A sampler whose GPU has no room for a second copy of the weights keeps updating
+(pipeline/sampling/generation.py `HfEngine.prepare`, pipeline/weights/follower.py): the new
+version is swapped in place from host memory, and an out-of-memory error never refuses a
+version. CI has no GPU: the GPU copy is made to fail as a full GPU fails it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pipeline.sampling.generation as generation
+import pipeline.weights.follower as follower_module
+from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
+from pipeline.sampling.generation import HfEngine, SamplingSettings
+from pipeline.weights.follower import PolicyFollower
+
+SIZE = ModelSize(hidden_size=32, num_layers=2, num_heads=1, intermediate_size=64, max_positions=48)
+OOM = "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 139.80 GiB"
+
+
+def save_model(path: Path, seed: int) -> Path:
+    tokenizer = build_tokenizer()
+    build_tiny_model(tokenizer, SIZE, seed=seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def gpu_full(tensors, device, dtype):
+    raise torch.cuda.OutOfMemoryError(OOM)
+
+
+def test_hf_engine_swaps_in_place_from_host_when_the_gpu_is_full(tmp_path, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    first, second, third = (save_model(tmp_path / f"v{i}", seed=i) for i in (1, 2, 3))
+    engine = HfEngine(SamplingSettings(1.0, 1.0, 0, 8), torch.device("cpu"))
+    engine.install(engine.prepare(first))
+    model = engine.model
+    engine.device = torch.device("cuda")  # as on a GPU: later versions get a second copy there
+    emptied = []
+    monkeypatch.setattr(generation, "copy_to_gpu", gpu_full)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    with caplog.at_level(logging.WARNING, logger=generation.__name__):
+        prepared = engine.prepare(second)
+        assert all(t.device.type == "cpu" for t in prepared.values())  # left on the host
+        engine.install(prepared)
+        assert engine.model is model  # copied in place, no new model
+        expected = AutoModelForCausalLM.from_pretrained(second, dtype=torch.float32).state_dict()
+        got = engine.model.state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+        engine.install(engine.prepare(third))
+    assert engine.in_place_swaps == 2 and len(emptied) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # said once, counted every time
+    assert "v2" in warnings[0] and "MB" in warnings[0] and "in place from host memory" in warnings[0]
+
+
+class FakeTensor:
+    """A host tensor whose copy to the GPU fails once `room` copies were made."""
+
+    def __init__(self, made: list, room: int):
+        self.made, self.room = made, room
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def to(self, *args, **kwargs):
+        if len(self.made) >= self.room:
+            raise torch.cuda.OutOfMemoryError(OOM)
+        copy = torch.zeros(4)  # stands for the GPU copy
+        self.made.append(weakref.ref(copy))
+        return copy
+
+
+def test_copy_to_gpu_drops_its_partial_copy_when_out_of_memory(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: SimpleNamespace(synchronize=lambda: synced.append(1)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    made: list = []
+    tensors = {f"w{i}": FakeTensor(made, room=3) for i in range(5)}
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        generation.copy_to_gpu(tensors, torch.device("cuda"), torch.bfloat16)
+    gc.collect()
+    assert len(made) == 3 and synced
+    assert all(ref() is None for ref in made), "the traceback still holds the partial copy"
+    assert raised.value is not None
+
+
+class FullOnce:
+    """An engine whose first `prepare` finds the GPU full."""
+
+    backend = "hf"
+
+    def __init__(self):
+        self.prepares, self.installed = 0, []
+
+    def prepare(self, path):
+        self.prepares += 1
+        if self.prepares == 1:
+            raise torch.cuda.OutOfMemoryError(OOM)
+        return path
+
+    def install(self, prepared):
+        self.installed.append(prepared)
+
+
+def test_the_follower_retries_a_version_that_found_the_gpu_full(tmp_path, monkeypatch, caplog):
+    report = SimpleNamespace(bytes_downloaded=0, refused=[], path=[])
+    monkeypatch.setattr(follower_module, "fetch_policy", lambda store, key, target, **kw: (target, None, report))
+    engine = FullOnce()
+    follower = PolicyFollower(None, tmp_path, logging.getLogger("test.follower"), engine)
+    with caplog.at_level(logging.WARNING, logger="test.follower"):
+        assert not follower.update(4, "run/v4/manifest.json")
+    assert "run/v4/manifest.json" not in follower.refused  # not the version's fault
+    assert any("no GPU memory" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
+    assert follower.update(4, "run/v4/manifest.json") and follower.version == 4  # tried again, loaded
+    assert engine.installed == [tmp_path / "v4"]
