@@ -99,7 +99,7 @@ def main(argv=None) -> int:
 
     verify_s = per_item(verify, sealed)
     decode_s = per_item(decode_rollout, plain)  # what the learner did per message before signatures
-    no_logprobs = cfg.security.model_copy(update={"stale_version_check_fraction": 0.0})
+    no_logprobs = cfg.security.model_copy(update={"stale_check_fraction": 0.0})
     rescore = GroupScreen(no_logprobs, task, tokenizer, s.temperature, lambda: None, None)
     rescore_s = per_item(lambda r: rescore.check(r, staleness=0), rollouts)
     screen = GroupScreen(cfg.security, task, tokenizer, s.temperature, lambda: model, None)

@@ -12,9 +12,10 @@
   against the version it claims, so a forger is quarantined within its first groups (a
   group of staleness 0 is left to its step, which checks it before applying anything).
   Otherwise it is decided here whether they will be checked: every group of staleness 0,
-  and a stale group when the version it claims was drawn, with probability
-  `security.stale_version_check_fraction`, from a secret random stream (once per version:
-  a drawn version's groups are all checked, the others none);
+  and a stale group when it is drawn, with probability `security.stale_check_fraction`,
+  by a keyed hash of (key, claimed version, rollout id) under a secret only this process
+  holds (`StaleDraw`): each group's draw is its own, so no outcome a sampler watches tells it
+  which of its next groups go unchecked;
 - **when its batch is full** (`check_batch`), before the step: the stale groups to check are
   re-scored with the version each claims, all groups of one version in one batched forward
   pass, on the learner's device and in its precision (`PastPolicies`: the learner's own
@@ -31,8 +32,11 @@ Failures are handed back; the learner strikes the key and withdraws the group.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
-import random
+import math
+import secrets
 import statistics
 from collections import Counter, defaultdict
 from typing import Callable, Iterable, Optional
@@ -54,6 +58,46 @@ RESCORE_ROWS = 256
 """Sequences re-scored in one forward pass at most (a version's groups go in batches of this)."""
 
 
+class StaleDraw:
+    """Which stale groups of an untrusted key have their log-probs checked: each with probability
+    `fraction`, decided by HMAC-SHA256 under a secret drawn from the OS when the learner starts
+    (never written anywhere) of the group's key, claimed version and rollout id.
+
+    Why per group: a draw shared by several groups (once per version, as before 0.3.0) is learned
+    by one probe (a forged group claiming v goes unpunished, so v was not drawn) and then
+    exploited with as many forged groups as v can take. Here a key's forged stale groups are
+    each caught with probability `fraction`, whatever it saw before, so with quarantine at S
+    strikes it gets S (1 - fraction) / fraction of them used on average (`forged_used_bound`).
+    Deterministic for one rollout id, so a group put back and judged again keeps its draw (a
+    second copy of a rollout id is never used: the intake ignores it)."""
+
+    def __init__(self, fraction: float, secret: Optional[bytes] = None):
+        self.fraction = fraction
+        self.secret = secret or secrets.token_bytes(32)
+
+    def __call__(self, key_id: str, version: int, rollout_id: str) -> bool:
+        message = f"{key_id}\x00{version}\x00{rollout_id}".encode()
+        digest = hmac.new(self.secret, message, hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "big") < self.fraction * 2 ** 64
+
+
+def forged_used_bound(fraction: float, strikes: int, tail: float = 1e-4) -> int:
+    """The most forged stale groups of one key (past probation) that can be used before it is
+    quarantined, but with probability `tail`: each is caught with probability `fraction` on its
+    own, and the `strikes`-th catch quarantines, so the number used is negative-binomial. The
+    bound the attack audit holds the probing forger to (lab/attack.py)."""
+    if fraction >= 1:
+        return 0
+    if fraction <= 0:
+        raise ValueError("with stale_check_fraction 0 a forger's stale groups are never checked: no bound")
+    used, below = 0, 0.0
+    while True:  # P(exactly `used` used) = C(used + strikes - 1, used) f^strikes (1-f)^used
+        below += math.comb(used + strikes - 1, used) * fraction ** strikes * (1 - fraction) ** used
+        if 1 - below <= tail:
+            return used
+        used += 1
+
+
 class GroupScreen:
     """Re-scores rewards of each group as it is admitted; checks log-probs of a batch's groups."""
 
@@ -65,9 +109,8 @@ class GroupScreen:
         whether a group comes from one of the run's own samplers (its log-probs are not checked)."""
         self.security, self.task, self.tokenizer, self.temperature = security, task, tokenizer, temperature
         self.current_policy, self.past, self.trusted = current_policy, past, trusted
-        self.draw = random.Random()  # seeded from the OS: samplers cannot predict which versions are checked
-        self.drawn: dict[int, bool] = {}
-        """Version -> whether its stale groups are checked (drawn once per version)."""
+        self.drawn = StaleDraw(security.stale_check_fraction)
+        """Whether a stale group past probation is checked (a secret draw of its own)."""
         self.checked: Counter = Counter()
         """Key id (sampler id if unsigned) -> its groups whose log-probs were checked (probation)."""
         self.planned: dict[str, tuple[int, bool]] = {}
@@ -110,20 +153,11 @@ class GroupScreen:
                 self.counts["refused_unverifiable_on_probation"] += 1
                 return [(UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
             # staleness 0, and the weights are not whole on this rank (ZeRO-3): the step checks it
-        if staleness == 0 or on_probation or self.version_drawn(rollout.policy_version):
+        if staleness == 0 or on_probation or self.drawn(who, rollout.policy_version, rollout.rollout_id):
             self.planned[rollout.rollout_id] = (rollout.policy_version, on_probation)
         else:
             self.counts["logprobs_unchecked_not_drawn"] += 1
         return []
-
-    def version_drawn(self, version: int) -> bool:
-        """Whether the stale groups claiming `version` are checked: drawn once for each version,
-        secretly, with probability `security.stale_version_check_fraction`."""
-        if version not in self.drawn:
-            self.drawn[version] = self.draw.random() < self.security.stale_version_check_fraction
-            for old in sorted(self.drawn)[:-4096]:  # versions far behind every sampler
-                del self.drawn[old]
-        return self.drawn[version]
 
     def _rescore(self, rollout: Rollout) -> list[tuple[str, str]]:
         try:

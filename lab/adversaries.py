@@ -8,7 +8,11 @@ Samplers (`heterorl adversary KIND`), each a `producers.sampler.Sampler` that ch
 - `other_model`:     generates with another model (a fresh random initialisation of the same
                      architecture) while claiming the published version;
 - `false_version`:   stamps its groups with a policy version the learner has not made;
-- `bad_signature`:   sends every other group unsigned, the rest with a corrupted signature.
+- `bad_signature`:   sends every other group unsigned, the rest with a corrupted signature;
+- `stale_prober`:    honest through probation, then forges stale groups the way a draw shared by
+                     a version could be beaten: one forged group (noisy log-probs, claiming the
+                     version it held before), and when the update log shows it used, every group
+                     forged and claiming that version while it is within the max delay.
 
 Attackers run as threads of `heterorl attack`:
 
@@ -28,6 +32,7 @@ import io
 import json
 import random
 import threading
+import time
 from collections import Counter
 from typing import Optional
 
@@ -43,7 +48,8 @@ from pipeline.wire.rollout import Rollout, encode_rollout, header_value, seal_ro
 from pipeline.wire.signing import SigningKey, sign_document
 from producers.sampler import Sampler
 
-SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature")
+SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature",
+                 "stale_prober")
 ATTACKER_KINDS = ("replay", "tampered_manifest")
 FORGED_VERDICT_KINDS = ("unsigned", "sampler_key", "other_group", "replayed")
 """What `VerdictForger` sends, and the learner's refusal code for each."""
@@ -114,8 +120,89 @@ class BadSignature(Sampler):
                                                     connect_timeout_s=timeout, signer=self.signer)
 
 
+class StaleProber(Sampler):
+    """Probes which stale groups go unchecked, then floods there (the module's docstring). It
+    learns a probe's fate from the run's update log, which the local stack's broker lets any
+    client read (a deployment's Kafka ACLs do not: docs/security.md); its forged rollout ids go
+    into its stats at the end, for the audit to count how many were used."""
+
+    PROBATION_MARGIN = 2
+    """Honest groups first: this many times `security.probation_groups`, plus 10 (groups dropped
+    as stale are not checked, so probation takes more groups than it counts)."""
+    WATCH_S = 0.5
+    """How often it reads the update log while a probe waits (a probe's version ages meanwhile)."""
+
+    def start(self) -> None:
+        super().start()
+        self.honest_groups = self.PROBATION_MARGIN * self.cfg.security.probation_groups + 10
+        self.forged_ids: list[str] = []
+        self.probe: Optional[tuple[str, int]] = None
+        """(rollout id, claimed version) of the forged group whose fate it waits for."""
+        self.flood: Optional[int] = None
+        """The version its last used probe claimed: every group forged and claiming it."""
+        self.probes = self.floods = self.flooded = 0
+        self.watched_at = 0.0
+        self.held: set[int] = set()
+        """Versions it generated with: published ones, so a group claiming one can be checked."""
+
+    def make_rollouts(self, problems, groups) -> list[Rollout]:
+        rollouts = super().make_rollouts(problems, groups)
+        self.held.add(self.policy.version)
+        earlier = [v for v in self.held if v < self.policy.version]  # published: it held them
+        if self.generated < self.honest_groups or not earlier:
+            return rollouts
+        self.watch()
+        newest = self.view.version_at_use or self.policy.version
+        if self.flood is not None and newest - self.flood >= self.cfg.learner.max_delay_steps:
+            self.flood = None  # too old to be used now: find another
+        if self.flood is not None:
+            forged, version = rollouts, self.flood
+            self.flooded += len(forged)
+        elif self.probe is None:
+            forged, version = rollouts[:1], max(earlier)
+            self.probe, self.probes = (forged[0].rollout_id, version), self.probes + 1
+        else:
+            return rollouts  # honest while it waits to learn what its probe tells
+        rng = np.random.default_rng(self.seed + len(self.forged_ids))
+        for r in forged:
+            r.policy_version = version
+            r.sampler_logps = [np.minimum(np.asarray(c) + rng.normal(0.0, 0.5, len(c)), 0.0).tolist()
+                               for c in r.sampler_logps]
+            self.forged_ids.append(r.rollout_id)
+        return rollouts
+
+    def watch(self) -> None:
+        """Whether the probe was used (then flood its version) or not (then probe again)."""
+        if self.probe is None or time.monotonic() - self.watched_at < self.WATCH_S:
+            return
+        self.watched_at = time.monotonic()
+        probe_id, version = self.probe
+        try:
+            entries = read_entries_kafka(self.handles.services.kafka_bootstrap, self.cfg.run.topic, timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - an attacker keeps trying
+            return
+        for entry in entries or []:
+            if any(g.rollout_id == probe_id for g in entry.used):
+                self.probe, self.flood, self.floods = None, version, self.floods + 1
+                self.log.info("probe %s claiming v%d was used: flooding v%d", probe_id, version, version)
+                return
+            if any(g.rollout_id == probe_id for g in entry.dropped):
+                self.probe = None
+                return
+
+    def close(self) -> None:
+        super().close()
+        try:  # the audit's record of what it forged, beside its totals
+            stats = self.state.sampler_stats().get(self.sampler_id, {})
+            self.state.record_sampler_stats(self.sampler_id, {**stats, "forged_rollout_ids": self.forged_ids,
+                                                              "probes": self.probes, "floods": self.floods,
+                                                              "flooded_groups": self.flooded})
+        except Exception as e:  # noqa: BLE001 - Redis may be gone
+            self.log.warning("could not record the forged rollout ids: %s", e)
+
+
 ADVERSARY_SAMPLERS = {"forged_rewards": ForgedRewards, "noisy_logprobs": NoisyLogprobs, "other_model": OtherModel,
-                      "false_version": FalseVersion, "bad_signature": BadSignature}
+                      "false_version": FalseVersion, "bad_signature": BadSignature, "stale_prober": StaleProber}
 
 
 def run_adversary(kind: str, cfg: HeteroConfig, sampler_id: str) -> int:

@@ -35,9 +35,11 @@ from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTam
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run
+from consumers.screening import forged_used_bound
 from pipeline.records.audit import audit_topic
+from pipeline.records.update_log import read_entries_kafka
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.trust.keyring import init_keys, key_paths, load_root_public, read_registry
 from pipeline.wire.signing import read_key_file
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
@@ -48,8 +50,10 @@ QUARANTINE_WITHIN = 20
 FRESH_WITHIN = {"noisy_logprobs": 2}
 """Groups of staleness 0 (checked against the learner's own weights every time) within which
 these must be quarantined; their stale groups are only checked at
-`security.stale_version_check_fraction`."""
+`security.stale_check_fraction`."""
 UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
+PROBES = {"stale_prober"}
+"""Adversaries honest at first: their used groups are not all forged (`_prober` counts those)."""
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 ATTACKER_STOP_S = 60.0
 """How long the attack waits for an attacker's current pass to end before the learner drains
@@ -84,6 +88,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         validator_ids = [f"{run_name}-v{i}" for i in range(validators)]
         provision_local(cfg, handles.state.client, honest_ids, validator_ids)
         provision_local(cfg, handles.state.client, list(adversary_ids.values()), local=False)  # strangers
+        local_adversaries = _adversaries_registered_local(cfg, handles.state.client, adversary_ids)
         before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         config_file = out / "config.yaml"
@@ -128,11 +133,18 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         # recovery state: whole, whatever an attacker did to the chain of deltas before them.
         after, final_state = evaluate_final_state(cfg, handles.store, out / "final_weights", task)
         reports = handles.state.sampler_stats()
+        prober = adversary_ids["stale_prober"]  # honest at first: its forged groups are counted by rollout id
         data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
-                           honest_sampler_ids=set(honest_ids), forged_messages=frozenset(replayer.copies))
+                           honest_sampler_ids=set(honest_ids) | {prober}, forged_messages=frozenset(replayer.copies))
+        used_ids = {g.rollout_id for e in read_entries_kafka(services.kafka_bootstrap, cfg.run.topic) or []
+                    for g in e.used}
         learner_summary = json.loads((out / "learner_summary.json").read_text())
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
                        validators)
+        audit["adversaries"]["stale_prober"].update(_prober(reports.get(prober, {}), used_ids, cfg.security))
+        audit["adversary_keys_local"] = local_adversaries
+        audit["targets_met"] = (audit["targets_met"] and audit["adversaries"]["stale_prober"]["target_met"]
+                                and not local_adversaries)
         if forger is not None:
             audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}))
             audit["targets_met"] = audit["targets_met"] and audit["adversaries"]["forged_verdicts"]["target_met"]
@@ -146,6 +158,30 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
     (out / "attack_audit.json").write_text(json.dumps(audit, indent=2))
     print(_report(audit, out))
     return 0 if audit["targets_met"] else 1
+
+
+def _adversaries_registered_local(cfg: HeteroConfig, client, adversary_ids: dict[str, str]) -> list[str]:
+    """The adversaries whose keys the registry marks as the run's own (target: none). The attack
+    checks every key as a stranger's (`trust_local_samplers` off), so without this a registry
+    that wrongly trusted them would still pass the rest of the audit."""
+    paths = key_paths(cfg)
+    registry = read_registry(client, cfg.run.name, load_root_public(paths))
+    return sorted(sampler_id for sampler_id in adversary_ids.values()
+                  if registry.is_local(read_key_file(paths.sampler_key(sampler_id)).key_id))
+
+
+def _prober(report: dict, used_ids: set[str], security) -> dict:
+    """The stale prober's forged groups used, against the bound its draws allow: each forged
+    stale group is checked on its own with probability `stale_check_fraction`, so fewer than
+    `forged_used_bound` are used but with probability 1e-4 (consumers/screening.py). Met if it
+    forged (it got past probation) and stayed within the bound."""
+    forged = set(report.get("forged_rollout_ids") or [])
+    bound = forged_used_bound(security.stale_check_fraction, security.strikes_to_quarantine)
+    used = len(forged & used_ids)
+    return {"forged_sent": len(forged), "forged_used": used, "forged_used_bound": bound,
+            "probes": report.get("probes"), "floods": report.get("floods"),
+            "flooded_groups": report.get("flooded_groups"),
+            "target_met": bool(forged) and used <= bound}
 
 
 def _wait(procs: Processes, state, seconds: float) -> None:
@@ -198,6 +234,8 @@ def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: 
             "quarantine_within_fresh": FRESH_WITHIN.get(kind),
             "target_met": row["used"] == 0 and (kind in UNATTRIBUTABLE or in_time),
         }
+        if kind in PROBES:  # honest groups first, used rightly: judged by `_prober` on what it forged
+            adversaries[kind].update(quarantine_within=None, target_met=True)
     adversaries["replay"] = {"copies_sent": len(replayer.copies), "copies_used": data["copies_used_in_updates"],
                              "target_met": bool(replayer.copies) and data["copies_used_in_updates"] == 0}
     refusals = sum(int(r.get("refused_checkpoints", 0)) + int(r.get("refused_pointers", 0))
@@ -247,6 +285,11 @@ def _report(audit: dict, out: Path) -> str:
     t = audit["adversaries"]["tampered_manifest"]
     lines.append(f"  {'tampered_manifest':16} {len(t['attacks'])} attacks on S3/Redis, refused "
                  f"{t['honest_sampler_refusals']} times by honest samplers")
+    p = audit["adversaries"]["stale_prober"]
+    lines.append(f"  {'stale_prober':16} forged {p.get('forged_sent')} after probation ({p.get('probes')} probes, "
+                 f"{p.get('floods')} floods of {p.get('flooded_groups')} groups), used {p.get('forged_used')} (bound {p.get('forged_used_bound')})")
+    if audit.get("adversary_keys_local"):
+        lines.append(f"  adversary keys registered as the run's own: {', '.join(audit['adversary_keys_local'])}")
     v = audit["adversaries"].get("forged_verdicts")
     if v is not None:
         lines.append(f"  {'forged_verdicts':16} sent {v['sent']}, refused by the learner {v['refused_by_the_learner']}")

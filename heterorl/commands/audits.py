@@ -29,13 +29,15 @@ def _cmd_attack(args) -> int:
     return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators)
 
 
+ADVERSARY_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature", "stale_prober")
+"""`lab.adversaries.SAMPLER_KINDS`, named here so that `--help` imports no torch (tests/unit/test_cli.py checks they agree)."""
+
+
 def register_adversary(sub) -> None:
     p = sub.add_parser("adversary", help="run one adversarial sampler (what `heterorl attack` starts)",
                        description="A sampler with a registered key that lies in one way: " +
-                                   ", ".join(("forged_rewards", "noisy_logprobs", "other_model", "false_version",
-                                              "bad_signature")) + ". For testing the learner's defences only.")
-    p.add_argument("kind", choices=("forged_rewards", "noisy_logprobs", "other_model", "false_version",
-                                    "bad_signature"), help="what it does wrong")
+                                   ", ".join(ADVERSARY_KINDS) + ". For testing the learner's defences only.")
+    p.add_argument("kind", choices=ADVERSARY_KINDS, help="what it does wrong (lab/adversaries.py)")
     add_config_args(p)
     p.add_argument("--id", dest="sampler_id", required=True, metavar="ID", help="sampler id (its key must be registered)")
 

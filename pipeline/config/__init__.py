@@ -531,12 +531,15 @@ class SecurityConfig(Strict):
     probation_groups: int = Field(50, ge=0)
     """The first this many groups of each untrusted sampler key all get the log-prob check,
     stale ones too; a group whose claimed version can no longer be checked is then not used
-    (no strike). After that, stale groups are checked by version (`stale_version_check_fraction`)."""
-    stale_version_check_fraction: float = Field(0.25, ge=0, le=1)
-    """Share of the versions that stale groups (staleness > 0) claim whose groups are re-scored
-    with that version (groups of staleness 0 are always checked, by the step's own forward
-    pass). Drawn once per version from a secret random stream, so a sampler cannot predict it:
-    a drawn version's groups are all checked, in one batched pass per batch; the others none."""
+    (no strike). After that, a drawn share of its stale groups is checked (`stale_check_fraction`)."""
+    stale_check_fraction: float = Field(0.25, ge=0, le=1)
+    """Share of an untrusted key's stale groups (staleness > 0, after probation) re-scored with
+    the version each claims (groups of staleness 0 are always checked, by the step's own forward
+    pass). Drawn for every group on its own, from a keyed hash of (key, version, rollout id)
+    under a secret the learner draws at start and never shares: what a sampler learns of past
+    draws tells it nothing of the next, so it cannot probe for versions left unchecked and flood
+    them. The cost per version is what it was: this share of its groups, the drawn groups of one
+    version re-scored in one batched pass per batch."""
     keep_versions: Optional[int] = Field(None, ge=0)
     """How many of its newest published versions the learner keeps (on its device, else in host
     memory: `keep_versions_gib`), as samplers get them, to re-score stale groups claiming them
@@ -718,7 +721,10 @@ def apply_override(data: dict, assignment: str) -> None:
 
 
 RENAMED = {"security.stale_logprob_check_fraction": ("security.stale_version_check_fraction", "0.2.0",
-                                                     "a share of versions now, not of groups")}
+                                                     "a share of versions now, not of groups"),
+           "security.stale_version_check_fraction": ("security.stale_check_fraction", "0.3.0",
+                                                     "a secret draw for every group: a per-version draw could be "
+                                                     "learned by one probe and flooded")}
 """Fields renamed since a release: old name -> (new name, the version that renamed it, what changed)."""
 
 

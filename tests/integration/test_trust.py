@@ -110,6 +110,10 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
         assert a["groups_used"] == 0 and a["quarantined"] and a["quarantined_after_groups"] <= 20, (kind, a)
     assert audit["adversaries"]["noisy_logprobs"]["quarantined_after_fresh_groups"] <= 2
     assert audit["adversaries"]["bad_signature"]["groups_used"] == 0
+    # probe-then-flood: forged past probation, used no more than a draw of its own per group allows
+    prober = audit["adversaries"]["stale_prober"]
+    assert prober["forged_sent"] > 0 and prober["forged_used"] <= prober["forged_used_bound"], prober
+    assert audit["adversary_keys_local"] == []  # every adversary checked as the stranger it is
     assert audit["adversaries"]["bad_signature"]["groups_produced"] > 20
     assert audit["adversaries"]["replay"]["copies_sent"] > 0 and audit["adversaries"]["replay"]["copies_used"] == 0
     assert audit["adversaries"]["tampered_manifest"]["honest_sampler_refusals"] > 0

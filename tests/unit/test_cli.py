@@ -160,3 +160,10 @@ def test_the_learner_accepts_the_local_rank_argument_of_the_deepspeed_launcher()
     # deepspeed --module heterorl learner ... runs `python -m heterorl --local_rank=N learner ...`
     args = build_parser().parse_args(["--local_rank=1", "learner", "--config", "smoke"])
     assert args.local_rank == 1 and args.config == "smoke"
+
+
+def test_the_adversary_command_offers_every_kind_the_lab_has():
+    from heterorl.commands.audits import ADVERSARY_KINDS
+    from lab.adversaries import ADVERSARY_SAMPLERS, SAMPLER_KINDS
+
+    assert ADVERSARY_KINDS == SAMPLER_KINDS == tuple(ADVERSARY_SAMPLERS)

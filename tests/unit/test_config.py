@@ -35,6 +35,9 @@ def test_a_renamed_field_names_its_new_name():
     with pytest.raises(ConfigError, match=r"security.stale_logprob_check_fraction: renamed "
                                           r"security.stale_version_check_fraction in 0.2.0"):
         load_config(None, ["security.stale_logprob_check_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"security.stale_version_check_fraction: renamed "
+                                          r"security.stale_check_fraction in 0.3.0 \(a secret draw for every group"):
+        load_config(None, ["security.stale_version_check_fraction=0.5"])
 
 
 def test_bounds_are_checked():

@@ -125,7 +125,7 @@ def test_the_modeled_screen_checks_the_groups_the_real_one_would():
     from pipeline.wire.rollout import Rollout
 
     lt = LoadtestConfig(reward_check_s_per_group=0.0, logprob_check_s_per_group=0.0)
-    screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_version_check_fraction=0.0), lt)
+    screen = ModeledScreen(SecurityConfig(probation_groups=1, stale_check_fraction=0.0), lt)
     a, b, c = (Rollout(prompt_id="p", task="t", sampler_id="s", policy_version=3, prompt_ids=[1],
                        completion_ids=[[2], [3]], sampler_logps=[[-1.0], [-1.0]], rewards=[0.0, 1.0], key_id="k")
                for _ in range(3))

@@ -1,10 +1,13 @@
 """The learner's content checks on real groups from the tiny model: its own rewards, and the
 log-prob check against the version a group claims."""
 
+import copy
+import math
+
 import numpy as np
 import pytest
 
-from consumers.screening import GroupScreen
+from consumers.screening import GroupScreen, StaleDraw, forged_used_bound
 from pipeline.weights.follower import PastPolicies
 from pipeline.config import SecurityConfig
 from pipeline.models import sample_groups
@@ -89,7 +92,7 @@ def test_noisy_logprobs_fail_the_check_and_a_wrong_prompt_is_caught(setup):
 
 
 def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
-    s = screen(setup, stale_version_check_fraction=0.0, probation_groups=0)
+    s = screen(setup, stale_check_fraction=0.0, probation_groups=0)
     stale, fresh = setup[3]()[1], setup[3]()[2]
     for r in (stale, fresh):
         r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
@@ -114,7 +117,7 @@ class OnePast:
 
 def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not_used(setup):
     tokenizer, model, task, rollouts = setup
-    security = SecurityConfig(stale_version_check_fraction=0.0, probation_groups=2)
+    security = SecurityConfig(stale_check_fraction=0.0, probation_groups=2)
     s = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(model))
     honest, lying = rollouts()[0], rollouts()[1]
     lying.sampler_logps = [[-5.0] * len(c) for c in lying.sampler_logps]
@@ -161,7 +164,7 @@ def test_on_probation_a_keys_first_groups_are_checked_as_read_then_fresh_ones_by
 def test_stale_groups_are_re_scored_with_one_pass_per_version(setup, monkeypatch):
     tokenizer, model, task, rollouts = setup
     past = OnePast(model)
-    s = GroupScreen(SecurityConfig(probation_groups=0, stale_version_check_fraction=1.0), task, tokenizer, 1.0,
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_check_fraction=1.0), task, tokenizer, 1.0,
                     lambda: model, past)
     groups = rollouts() + rollouts()
     for r, version in zip(groups, (4, 6, 4, 6, 4, 6)):
@@ -210,14 +213,37 @@ def test_past_versions_kept_by_the_learner_load_onto_one_model_bit_for_bit(setup
         assert all(got[k].dtype == torch.float32 and torch.equal(got[k], versions[version][k].float()) for k in base)
     assert past.get(6) is past.get(8)  # the same model, reloaded
     assert past.get(4) is None  # neither kept nor in S3
-    assert PastPolicies(GoneStore(), tmp_path, tmp_path / "base", keep_last=0).keep(8, versions[8]) is None
+
+
+def test_the_learner_keeps_the_newest_keep_last_versions_and_none_with_keep_last_0(setup, tmp_path):
+    """What `keep` holds: the newest `keep_last` versions handed to it, each a copy of the
+    tensors handed over; with `keep_last` 0 (a validator; or every key the run's own, which
+    the intake decides: tests/unit/test_past_policies.py) nothing."""
+    import torch
+
+    _, model, _, _ = setup
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    versions = {v: {k: (t + 0.01 * v).to(torch.bfloat16) for k, t in base.items()} for v in range(1, 6)}
+    none = PastPolicies(GoneStore(), tmp_path, tmp_path / "base", keep_last=0)
+    for v in versions:
+        none.keep(v, versions[v])
+    assert none.kept == {}
+    past = PastPolicies(GoneStore(), tmp_path, tmp_path / "base", keep_last=3)
+    for v in versions:
+        past.keep(v, versions[v])
+        assert sorted(past.kept) == list(range(max(1, v - 2), v + 1))
+    assert sorted(past.kept) == [3, 4, 5]
+    for v in (3, 4, 5):
+        assert past.kept[v].keys() == versions[v].keys()
+        assert all(torch.equal(past.kept[v][k], t) and past.kept[v][k].data_ptr() != t.data_ptr()
+                   for k, t in versions[v].items())
 
 
 def test_the_run_s_own_samplers_have_only_their_rewards_checked(setup, monkeypatch):
     """A trusted group (a key the run minted for a sampler it started) has its rewards re-scored
     and its claim of wrong rewards refused, but its log-probs never re-scored, fresh or stale."""
     tokenizer, model, task, rollouts = setup
-    s = GroupScreen(SecurityConfig(probation_groups=50, stale_version_check_fraction=1.0), task, tokenizer, 1.0,
+    s = GroupScreen(SecurityConfig(probation_groups=50, stale_check_fraction=1.0), task, tokenizer, 1.0,
                     lambda: model, OnePast(model), trusted=lambda r: r.key_id == "local")
     passes = []
     monkeypatch.setattr(s, "_gaps", lambda rs, m: passes.append(len(rs)) or [9.0] * len(rs))
@@ -233,17 +259,61 @@ def test_the_run_s_own_samplers_have_only_their_rewards_checked(setup, monkeypat
     assert s.counts["logprobs_unchecked_trusted"] == 2 and s.counts["rewards_rescored"] == 4
 
 
-def test_stale_versions_are_drawn_once_each_and_a_drawn_version_checks_all_its_groups(setup):
+def test_each_stale_group_has_a_secret_draw_of_its_own(setup):
+    """Not one draw per version: groups claiming one version are checked at the configured rate,
+    the same group keeps its draw when judged again, and another learner (another secret) draws
+    otherwise."""
     tokenizer, model, task, rollouts = setup
-    s = GroupScreen(SecurityConfig(probation_groups=0, stale_version_check_fraction=0.5), task, tokenizer, 1.0,
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_check_fraction=0.5), task, tokenizer, 1.0,
                     lambda: model, OnePast(model))
-    draws = {v: s.version_drawn(v) for v in range(400)}
-    assert all(s.version_drawn(v) == d for v, d in draws.items())  # a version is drawn once
-    assert 150 < sum(draws.values()) < 250  # at the configured rate
-    drawn, skipped = next(v for v, d in draws.items() if d), next(v for v, d in draws.items() if not d)
-    groups = rollouts() + rollouts()
-    for r, version in zip(groups, (drawn, skipped) * 3):
-        r.policy_version = version
-        s.check(r, staleness=2)
-    assert sorted(v for v, _ in s.planned.values()) == [drawn] * 3
-    assert s.counts["logprobs_unchecked_not_drawn"] == 3
+    ids = [f"r{i}" for i in range(2000)]
+    draws = [s.drawn("k", 7, i) for i in ids]
+    assert 900 < sum(draws) < 1100  # half of one version's groups, not all or none
+    assert [s.drawn("k", 7, i) for i in ids] == draws
+    assert [StaleDraw(0.5)("k", 7, i) for i in ids] != draws
+    assert sum(s.drawn(f"k{i}", i, "same-id") for i in range(2000)) in range(900, 1100)
+    group = rollouts()[0]
+    group.policy_version = 7
+    s.check(group, staleness=2)
+    assert (group.rollout_id in s.planned) == s.drawn(group.sampler_id, 7, group.rollout_id)
+
+
+@pytest.mark.parametrize("fraction,strikes", [(0.25, 2), (0.5, 2), (0.1, 3)])
+def test_the_bound_on_forged_stale_groups_used_is_the_negative_binomial_tail(fraction, strikes):
+    """Against the binomial form: at most k used <=> at least `strikes` caught among the first
+    k + strikes groups."""
+    def used_at_most(k):
+        n = k + strikes
+        return 1 - sum(math.comb(n, j) * fraction ** j * (1 - fraction) ** (n - j) for j in range(strikes))
+
+    bound = forged_used_bound(fraction, strikes, tail=1e-4)
+    assert 1 - used_at_most(bound) <= 1e-4 < 1 - used_at_most(bound - 1)
+    assert forged_used_bound(1.0, strikes) == 0
+
+
+def test_a_forger_that_probes_a_version_then_floods_it_is_caught_at_the_configured_rate(setup):
+    """The attack a per-version draw allowed: one forged group claiming v; if it is not checked,
+    v was not drawn, so flood v. Every forged group is now checked with probability 1/4 on its
+    own, so the flood is caught, and quarantine (2 strikes) comes within the audit's bound."""
+    tokenizer, model, task, rollouts = setup
+    s = GroupScreen(SecurityConfig(probation_groups=0, stale_check_fraction=0.25), task, tokenizer, 1.0,
+                    lambda: model, OnePast(model))
+    template = rollouts()[0]
+
+    def forged(i):
+        r = copy.deepcopy(template)
+        r.rollout_id, r.key_id, r.policy_version = f"forged-{i}", "forger", 5
+        r.sampler_logps = [[-5.0] * len(c) for c in r.sampler_logps]
+        return r
+
+    probes = (forged(i) for i in range(10_000))
+    probe = next(p for p in probes if s.check(p, staleness=3) == [] and p.rollout_id not in s.planned)
+    flood = [forged(10_000 + i) for i in range(400)]
+    for r in flood:
+        s.check(r, staleness=3)
+    caught = [r for r in flood if r.rollout_id in s.planned]
+    assert 60 < len(caught) < 140  # a quarter of the flood, where a per-version draw checked none
+    failures = batch_failures(s, *[(r, 3) for r in flood])
+    strikes_at = [i for i, f in enumerate(failures) if f == ["logprob_mismatch"]]
+    assert len(strikes_at) == len(caught) and probe.rollout_id not in s.planned
+    assert strikes_at[1] - 1 <= forged_used_bound(0.25, 2)  # used before the second strike
