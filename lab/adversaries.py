@@ -129,7 +129,7 @@ class StaleProber(Sampler):
     PROBATION_MARGIN = 2
     """Honest groups first: this many times `security.probation_groups`, plus 10 (groups dropped
     as stale are not checked, so probation takes more groups than it counts)."""
-    WATCH_S = 0.5
+    WATCH_S = 1.0
     """How often it reads the update log while a probe waits (a probe's version ages meanwhile)."""
 
     def start(self) -> None:
@@ -177,6 +177,9 @@ class StaleProber(Sampler):
             return
         self.watched_at = time.monotonic()
         probe_id, version = self.probe
+        if (self.view.version_at_use or 0) - version >= self.cfg.learner.max_delay_steps:
+            self.probe = None  # too stale to be used by now (or discarded at the source): probe again
+            return
         try:
             entries = read_entries_kafka(self.handles.services.kafka_bootstrap, self.cfg.run.topic, timeout_s=5.0)
         except Exception:  # noqa: BLE001 - an attacker keeps trying

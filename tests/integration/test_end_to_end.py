@@ -146,7 +146,8 @@ def _train_inspect_and_stop(tmp_path):
 SPOILED = {"missing field": ("the policy pointer lacks manifest_key",
                              lambda c, key: c.delete(key) + c.hset(key, "version", "1")),
            "non-integer version": ("is not a non-negative integer",
-                                   lambda c, key: c.hset(key, "version", "1; DROP")),
+                                   lambda c, key: c.delete(key) + c.hset(key, mapping={
+                                       "version": "1; DROP", "manifest_key": "m.json", "signature": "{}"})),
            "a string": ("the policy pointer is a string", lambda c, key: c.delete(key) + c.set(key, "v1")),
            "a list": ("the policy pointer is a list", lambda c, key: c.delete(key) + c.rpush(key, "1"))}
 """What `PointerSpoiler` writes, and what the sampler's and the evaluator's logs say of it."""
@@ -189,11 +190,12 @@ class PointerSpoiler(threading.Thread):
                 pass  # v1: the sampler and the evaluator have had a pointer
             for form, (said, spoil) in SPOILED.items():  # each until the sampler refused it
                 deadline = time.monotonic() + 30
+                spoil(client, key)  # whatever the key holds now
                 while not self.refused("sampler-0", said) and time.monotonic() < deadline:
                     if self.stopped.is_set() or self.log_says("learner", "step 3 (v3)"):
                         return  # the last step is near: the evaluator is to find v4 announced
                     if client.type(key) == "hash" and client.hexists(key, "signature"):
-                        spoil(client, key)  # the learner's pointer (again): spoil it
+                        spoil(client, key)  # the publisher set it back meanwhile: spoil it again
                     self.stopped.wait(0.1)
                 if self.refused("sampler-0", said):
                     self.seen.add(form)
