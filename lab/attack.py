@@ -274,7 +274,7 @@ def _report(audit: dict, out: Path) -> str:
              f"quarantined {len(audit['honest_quarantined'])}, held-out accuracy {audit['eval_accuracy_before']:.3f}"
              f" -> {audit['eval_accuracy_after']:.3f}; targets {'met' if audit['targets_met'] else 'MISSED'}"]
     for kind, a in audit["adversaries"].items():
-        if "groups_produced" in a:
+        if "groups_produced" in a and kind not in PROBES:
             judged = " judged by validators" if audit.get("validators") else ""
             q = (f"quarantined after {a['quarantined_after_groups']} groups{judged}, "
                  f"{a['quarantined_after_fresh_groups']} of staleness 0 ({a['reason']})" if a["quarantined"]
@@ -286,8 +286,11 @@ def _report(audit: dict, out: Path) -> str:
     lines.append(f"  {'tampered_manifest':16} {len(t['attacks'])} attacks on S3/Redis, refused "
                  f"{t['honest_sampler_refusals']} times by honest samplers")
     p = audit["adversaries"]["stale_prober"]
-    lines.append(f"  {'stale_prober':16} forged {p.get('forged_sent')} after probation ({p.get('probes')} probes, "
-                 f"{p.get('floods')} floods of {p.get('flooded_groups')} groups), used {p.get('forged_used')} (bound {p.get('forged_used_bound')})")
+    q = f"quarantined after {p['quarantined_after_groups']} groups ({p['reason']})" if p["quarantined"] else "not quarantined"
+    lines.append(f"  {'stale_prober':16} produced {p['groups_produced']:4}, used {p['groups_used']} (honest through "
+                 f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes, {p.get('floods')} "
+                 f"floods of {p.get('flooded_groups')} groups), {p.get('forged_used')} used (bound "
+                 f"{p.get('forged_used_bound')}); {q}")
     if audit.get("adversary_keys_local"):
         lines.append(f"  adversary keys registered as the run's own: {', '.join(audit['adversary_keys_local'])}")
     v = audit["adversaries"].get("forged_verdicts")
