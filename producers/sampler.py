@@ -54,7 +54,7 @@ from pipeline.trust.keyring import key_paths, load_sampler_key
 from pipeline.sampling.generation import PolicyEngine, SamplingSettings, make_generation_engine, pick_backend
 from pipeline.weights.follower import PolicyFollower
 from pipeline.models import decode_completion
-from pipeline.sampling.pacing import Pacing, StepPeriod
+from pipeline.sampling.pacing import Pacing, Pauses, StepPeriod
 from pipeline.clients.run_state import RunView
 from pipeline.clients.retry import Backoff, retry_call
 from pipeline.wire.rollout import Rollout
@@ -118,12 +118,44 @@ class Outbox:
         self.discarded_at_source = 0
         self.spooled_ids: list[str] = []
         """Rollout ids durably spooled whose prompt claims are not yet marked done."""
+        self.claim_of: dict[str, int] = {}
+        """Rollout id -> the prompt index it was claimed for, until the claim is marked done."""
+        self.discards_reported = 0
+        """Of `discarded_at_source`, how many the fleet was told of (claim_stats)."""
         self.backoff = Backoff(retry_max_s)
         self.log, self.broker = log, broker
 
-    def add(self, rollouts: list[Rollout]) -> None:
+    @classmethod
+    def open(cls, cfg: HeteroConfig, sampler_id: str, spool_dir: Path, services, signer, stamp, log) -> "Outbox":
+        """The sampler's outbox: its spool in `spool_dir` (what an earlier run left there is sent
+        first) and a producer made when first needed, sealing each group with `signer`."""
+        scfg, bootstrap = cfg.sampler, services.kafka_bootstrap
+        spool = RolloutSpool(spool_dir, max_bytes=int(scfg.spool_max_mb * 1024 * 1024), max_groups=scfg.spool_max_groups)
+        if spool.pending():
+            log.info("recovered %d spooled groups from %s", spool.pending(), spool_dir)
+        return cls(spool, lambda: TopicWriter(bootstrap, cfg.run.topic, send_timeout_s=scfg.send_timeout_s,
+                                              connect_timeout_s=scfg.send_timeout_s, signer=signer, stamp=stamp,
+                                              security=services.security),
+                   transit_stream(scfg.delays, sampler_id), scfg.retry_max_backoff_s, log, bootstrap)
+
+    def add(self, rollouts: list[Rollout], claims: list[int]) -> None:
+        """Groups made for the prompts claimed as `claims` (one index each, in order)."""
         now = time.monotonic()
         self.held += [(now + self.transit.draw(), r) for r in rollouts]
+        self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, claims))
+
+    def confirm_claims(self, state, sampler_id: str) -> None:
+        """Prompts whose groups are safely on disk are done: nobody needs to redo them. Groups
+        discarded from the spool since the last call are reported, so the fleet's backlog drops them."""
+        discarded = self.discarded_at_source - self.discards_reported
+        if discarded:
+            state.note_discarded_at_source(discarded)
+            self.discards_reported += discarded
+        if self.spooled_ids:
+            state.complete_prompts(sampler_id, [self.claim_of[r] for r in self.spooled_ids if r in self.claim_of])
+            for r in self.spooled_ids:
+                self.claim_of.pop(r, None)
+            self.spooled_ids.clear()
 
     def spool_due(self, everything: bool = False) -> bool:
         """Move groups whose transit is over into the spool; False if the spool is full."""
@@ -196,18 +228,49 @@ class Outbox:
         self.spool.close()
 
 
-PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s", "backlog": "paused_backlog_s",
-               "redis": "paused_redis_s", "learner_busy": "yielded_to_learner_s",
-               "next_version": "waited_for_next_version_s"}
-"""Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
-PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2,
-                 "next_version": 0.02}
-"""How long the first pause of each kind sleeps before the next turn looks again."""
-PAUSE_MAX_S = {"next_version": 0.1}
-"""Pauses of the same kind in a row double up to this long (default 1 s): a sampler waiting for
-the learner's next version looks often, as every moment it waits is the learner's too."""
 YIELD_POLL_S = 0.02
 """How often a sampler yielding to the learner looks whether it may go on (`sampler.yield_to_learner`)."""
+
+
+def make_sampler_engine(cfg: HeteroConfig) -> tuple[HeteroConfig, str, PolicyEngine]:
+    """The generation engine of `sampler.backend` on `model.device`, with `cfg` as the machine's
+    precision resolves it (`precision: auto`) and the line that says what it chose and why."""
+    torch.set_num_threads(cfg.sampler.torch_threads)
+    device = resolve_device(cfg.model.device)
+    cfg, precision = with_machine_precision(cfg, device)
+    scfg = cfg.sampler
+    sampling = SamplingSettings(scfg.temperature, scfg.top_p, scfg.top_k, scfg.max_new_tokens)
+    return cfg, precision, make_generation_engine(
+        pick_backend(scfg.backend, device, sampling), sampling, device, precision=scfg.precision,
+        kv_cache_gib=scfg.vllm_kv_cache_gib, max_model_len=scfg.vllm_max_model_len,
+        gpu_memory_utilization=scfg.vllm_gpu_memory_utilization)
+
+
+def sampler_signing_key(cfg: HeteroConfig, sampler_id: str, log) -> Optional[SigningKey]:
+    """The sampler's key (HETERORL_SAMPLER_KEY, security.sampler_key or the keys folder); None
+    only when signatures are not required and no key is there."""
+    try:
+        key = load_sampler_key(key_paths(cfg), sampler_id, cfg.security.sampler_key)
+    except KeyFileError:
+        if cfg.security.require_signatures:
+            raise
+        log.warning("no sampler key: rollouts go out unsigned (security.require_signatures is off)")
+        return None
+    log.info("signing rollouts with key %s", key.key_id)
+    return key
+
+
+def connect_sampler(cfg: HeteroConfig, log, give_up_s: float = 300.0):
+    """The servers and the topic, retried: a sampler started during an outage waits for the
+    link (saying so) instead of exiting; after `give_up_s` the error stands."""
+    def connect():
+        handles = connect_run(cfg)
+        ensure_topic(handles.services.kafka_bootstrap, cfg.run.topic, cfg.run.topic_partitions,
+                     security=handles.services.security, retention_ms=cfg.run.topic_retention_ms)
+        return handles
+
+    return retry_call(connect, retry_on=(ServiceUnavailable,), first_s=0.5, max_s=cfg.sampler.retry_max_backoff_s,
+                      give_up_after_s=give_up_s, on_retry=lambda e, wait, _: log.warning("%s; retrying in %.1fs", e, wait))
 
 
 @dataclass
@@ -228,7 +291,7 @@ class Sampler:
     def __init__(self, cfg: HeteroConfig, sampler_id: Optional[str] = None, parts: SamplerParts = SamplerParts()):
         self.cfg, self.scfg, self.parts = cfg, cfg.sampler, parts
         self.precision = f"precision: sampling {self.scfg.precision}"
-        """What `make_policy_engine` chose for `sampler.precision` and why (logged at the start)."""
+        """What `make_sampler_engine` chose for `sampler.precision` and why (logged at the start)."""
         self.sampler_id = sampler_id or new_sampler_id()
         self.log = setup_logging(f"sampler {self.sampler_id}")
         self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
@@ -246,20 +309,13 @@ class Sampler:
         self.generated = 0
         self.generate_s = 0.0
         """Seconds spent in the engine's sample() (the rest of a sampler's time: pauses, loads, I/O)."""
-        self.paused = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
-        self.stalled = False
-        self.last_pause: Optional[str] = None
-        self.pause_streak = 0
+        self.pauses = Pauses()
         self.step_period = StepPeriod()
         self.last_batch_s: Optional[float] = None
         """Seconds the last batch took to generate (a group generated now is overtaken for that long)."""
         self.verifier_errors_logged = 0
         self.refused_pointer: Optional[tuple] = None
         self.refused_pointers = 0
-        self.claim_of: dict[str, int] = {}
-        """Rollout id -> prompt index, until the prompt's claim is marked done."""
-        self.discards_reported = 0
-        """Of `outbox.discarded_at_source`, how many the fleet was told of (claim_stats)."""
 
     def run(self) -> int:
         """Generate until stopped (SIGTERM/SIGINT) or `sampler.max_groups`; Redis outages are waited out."""
@@ -293,7 +349,7 @@ class Sampler:
             self.refresh_weights(view)
         self.swap_weights()
         spool_has_room = self.pump_outbox()
-        self.confirm_claims()
+        self.outbox.confirm_claims(self.state, self.sampler_id)
         backlog = self.backlog(view)
         overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
@@ -308,8 +364,7 @@ class Sampler:
         if not self.generate(limit):  # the fleet claimed the room first
             self.pause("behind")
             return True
-        self.stalled = False
-        self.last_pause = None
+        self.pauses.generated()
         if self.scfg.max_groups is not None and self.generated >= self.scfg.max_groups:
             self.log.info("generated %d groups (sampler.max_groups); stopping", self.generated)
             return False
@@ -318,25 +373,21 @@ class Sampler:
     # ---- start ----------------------------------------------------------------------
     def start(self) -> None:
         """Connect (waiting out an outage), recover the spool, announce the sampler."""
-        engine = self.parts.engine or self.make_policy_engine()  # a missing one fails here, before any server is waited for
-        self.signer = self._signing_key()
+        if self.parts.engine is None:  # a missing engine fails here, before any server is waited for
+            self.cfg, self.precision, engine = make_sampler_engine(self.cfg)
+            self.scfg = self.cfg.sampler
+        else:
+            engine = self.parts.engine
+        self.signer = sampler_signing_key(self.cfg, self.sampler_id, self.log)
         self.next_seq = time.time_ns() // 1000  # increasing across restarts of this key, too
-        self.handles = self._connect()
+        self.handles = connect_sampler(self.cfg, self.log)
+        if self.parts.on_connect is not None:
+            self.parts.on_connect(self.handles)
         self.state, self.redis_url = self.handles.state, strip_password(self.handles.services.redis_url)  # for logs
         self.task = make_task_from_config(self.cfg)
-        bootstrap = self.handles.services.kafka_bootstrap
         self.spool_dir = Path(self.scfg.spool_dir or Path(self.cfg.services.data_dir) / "spool" / self.sampler_id)
-        spool = RolloutSpool(self.spool_dir, max_bytes=int(self.scfg.spool_max_mb * 1024 * 1024),
-                             max_groups=self.scfg.spool_max_groups)
-        if spool.pending():
-            self.log.info("recovered %d spooled groups from %s", spool.pending(), self.spool_dir)
-        self.outbox = Outbox(spool, lambda: TopicWriter(bootstrap, self.cfg.run.topic,
-                                                        send_timeout_s=self.scfg.send_timeout_s,
-                                                        connect_timeout_s=self.scfg.send_timeout_s,
-                                                        signer=self.signer, stamp=self.stamp,
-                                                        security=self.handles.services.security),
-                             transit_stream(self.scfg.delays, self.sampler_id), self.scfg.retry_max_backoff_s,
-                             self.log, bootstrap)
+        self.outbox = Outbox.open(self.cfg, self.sampler_id, self.spool_dir, self.handles.services, self.signer,
+                                  self.stamp, self.log)
         self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.policy = PolicyFollower(self.handles.store, self.work_dir, self.log, engine)
@@ -345,49 +396,6 @@ class Sampler:
                       self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
                       self.spool_dir,
                       self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
-
-    def make_policy_engine(self) -> PolicyEngine:
-        """The generation engine of `sampler.backend` on `model.device`."""
-        torch.set_num_threads(self.scfg.torch_threads)
-        device = resolve_device(self.cfg.model.device)
-        self.cfg, self.precision = with_machine_precision(self.cfg, device)
-        self.scfg = self.cfg.sampler
-        sampling = SamplingSettings(self.scfg.temperature, self.scfg.top_p, self.scfg.top_k, self.scfg.max_new_tokens)
-        return make_generation_engine(pick_backend(self.scfg.backend, device, sampling), sampling, device,
-                           precision=self.scfg.precision, kv_cache_gib=self.scfg.vllm_kv_cache_gib,
-                           max_model_len=self.scfg.vllm_max_model_len,
-                           gpu_memory_utilization=self.scfg.vllm_gpu_memory_utilization)
-
-    def _signing_key(self) -> Optional[SigningKey]:
-        """This sampler's key (HETERORL_SAMPLER_KEY, security.sampler_key or the keys folder);
-        None only when signatures are not required and no key is there."""
-        paths = key_paths(self.cfg)
-        try:
-            key = load_sampler_key(paths, self.sampler_id, self.cfg.security.sampler_key)
-        except KeyFileError:
-            if self.cfg.security.require_signatures:
-                raise
-            self.log.warning("no sampler key: rollouts go out unsigned (security.require_signatures is off)")
-            return None
-        self.log.info("signing rollouts with key %s", key.key_id)
-        return key
-
-    def _connect(self, give_up_s: float = 300.0):
-        """The servers and the topic, retried: a sampler started during an outage waits for the
-        link (saying so) instead of exiting; after `give_up_s` the error stands."""
-        def connect():
-            handles = connect_run(self.cfg)
-            ensure_topic(handles.services.kafka_bootstrap, self.cfg.run.topic, self.cfg.run.topic_partitions,
-                         security=handles.services.security,
-                         retention_ms=self.cfg.run.topic_retention_ms)
-            return handles
-
-        handles = retry_call(connect, retry_on=(ServiceUnavailable,), first_s=0.5, max_s=self.scfg.retry_max_backoff_s,
-                             give_up_after_s=give_up_s,
-                             on_retry=lambda e, wait, _: self.log.warning("%s; retrying in %.1fs", e, wait))
-        if self.parts.on_connect is not None:
-            self.parts.on_connect(handles)
-        return handles
 
     # ---- the steps of a turn --------------------------------------------------------
     def heartbeat_if_due(self) -> None:
@@ -416,7 +424,7 @@ class Sampler:
         policy is loaded), both in one round trip."""
         now = time.monotonic()
         poll_policy = (now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
-                       or self.last_pause == "next_version")  # the learner's next version is all it waits for
+                       or self.pauses.last == "next_version")  # the learner's next version is all it waits for
         view = self.state.sampler_view(with_policy=poll_policy)
         if view.pointer_error is not None:  # nothing new is published: keep what we knew, say why once
             self.refuse_pointer(view, view.pointer_error)
@@ -481,22 +489,7 @@ class Sampler:
             self.log.info("waiting for a policy version: %s (Redis %s)", f"downloading v{self.policy.downloading}"
                           if self.policy.downloading is not None else "none published yet", self.redis_url)
             self.last_wait_log = time.monotonic()
-        # Stalls while behind (waiting for a refresh instead of making data that would be
-        # dropped) are also counted as episodes; one ends when the sampler is no longer behind.
-        if reason == "behind":
-            self.paused["stalls_behind"] += not self.stalled
-            self.stalled = True
-        elif reason == "backlog":
-            self.stalled = False
-        # The same pause again and again backs off (up to PAUSE_MAX_S): a paused sampler's Redis
-        # reads would otherwise grow the fleet's load with its size (docs/loadtest.md).
-        self.pause_streak = min(self.pause_streak + 1, 16) if reason == self.last_pause else 0
-        self.last_pause = reason
-        seconds = min(PAUSE_SECONDS[reason] * 2 ** self.pause_streak,
-                      max(PAUSE_MAX_S.get(reason, 1.0), PAUSE_SECONDS[reason]))
-        time.sleep(seconds)
-        if reason in PAUSE_STATS:
-            self.paused[PAUSE_STATS[reason]] += seconds
+        time.sleep(self.pauses.next(reason))
 
     def between_forward_passes(self) -> None:
         """What the engine calls between its forward passes (the `hf` backend, every token): keep
@@ -513,7 +506,7 @@ class Sampler:
             pass
         waited = time.perf_counter() - started
         if waited > YIELD_POLL_S:
-            self.paused[PAUSE_STATS["learner_busy"]] += waited
+            self.pauses.yielded(waited)
 
     def generate(self, in_flight_limit: Optional[int] = None) -> bool:
         """Claim prompts, sample G completions each, score them, hand the groups to the outbox.
@@ -525,16 +518,15 @@ class Sampler:
         problems = [self.task.train_problem(i) for i in indices]
         engine = self.policy.engine
         started = time.perf_counter()
-        yielded_before = self.paused[PAUSE_STATS["learner_busy"]]
+        yielded_before = self.pauses.yielded_s
         groups = engine.sample([self.task.encode_prompt(p, engine.tokenizer) for p in problems],
                                group_size=self.scfg.group_size, seed=self.seed + indices[0],
                                pause=self.between_forward_passes)
-        self.last_batch_s = time.perf_counter() - started - (self.paused[PAUSE_STATS["learner_busy"]] - yielded_before)
+        self.last_batch_s = time.perf_counter() - started - (self.pauses.yielded_s - yielded_before)
         self.generate_s += self.last_batch_s
         rollouts = self.make_rollouts(problems, groups)
         self.note_verifier_errors()
-        self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, indices))
-        self.outbox.add(rollouts)
+        self.outbox.add(rollouts, indices)
         self.generated += len(groups)
         return True
 
@@ -566,21 +558,6 @@ class Sampler:
         return self.pacing.backlog(self.outbox.spool.pending(), self.outbox.acked_up_to, view.learner_offsets,
                                    view.learner_unread, view.in_flight, view.completed, view.learner_pending)
 
-    def confirm_claims(self) -> None:
-        """Prompts whose groups are safely on disk are done: nobody needs to redo them. Groups
-        discarded from the spool since the last turn are reported, so the fleet's backlog
-        drops them."""
-        discarded = self.outbox.discarded_at_source - self.discards_reported
-        if discarded:
-            self.state.note_discarded_at_source(discarded)
-            self.discards_reported += discarded
-        if self.outbox.spooled_ids:
-            self.state.complete_prompts(self.sampler_id, [self.claim_of[r] for r in self.outbox.spooled_ids
-                                                          if r in self.claim_of])
-            for r in self.outbox.spooled_ids:
-                self.claim_of.pop(r, None)
-            self.outbox.spooled_ids.clear()
-
     def totals(self) -> dict:
         return {"generated": self.generated, "published": self.outbox.published,
                 "generate_s": round(self.generate_s, 1),
@@ -588,14 +565,13 @@ class Sampler:
                 "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),
                 "refused_delta_paths": self.policy.fallbacks, "weights_bytes_downloaded": self.policy.bytes_downloaded,
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
-                "paused_s": round(sum(v for k, v in self.paused.items() if k.endswith("_s")), 1),
-                **{k: round(v, 1) for k, v in self.paused.items()}, **self.gate.stats}
+                **self.pauses.totals(), **self.gate.stats}
 
     def close(self) -> None:
         """Last delivery attempt, final stats, lease released; the spool keeps what was not sent."""
         self.outbox.close(timeout_s=self.scfg.send_timeout_s)
         try:
-            self.confirm_claims()
+            self.outbox.confirm_claims(self.state, self.sampler_id)
             self.state.record_sampler_stats(self.sampler_id, self.totals())
             self.state.release_sampler_lease(self.sampler_id)
         except redis.RedisError as e:

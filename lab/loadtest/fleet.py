@@ -179,7 +179,7 @@ class LockstepSampler(SimulatedSampler):
             self.refresh_weights(view)
         self.swap_weights()
         self.pump_outbox()
-        self.confirm_claims()
+        self.outbox.confirm_claims(self.state, self.sampler_id)
         if self.quota == 0 or not self.policy.loaded or self.generated_with == self.policy.version:
             self.stop_event.wait(LOCKSTEP_POLL_S)
             return True

@@ -16,7 +16,8 @@ The backlog is the fleet's: groups being generated (claimed prompts), spooled he
 the topic but not yet judged by the learner.
 
 The sampler reads what this needs from Redis once (`pipeline.clients.run_state.RunView`), and
-each check here is a plain function of those numbers, so it is tested without servers.
+each check here is a plain function of those numbers, so it is tested without servers. How long
+each pause lasts and where it is counted (`Pauses`) is here too; the sampler does the sleeping.
 """
 
 from __future__ import annotations
@@ -146,3 +147,63 @@ class Pacing:
         if self.wait_for_next_version and self.next_version_due(current, backlog, learner_version):
             return "next_version"
         return None
+
+
+PAUSE_STATS = {"spool_full": "paused_spool_full_s", "behind": "stalled_behind_s", "backlog": "paused_backlog_s",
+               "redis": "paused_redis_s", "learner_busy": "yielded_to_learner_s",
+               "next_version": "waited_for_next_version_s"}
+"""Where each pause is counted in the sampler's stats (waiting for a first policy is not)."""
+PAUSE_SECONDS = {"no_policy": 0.5, "spool_full": 0.5, "behind": 0.05, "backlog": 0.05, "redis": 0.2,
+                 "next_version": 0.02}
+"""How long the first pause of each kind sleeps before the next turn looks again."""
+PAUSE_MAX_S = {"next_version": 0.1}
+"""Pauses of the same kind in a row double up to this long (default 1 s): a sampler waiting for
+the learner's next version looks often, as every moment it waits is the learner's too."""
+
+
+class Pauses:
+    """How long a sampler's next pause lasts, and its pauses counted by kind (its stats). The
+    caller sleeps: nothing here does.
+
+    The same pause again and again backs off (up to `PAUSE_MAX_S`): a paused sampler's Redis
+    reads would otherwise grow the fleet's load with its size (docs/loadtest.md). Stalls while
+    behind (waiting for a refresh instead of making data that would be dropped) are also counted
+    as episodes; one ends when the sampler is no longer behind."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {key: 0.0 for key in PAUSE_STATS.values()} | {"stalls_behind": 0}
+        self.stalled = False
+        self.last: Optional[str] = None
+        """The kind of the last pause, None once the sampler generated since."""
+        self.streak = 0
+
+    def next(self, reason: str) -> float:
+        """Seconds to pause for `reason` now, counted."""
+        if reason == "behind":
+            self.seconds["stalls_behind"] += not self.stalled
+            self.stalled = True
+        elif reason == "backlog":
+            self.stalled = False
+        self.streak = min(self.streak + 1, 16) if reason == self.last else 0
+        self.last = reason
+        seconds = min(PAUSE_SECONDS[reason] * 2 ** self.streak,
+                      max(PAUSE_MAX_S.get(reason, 1.0), PAUSE_SECONDS[reason]))
+        if reason in PAUSE_STATS:
+            self.seconds[PAUSE_STATS[reason]] += seconds
+        return seconds
+
+    def yielded(self, seconds: float) -> None:
+        """Time spent waiting for the learner between two forward passes (`sampler.yield_to_learner`)."""
+        self.seconds[PAUSE_STATS["learner_busy"]] += seconds
+
+    @property
+    def yielded_s(self) -> float:
+        return self.seconds[PAUSE_STATS["learner_busy"]]
+
+    def generated(self) -> None:
+        """The sampler generated: no stall goes on, the next pause starts short."""
+        self.stalled, self.last = False, None
+
+    def totals(self) -> dict:
+        return {"paused_s": round(sum(v for k, v in self.seconds.items() if k.endswith("_s")), 1),
+                **{k: round(v, 1) for k, v in self.seconds.items()}}

@@ -126,3 +126,21 @@ def test_a_pacing_margin_aims_inside_the_max_delay_and_still_judges_finished_gro
     # what is finished is still sent unless the learner would drop it
     assert not margin.too_stale(10, 6) and margin.too_stale(10, 5)
     assert Pacing(groups_per_step=8, max_delay_steps=0, max_backlog_groups=None, margin_steps=2).aim_steps == 0
+
+
+def test_pauses_back_off_per_kind_count_stall_episodes_and_reset_on_generating():
+    from pipeline.sampling.pacing import PAUSE_MAX_S, PAUSE_SECONDS, Pauses
+
+    p = Pauses()
+    assert [p.next("behind") for _ in range(6)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]  # doubles up to 1 s
+    assert [p.next("next_version") for _ in range(4)] == [0.02, 0.04, 0.08, PAUSE_MAX_S["next_version"]]
+    assert p.next("no_policy") == PAUSE_SECONDS["no_policy"]  # a new kind starts short; not in the stats
+    p.next("behind")  # still the same stall episode: not generated in between
+    p.generated()
+    assert p.last is None and p.next("behind") == 0.05
+    p.yielded(1.5)
+    totals = p.totals()
+    assert totals["stalls_behind"] == 2 and totals["stalled_behind_s"] == round(2.55 + 0.05 + 0.05, 1)
+    assert totals["waited_for_next_version_s"] == round(0.02 + 0.04 + 0.08 + 0.1, 1)
+    assert totals["yielded_to_learner_s"] == 1.5 and p.yielded_s == 1.5
+    assert totals["paused_s"] == round(2.65 + 0.24 + 1.5, 1)
