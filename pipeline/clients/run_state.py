@@ -134,8 +134,8 @@ def parse_pointer(fields: dict) -> Optional[Pointer]:
     if missing:
         raise MalformedPointer(f"the policy pointer lacks {', '.join(missing)} (fields: {', '.join(sorted(fields))})")
     raw = fields["version"]
-    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
-        raise MalformedPointer(f"the policy pointer's version {str(raw)[:40]!r} is not a non-negative integer")
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18):  # 18 digits fit int64
+        raise MalformedPointer(f"the policy pointer's version {str(raw)[:40]!r} is not a non-negative integer below 10^18")
     if not fields["manifest_key"]:
         raise MalformedPointer("the policy pointer names no manifest")
     return Pointer(int(raw), fields["manifest_key"], fields.get("updated_at"), fields.get("signature"))

@@ -735,7 +735,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
         if e["type"] == "extra_forbidden" and field in RENAMED:
             new, version, what = RENAMED[field]
-            msg = f"renamed {new} in {version} ({what}; CHANGELOG.md)"
+            msg = f"renamed {new} in {version} ({what}"
+            while new in RENAMED:  # renamed again since: the name to use now comes last
+                new, version, what = RENAMED[new]
+                msg += f"), then {new} in {version} ({what}"
+            msg += "; CHANGELOG.md)"
         parts.append(f"{field}: {msg}")
     return f"invalid config {source}: " + "; ".join(parts)
 

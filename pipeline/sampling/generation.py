@@ -43,6 +43,7 @@ import torch
 from pipeline.weights.follower import ENGINE_COPY_SUFFIX
 from pipeline.weights.store import link_or_copy
 from pipeline.config import ConfigError, vllm_logprobs_mode
+from pipeline.devices import out_of_memory
 from pipeline.models import (DTYPES, SampledGroup, generation_eos_ids, load_policy, load_tokenizer, load_weights_into,
                              sample_groups)
 
@@ -114,7 +115,7 @@ def pick_backend(setting: str, device: torch.device, settings: SamplingSettings)
 def copy_to_gpu(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`tensors` copied to the GPU `device` (floats in `dtype`) on a CUDA stream of their own, so
     the sampler goes on generating meanwhile. On torch.cuda.OutOfMemoryError the copies made so
-    far are dropped before it is raised: the traceback keeps this frame, and with it `moved`."""
+    far are dropped before the error is raised: the traceback keeps this frame, and with it `moved`."""
     stream = torch.cuda.Stream(device)
     moved: dict[str, torch.Tensor] = {}
     try:
@@ -123,7 +124,7 @@ def copy_to_gpu(tensors: dict[str, torch.Tensor], device: torch.device, dtype: t
                 moved[name] = t.to(device, dtype if t.is_floating_point() else t.dtype, non_blocking=True)
         stream.synchronize()
         return moved
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError:  # out of memory, or any other failed copy
         stream.synchronize()  # the copies already queued finish before their memory is let go
         moved.clear()
         raise
@@ -156,8 +157,10 @@ class HfEngine:
             return tensors
         try:
             return copy_to_gpu(tensors, self.device, self.dtype)
-        except torch.cuda.OutOfMemoryError as e:
-            reason = str(e).splitlines()[0][:160] if str(e) else "out of memory"
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+            reason = out_of_memory(e)
+            if reason is None:
+                raise
         torch.cuda.empty_cache()  # out of the except block: the partial copy is unreachable by now
         self._swap_from_host(Path(model_dir).name, tensors, reason)
         return tensors

@@ -22,6 +22,7 @@ import urllib3
 from minio.error import S3Error
 
 from pipeline.clients.services import ServiceUnavailable
+from pipeline.devices import out_of_memory
 from pipeline.models import load_policy, load_weights_into
 from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
 from pipeline.weights.policy import fetch_policy, read_weights
@@ -96,10 +97,11 @@ class PolicyFollower:
         except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
             self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
                              version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
-        except torch.cuda.OutOfMemoryError as e:  # this GPU's fault, not the version's: never refuse for it
-            self.log.warning("no GPU memory to load policy v%d (%s); keeping v%s and retrying", version,
-                             str(e).splitlines()[0][:160] if str(e) else "out of memory", self.version)
         except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never retry them
+            if out_of_memory(e):  # this machine's fault, not the version's: never refuse for it
+                self.log.warning("no memory to load policy v%d (%s); keeping v%s and retrying", version,
+                                 out_of_memory(e), self.version)
+                return
             self.refused.add(manifest_key)
             self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
                            str(e).splitlines()[0][:160] if str(e) else "", self.version)
@@ -181,9 +183,12 @@ class PastPolicies:
         device puts it in host memory and lowers the device budget to what is in use."""
         if self.keep_last <= 0:
             return None
+        held = len(self.kept)
         self._drop(version)
         while len(self.kept) >= self.keep_last:  # the oldest go first: their memory is the new one's
             self._drop(min(self.kept))
+        if len(self.kept) < held:
+            self._free_cache()  # what they took counts as free in `budgets` only once the cache lets it go
         need = sum(t.numel() * t.element_size() for t in tensors.values())
         device_budget, host_budget = self.budgets()
         used = self.used()
@@ -191,9 +196,9 @@ class PastPolicies:
             try:
                 return self._store(version, tensors, "device")
             except RuntimeError as e:
-                if not (isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)):
+                error = out_of_memory(e)
+                if error is None:
                     raise
-                error = str(e).splitlines()[0][:120] if str(e) else "out of memory"
             self._free_cache()  # the part copied is gone with the error
             self.device_bytes = used["device"]
             why = (f"out of memory copying it onto {self.device} ({error}); the device budget "

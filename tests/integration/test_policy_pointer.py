@@ -45,6 +45,7 @@ def test_the_pointer_parser_names_what_is_wrong():
                          ({"version": "-1", "manifest_key": "k"}, "not a non-negative integer"),
                          ({"version": "1e3", "manifest_key": "k"}, "not a non-negative integer"),
                          ({"version": "٣", "manifest_key": "k"}, "not a non-negative integer"),
+                         ({"version": "9" * 5000, "manifest_key": "k"}, "not a non-negative integer"),
                          ({"version": "3", "manifest_key": ""}, "names no manifest")):
         with pytest.raises(MalformedPointer, match=said):
             parse_pointer(fields)

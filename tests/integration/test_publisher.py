@@ -102,7 +102,8 @@ def test_each_version_copied_into_a_buffer_is_published_signed_and_rebuilds_bit_
                       lambda c: c.delete(pointer.key) + c.set(pointer.key, "v9"),
                       lambda c: c.delete(pointer.key) + c.rpush(pointer.key, "9")):
         malformed(state.client)
-        assert current_pointer(state) == (None, None)  # every reader: no pointer, nothing new
+        # every reader: no pointer, nothing new (or the publisher has already set it back)
+        assert current_pointer(state)[0] in (None, 3)
         assert wait_for(lambda: current_pointer(state)[0] == 3, 10)
         assert pointer.read_verified(key.public).version == 3
     publisher.check()  # the publisher process is still there: a malformed pointer did not stop it

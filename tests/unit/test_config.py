@@ -33,7 +33,8 @@ def test_unknown_key_is_rejected_and_named(tmp_path):
 
 def test_a_renamed_field_names_its_new_name():
     with pytest.raises(ConfigError, match=r"security.stale_logprob_check_fraction: renamed "
-                                          r"security.stale_version_check_fraction in 0.2.0"):
+                                          r"security.stale_version_check_fraction in 0.2.0 .*\), then "
+                                          r"security.stale_check_fraction in 0.3.0"):
         load_config(None, ["security.stale_logprob_check_fraction=0.5"])
     with pytest.raises(ConfigError, match=r"security.stale_version_check_fraction: renamed "
                                           r"security.stale_check_fraction in 0.3.0 \(a secret draw for every group"):

@@ -17,6 +17,7 @@ import torch
 
 import pipeline.sampling.generation as generation
 import pipeline.weights.follower as follower_module
+from pipeline.devices import out_of_memory
 from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
 from pipeline.sampling.generation import HfEngine, SamplingSettings
 from pipeline.weights.follower import PolicyFollower
@@ -93,32 +94,46 @@ def test_copy_to_gpu_drops_its_partial_copy_when_out_of_memory(monkeypatch):
     assert raised.value is not None
 
 
+CPU_OOM = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to " \
+          "allocate 268435456 bytes. Error code 12 (Cannot allocate memory)"
+
+
+def test_out_of_memory_knows_each_allocator_and_nothing_else():
+    assert out_of_memory(torch.cuda.OutOfMemoryError(OOM)) == OOM
+    assert out_of_memory(RuntimeError(CPU_OOM)) == CPU_OOM[:160]
+    assert out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors ...")) == "CUDA error: out of memory"
+    assert out_of_memory(RuntimeError("size mismatch for lm_head.weight")) is None
+    assert out_of_memory(ValueError("out of memory")) is None  # not an allocator's error
+
+
 class FullOnce:
-    """An engine whose first `prepare` finds the GPU full."""
+    """An engine whose first `prepare` finds the memory full (`error`)."""
 
     backend = "hf"
 
-    def __init__(self):
-        self.prepares, self.installed = 0, []
+    def __init__(self, error: BaseException):
+        self.error, self.prepares, self.installed = error, 0, []
 
     def prepare(self, path):
         self.prepares += 1
         if self.prepares == 1:
-            raise torch.cuda.OutOfMemoryError(OOM)
+            raise self.error
         return path
 
     def install(self, prepared):
         self.installed.append(prepared)
 
 
-def test_the_follower_retries_a_version_that_found_the_gpu_full(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError(OOM), RuntimeError(CPU_OOM)], ids=["gpu", "cpu"])
+def test_the_follower_retries_a_version_that_found_the_memory_full(tmp_path, monkeypatch, caplog, error):
     report = SimpleNamespace(bytes_downloaded=0, refused=[], path=[])
     monkeypatch.setattr(follower_module, "fetch_policy", lambda store, key, target, **kw: (target, None, report))
-    engine = FullOnce()
+    engine = FullOnce(error)
     follower = PolicyFollower(None, tmp_path, logging.getLogger("test.follower"), engine)
     with caplog.at_level(logging.WARNING, logger="test.follower"):
         assert not follower.update(4, "run/v4/manifest.json")
     assert "run/v4/manifest.json" not in follower.refused  # not the version's fault
-    assert any("no GPU memory" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
+    assert any("no memory to load policy v4" in r.getMessage() and "retrying" in r.getMessage()
+               for r in caplog.records)
     assert follower.update(4, "run/v4/manifest.json") and follower.version == 4  # tried again, loaded
     assert engine.installed == [tmp_path / "v4"]

@@ -84,13 +84,18 @@ def test_kept_versions_fill_the_device_budget_then_host_memory_then_are_download
     assert exactly(past.get(3), versions[3]) and downloads == [3]
 
 
-def test_the_oldest_kept_version_makes_room_for_the_newest(base, tmp_path):
+def test_the_oldest_kept_version_makes_room_for_the_newest(base, tmp_path, monkeypatch):
     path, weights = base
     versions = {v: published(weights, v) for v in range(1, 5)}
     size = nbytes(versions[1])
     past = PastPolicies(GoneStore(), tmp_path, path, keep_last=2, device_bytes=size, host_bytes=size)
     assert [past.keep(v, versions[v]) for v in (1, 2)] == ["device", "host"]
+    events = []  # a GPU's free memory counts a dropped version only once the cache lets it go
+    monkeypatch.setattr(past, "_free_cache", lambda: events.append("freed"))
+    real_budgets = past.budgets
+    monkeypatch.setattr(past, "budgets", lambda: events.append("budgets") or real_budgets())
     assert past.keep(3, versions[3]) == "device"  # v1 dropped first: its place on the device is v3's
+    assert events == ["freed", "budgets"]
     assert past.where == {2: "host", 3: "device"} and past.used() == {"device": size, "host": size}
     for version in (2, 3):
         assert exactly(past.get(version), versions[version])
