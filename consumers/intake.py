@@ -45,7 +45,7 @@ from pipeline.records.metrics import StageClock
 from pipeline.runtime import make_task_from_config
 from pipeline.clients.topics import RawRecord
 from pipeline.trust import Quarantine, Rejected, RolloutVerifier, StrikePolicy, trusted_sampler
-from pipeline.trust.keyring import RegistryFollower, load_root_public
+from pipeline.trust.keyring import JoinDesk, RegistryFollower, load_learner_key, load_root_public
 from pipeline.trust.verdicts import GroupVerdict, VerdictVerifier, group_digest
 from pipeline.wire.rollout import Rollout, RolloutDecodeError
 
@@ -75,16 +75,19 @@ class Intake:
     def open(cls, cfg: HeteroConfig, admission: Admission, *, state, store, keys, tokenizer,
              policy: Callable[[], Optional[torch.nn.Module]], model_dir: Path, work_dir: Path, device,
              reach: int, clock: StageClock, dead_letter: Callable[[RawRecord, str], None], fresh_in_step: bool,
-             screen: Optional[GroupScreen] = None) -> "Intake":
+             screen: Optional[GroupScreen] = None, admits_joins: bool = True) -> "Intake":
         """A learner's intake: the key registry it follows (`state`, the run's Redis; `keys`, its
         key files), its checks (`screen`, else the task's verifier and `PastPolicies` of `store`,
         on `device` in the learner's precision, keeping the `reach` newest versions where it
-        re-scores stale groups itself; `policy`: its weights now, None where not whole on this rank)."""
+        re-scores stale groups itself; `policy`: its weights now, None where not whole on this rank;
+        `admits_joins`: this process decides volunteers' join requests, the leader's rank)."""
         sec = cfg.security
         # Without required signatures, signed rollouts are still checked if the root key is there.
         root = load_root_public(keys) if sec.require_signatures or keys.root_public.exists() else None
+        learner_key = load_learner_key(keys) if root is not None and keys.learner_key.exists() else None
         registry = None if root is None else RegistryFollower(state.client, cfg.run.name, root,
-                                                              sec.registry_refresh_s, log)
+                                                              sec.registry_refresh_s, log,
+                                                              None if learner_key is None else learner_key.public)
         rescores = sec.check_logprobs and not cfg.validators.enabled
         gib = lambda x: None if x is None else int(x * PastPolicies.GIB)  # noqa: E731 - None: a share of what is free
         past = PastPolicies(store, work_dir, model_dir, dtype=DTYPES[cfg.learner.precision], device=device,
@@ -94,6 +97,8 @@ class Intake:
                                        past)
         intake = cls(cfg, admission, screen, state=state, registry=registry, dead_letter=dead_letter, clock=clock,
                      fresh_in_step=fresh_in_step)
+        if learner_key is not None and admits_joins:  # volunteers' join requests (heterorl join)
+            intake.desk = JoinDesk(state.client, cfg.run.name, root, learner_key, sec.key_lifetime_days, log)
         screen.trusted, intake.past = intake.trusted, past
         return intake
 
@@ -124,6 +129,8 @@ class Intake:
         self.awaiting_at: dict[str, str] = {}
         """Rollout id of each group waiting for its verdict -> SHA-256 of its message."""
         self.verdict_counts: Counter = Counter()
+        self.desk: Optional[JoinDesk] = None
+        """Admits volunteers (`heterorl join`) under the run's invites; None: not this process."""
         self.version = 0
         self.past: Optional[PastPolicies] = None
         """The versions stale groups are re-scored with (`keep` the ones the learner publishes)."""
@@ -164,7 +171,8 @@ class Intake:
         if self.registry is None:
             return
         old = self.verifier.registry
-        registry = self.registry.refresh()
+        joined = self.desk is not None and self.registry.due() and self.desk.serve(old, set(self.strikes.quarantined))
+        registry = self.registry.refresh(force=joined)
         if registry is None:
             return
         self.verifier.registry = registry

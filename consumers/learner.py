@@ -227,6 +227,8 @@ class Learner:
         finally:
             self.close()
         self.write_summary()
+        if self.ranks.leader:  # `heterorl join` refuses to join a run that ended
+            self.state.report_learner({"ended_at": time.time(), "final_version": self.version})
         return 0
 
     # ---- resume ---------------------------------------------------------------------
@@ -284,7 +286,8 @@ class Learner:
         self.publisher = start_publisher(self.cfg, store, model, start.model_dir, self.work_dir,
                                          signer_key=self.keys.learner_key if store.signer is not None else None,
                                          keep_within=self.lcfg.reach_steps)
-        self.state.report_learner({"step": self.step, "policy_version": self.version})  # not a dead learner's
+        self.state.report_learner({"step": self.step, "policy_version": self.version,  # not a dead learner's
+                                   "ended_at": None})
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
         return start
@@ -322,7 +325,7 @@ class Learner:
             tokenizer=self.tokenizer, policy=(lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
             model_dir=self.start_dir, work_dir=self.work_dir, device=self.device,
             reach=self.lcfg.reach_steps // self.lcfg.sync_every + 1, clock=self.clock, dead_letter=self.logs.dead_letter,
-            fresh_in_step=can_discard_gradients(self.engine), screen=self.parts.screen)
+            fresh_in_step=can_discard_gradients(self.engine), screen=self.parts.screen, admits_joins=self.ranks.leader)
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.topic, vocab_size=self.limits.vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer), attempt=self.attempt,

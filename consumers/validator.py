@@ -45,7 +45,8 @@ from pipeline.weights.follower import PastPolicies
 from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, current as current_pointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import RawRecord, TopicWriter, TopicReader, ensure_topic
-from pipeline.trust.keyring import RegistryFollower, key_paths, load_root_public, load_validator_key
+from pipeline.trust.keyring import (RegistryFollower, key_paths, load_learner_public, load_root_public,
+                                    load_validator_key)
 from pipeline.models import load_policy
 from pipeline.wire.rollout import Rollout, RolloutDecodeError
 from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
@@ -131,9 +132,10 @@ class Validator:
         self.source.assign({})
         self.share = PartitionShare(tuple(self.source.all_partitions), self.validator_id)
         self.sink = TopicWriter(bootstrap, verdicts_topic(topic), security=security)
-        self.registry_follower = RegistryFollower(self.state.client, self.cfg.run.name,
-                                                  load_root_public(key_paths(self.cfg)),
-                                                  self.cfg.security.registry_refresh_s, self.log)
+        paths = key_paths(self.cfg)
+        self.registry_follower = RegistryFollower(self.state.client, self.cfg.run.name, load_root_public(paths),
+                                                  self.cfg.security.registry_refresh_s, self.log,
+                                                  load_learner_public(paths) if paths.learner_public.exists() else None)
         self.verifier = RolloutVerifier(self.cfg.run.name, None, self.cfg.security.require_signatures)
         self.refresh_registry()
         self.learner_version = 0

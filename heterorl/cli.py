@@ -15,7 +15,7 @@ import argparse
 import signal
 import sys
 
-from heterorl.commands import audits, compare, keys, loadtest, replay, roles, stack, study, train, weights
+from heterorl.commands import audits, compare, invites, keys, loadtest, replay, roles, stack, study, train, weights
 from heterorl.processes import RunFailed
 from pipeline.errors import UserError
 
@@ -27,6 +27,8 @@ examples:
   heterorl learner --config demo --out runs/x        # the learner alone, in run `demo` (run.name as is)
   heterorl keys add my-gpu-box --config demo         # a sampler's key, in run demo's registry
   heterorl sampler --config demo --id my-gpu-box     # start as many as you like, anywhere, each with its key
+  heterorl invite --config demo --joins 3 --out invite.txt  # one line with which 3 volunteers may join
+  heterorl join --invite invite.txt                  # on a volunteer's host: admitted, sampling
   heterorl status --json
   RUN=demo-20261123-040837                           # the name `train` printed: run.name-YYYYmmdd-HHMMSS
   heterorl replay --config runs/$RUN/config.yaml --source kafka:///$RUN.rollouts --base s3://heterorl/$RUN/v0/ --out runs/gspo --loss gspo
@@ -40,11 +42,11 @@ examples:
 """
 
 
-ORDER = ("up", "down", "status", "env", "keys", "attack", "adversary", "sampler", "validator", "learner", "evaluator",
+ORDER = ("up", "down", "status", "env", "keys", "invite", "join", "attack", "adversary", "sampler", "validator", "learner", "evaluator",
          "study", "train", "replay", "export", "chaos", "loadtest", "weights", "compare")
 """The commands in the order `heterorl --help` lists them."""
 
-_DECLARED = {name: entry for module in (stack, keys, audits, roles, study, train, replay, loadtest, weights, compare)
+_DECLARED = {name: entry for module in (stack, keys, invites, audits, roles, study, train, replay, loadtest, weights, compare)
              for name, entry in module.COMMANDS.items()}
 COMMANDS = {name: _DECLARED[name][1] for name in ORDER}
 """Each command's function, by name (declared with its options in heterorl/commands/)."""

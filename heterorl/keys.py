@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config import ConfigError, HeteroConfig
-from pipeline.trust.keyring import (add_key, init_keys, key_paths, load_root_key, load_root_public, read_registry,
-                              write_registry)
+from pipeline.trust.keyring import (add_key, init_keys, key_paths, load_learner_public, load_root_key,
+                                    load_root_public, read_admissions, read_registry, write_registry)
 from pipeline.clients.run_state import connect_redis
 from pipeline.clients.services import require_services
 from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, read_key_file, write_key_file
@@ -29,6 +29,17 @@ def _registry(cfg: HeteroConfig, client) -> KeyRegistry:
         return read_registry(client, cfg.run.name, load_root_public(key_paths(cfg)))
     except SignatureError as e:
         raise ConfigError(f"the key registry of run {cfg.run.name} in Redis is not valid: {e.reason}") from None
+
+
+def _with_joined(cfg: HeteroConfig, client, registry: KeyRegistry) -> KeyRegistry:
+    """`registry` and the keys the learner admitted under invites (`heterorl join`)."""
+    paths = key_paths(cfg)
+    if not paths.learner_public.exists():
+        return registry
+    try:
+        return registry.with_admitted(read_admissions(client, cfg.run.name, load_learner_public(paths)).keys)
+    except SignatureError as e:
+        raise ConfigError(f"the admissions of run {cfg.run.name} in Redis are not the learner's: {e.reason}") from None
 
 
 def keys_init(cfg: HeteroConfig) -> list[str]:
@@ -93,13 +104,13 @@ def keys_revoke(cfg: HeteroConfig, name: str) -> list[str]:
     root = load_root_key(paths)
     client = _redis(cfg)
     registry = _registry(cfg, client)
-    targets = [k for k in registry.find(name) if k.status == "active"]
+    targets = [k for k in _with_joined(cfg, client, registry).find(name) if k.status == "active"]
     if not targets:
         raise ConfigError(f"no active key {name!r} (a key id or sampler id) in run {cfg.run.name}: "
                           "see `heterorl keys list`")
     now = time.time()
-    for k in targets:
-        registry = registry.with_revoked(k.key_id, now)
+    for k in targets:  # a volunteer's key (joined with an invite) is written into the registry as revoked
+        registry = registry.with_revoked(k.key_id, now, entry=k)
     write_registry(client, registry, root)
     return [f"revoked key {k.key_id} of sampler {k.sampler_id!r} (registry serial {registry.serial}); the learner "
             f"refuses its rollouts within security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"
@@ -107,15 +118,19 @@ def keys_revoke(cfg: HeteroConfig, name: str) -> list[str]:
 
 
 def keys_list(cfg: HeteroConfig) -> list[str]:
-    registry = _registry(cfg, _redis(cfg))
+    client = _redis(cfg)
+    registry = _with_joined(cfg, client, _registry(cfg, client))
     if not registry.keys:
-        return [f"no sampler keys registered for run {cfg.run.name} (heterorl keys add <sampler id>)"]
+        return [f"no sampler keys registered for run {cfg.run.name} (heterorl keys add <sampler id>, or "
+                "heterorl invite)"]
     now = time.time()
-    lines = [f"{'key id':16}  {'role':9}  {'id':24}  {'status':8}  expires"]
+    lines = [f"{'key id':16}  {'role':9}  {'id':24}  {'status':8}  {'expires':16}  invite"]
     for k in sorted(registry.keys.values(), key=lambda k: k.added_at):
         status = k.status if k.status != "active" or now <= k.expires_at else "expired"
+        invite = (f"{k.grant}{' (revoked)' if k.grant in registry.revoked_grants else ''}" if k.grant
+                  else "local" if k.local else "-")
         lines.append(f"{k.key_id:16}  {k.role:9}  {k.sampler_id:24}  {status:8}  "
-                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(k.expires_at))}")
+                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(k.expires_at)):16}  {invite}")
     return lines
 
 

@@ -647,10 +647,11 @@ def _spec(state: StackState, name: str) -> _Spec:
 REDIS_ROLES = ("admin", "learner", "sampler", "validator")
 REDIS_ACL_FILE = "users.acl"
 # Keys under heterorl:<run>: (pipeline/clients/run_state.py, pipeline/trust/keyring.py) that a sampler
-# writes (its lease, the prompt claims, meta's epoch_size), and those it only reads.
+# writes (its lease, the prompt claims, meta's epoch_size, a volunteer's join request), and those it
+# only reads (the admissions: the learner's, signed).
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
-                  "prompt_cursor", "claim_stats", "claims_sweep", "meta")
-SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine")
+                  "prompt_cursor", "claim_stats", "claims_sweep", "meta", "join_requests")
+SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions")
 # A validator (consumers/validator.py) writes its lease, the partition leases and where its
 # verdicts end; it reads what a sampler reads.
 VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")

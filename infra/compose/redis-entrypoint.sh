@@ -12,8 +12,9 @@ hash() { printf %s "$1" | sha256sum | cut -d ' ' -f 1; }
 COMMANDS="-@all +@connection +@read +@write +@transaction +@scripting -@dangerous -@admin"
 SAMPLER_KEYS="~heterorl:*:sampler:* ~heterorl:*:samplers_seen ~heterorl:*:sampler_last ~heterorl:*:sampler_stats \
 ~heterorl:*:claims ~heterorl:*:reissue ~heterorl:*:prompt_cursor ~heterorl:*:claim_stats \
-~heterorl:*:claims_sweep ~heterorl:*:meta \
-%R~heterorl:*:policy %R~heterorl:*:learner %R~heterorl:*:key_registry %R~heterorl:*:quarantine"
+~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests \
+%R~heterorl:*:policy %R~heterorl:*:learner %R~heterorl:*:key_registry %R~heterorl:*:quarantine \
+%R~heterorl:*:admissions"
 
 cat > /tmp/users.acl <<ACL
 user default off

@@ -16,6 +16,11 @@ Keys (all under `heterorl:<run>:`):
 - `key_registry`      the sampler keys the learner accepts, signed by the root key
                       (JSON, `pipeline.trust.keyring`); `policy` also carries the learner's
                       `signature` over (run, version, manifest_key, updated_at).
+- `join_requests`     stream of volunteers' join requests (`heterorl join`), each signed by the
+                      joiner's own key; the learner decides them in order (`JoinDesk`).
+- `admissions`        the keys the learner admitted under invites, the joins per invite, where it
+                      read the requests to and why it refused the newest, signed by the
+                      learner's key (JSON, `pipeline.trust.invites.Admissions`).
 - `quarantine`        hash key id -> JSON {sampler_id, reason, at, strikes} of sampler keys
                       the learner stopped trusting (`pipeline.trust.StrikePolicy`).
 - `learner`           hash of what samplers pace on: the learner's step and version, its position

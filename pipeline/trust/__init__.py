@@ -64,6 +64,9 @@ class KeyEntry:
     """Minted by the run itself for a role it started on the learner's machine (`heterorl
     train`): the user's own process, whose log-probs the learner need not re-score
     (`security.trust_local_samplers`). `heterorl keys add` never sets it."""
+    grant: str = ""
+    """The invite it joined with (`heterorl join`: admitted by the learner, never local), "" for
+    a key the root key registered."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class KeyRegistry:
     serial: int
     """Increases with every change, so an older registry can never replace a newer one."""
     keys: dict[str, KeyEntry]
+    revoked_grants: dict[str, float] = field(default_factory=dict)
+    """Invites revoked (`heterorl invite --revoke`): grant id -> when. No key joins with them, and
+    the keys that joined with them are revoked."""
 
     @classmethod
     def empty(cls, run: str) -> "KeyRegistry":
@@ -83,8 +89,9 @@ class KeyRegistry:
         return {"format": REGISTRY_FORMAT, "run": self.run, "serial": self.serial, "keys": {
             k.key_id: {"sampler_id": k.sampler_id, "public_key": k.public_key.to_b64(), "status": k.status,
                        "expires_at": k.expires_at, "added_at": k.added_at, "revoked_at": k.revoked_at,
-                       **({} if k.role == "sampler" else {"role": k.role}), **({"local": True} if k.local else {})}
-            for k in self.keys.values()}}
+                       **({} if k.role == "sampler" else {"role": k.role}), **({"local": True} if k.local else {}),
+                       **({"grant": k.grant} if k.grant else {})}
+            for k in self.keys.values()}, **({"revoked_grants": self.revoked_grants} if self.revoked_grants else {})}
 
     def signed(self, root: SigningKey) -> dict:
         return sign_document(self.to_document(), root)
@@ -101,25 +108,45 @@ class KeyRegistry:
             keys = {kid: KeyEntry(kid, str(e["sampler_id"]), PublicKey.from_b64(e["public_key"]), str(e["status"]),
                                   float(e["expires_at"]), float(e["added_at"]),
                                   None if e.get("revoked_at") is None else float(e["revoked_at"]),
-                                  str(e.get("role", "sampler")), e.get("local", False) is True)
+                                  str(e.get("role", "sampler")), e.get("local", False) is True,
+                                  str(e.get("grant", "")))
                     for kid, e in body["keys"].items()}
             serial = int(body["serial"])
+            revoked_grants = {str(g): float(at) for g, at in (body.get("revoked_grants") or {}).items()}
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SignatureError(f"the key registry is malformed ({type(e).__name__}: {e})") from None
         for kid, entry in keys.items():
             if entry.status not in ("active", "revoked") or entry.public_key.key_id != kid or entry.role not in ROLES:
                 raise SignatureError(f"the key registry's entry {kid} is malformed (status {entry.status!r}, "
                                      f"role {entry.role!r})")
-        return cls(run, serial, keys)
+        return cls(run, serial, keys, revoked_grants)
 
     def with_key(self, entry: KeyEntry) -> "KeyRegistry":
-        return KeyRegistry(self.run, self.serial + 1, {**self.keys, entry.key_id: entry})
+        return KeyRegistry(self.run, self.serial + 1, {**self.keys, entry.key_id: entry}, self.revoked_grants)
 
-    def with_revoked(self, key_id: str, now: float) -> "KeyRegistry":
-        old = self.keys[key_id]
-        entry = KeyEntry(old.key_id, old.sampler_id, old.public_key, "revoked", old.expires_at, old.added_at, now,
-                         old.role, old.local)
-        return KeyRegistry(self.run, self.serial + 1, {**self.keys, key_id: entry})
+    def with_revoked(self, key_id: str, now: float, entry: Optional[KeyEntry] = None) -> "KeyRegistry":
+        """Revoked: the registered key `key_id`, or `entry` (a key that joined with an invite)."""
+        old = entry or self.keys[key_id]
+        revoked = KeyEntry(old.key_id, old.sampler_id, old.public_key, "revoked", old.expires_at, old.added_at, now,
+                           old.role, old.local, old.grant)
+        return KeyRegistry(self.run, self.serial + 1, {**self.keys, key_id: revoked}, self.revoked_grants)
+
+    def with_revoked_grant(self, grant_id: str, now: float) -> "KeyRegistry":
+        return KeyRegistry(self.run, self.serial + 1, dict(self.keys), {**self.revoked_grants, grant_id: now})
+
+    def with_admitted(self, admitted: dict[str, dict]) -> "KeyRegistry":
+        """This registry and the keys the learner admitted under invites (`Admissions.keys`):
+        never local; revoked where the root key revoked them or their invite. A key the root key
+        registered keeps its own entry."""
+        keys = dict(self.keys)
+        for key_id, a in admitted.items():
+            if key_id in keys:
+                continue
+            revoked_at = self.revoked_grants.get(a["grant"])
+            keys[key_id] = KeyEntry(key_id, a["sampler_id"], PublicKey.from_b64(a["public_key"]),
+                                    "active" if revoked_at is None else "revoked", float(a["expires_at"]),
+                                    float(a["admitted_at"]), revoked_at, "sampler", False, a["grant"])
+        return KeyRegistry(self.run, self.serial, keys, self.revoked_grants)
 
     def is_local(self, key_id: str) -> bool:
         """Whether `key_id` is an active key the run minted for a sampler it started itself."""

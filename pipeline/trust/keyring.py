@@ -22,8 +22,9 @@ import redis
 
 from pipeline.config import ConfigError, HeteroConfig
 from pipeline.wire.signing import (KeyFileError, PublicKey, SignatureError, SigningKey, read_key_file, read_public_file,
-                              write_key_file, write_public_file)
+                              sign_document, write_key_file, write_public_file)
 from pipeline.trust import KeyEntry, KeyRegistry
+from pipeline.trust.invites import Admissions, GrantBook
 
 SAMPLER_KEY_ENV = "HETERORL_SAMPLER_KEY"
 """A sampler's private key, base64 (what `heterorl keys add --print` shows)."""
@@ -137,19 +138,48 @@ def read_registry(client, run: str, root: PublicKey) -> KeyRegistry:
     return KeyRegistry.from_signed(document, root, run)
 
 
+def admissions_key(run: str) -> str:
+    """The keys the learner admitted under invites, signed by its key (`Admissions`)."""
+    return f"heterorl:{run}:admissions"
+
+
+def join_requests_key(run: str) -> str:
+    """The Redis stream of join requests (`heterorl join` adds, the learner decides in order)."""
+    return f"heterorl:{run}:join_requests"
+
+
+def read_admissions(client, run: str, learner: PublicKey) -> Admissions:
+    """The admissions the learner signed (empty if none yet); SignatureError if not its."""
+    raw = client.get(admissions_key(run))
+    if raw is None:
+        return Admissions(run)
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        raise SignatureError("the admissions in Redis are not JSON") from None
+    return Admissions.from_signed(document, learner, run)
+
+
 class RegistryFollower:
     """A role's copy of the run's signed key registry, re-read from Redis at most every
     `refresh_s` (the learner and validators check seals against it): one not signed by the
-    root key, or older (a lower serial) than the copy held, is ignored and logged."""
+    root key, or older (a lower serial) than the copy held, is ignored and logged. With the
+    learner's public key (`learner`), the keys it admitted under invites are in it too."""
 
-    def __init__(self, client, run: str, root: PublicKey, refresh_s: float, log):
+    def __init__(self, client, run: str, root: PublicKey, refresh_s: float, log, learner: Optional[PublicKey] = None):
         self.client, self.run, self.root, self.refresh_s, self.log = client, run, root, refresh_s, log
+        self.learner = learner
         self.registry: Optional[KeyRegistry] = None
+        self.admissions = Admissions(run)
         self.read_at = -float("inf")
+
+    def due(self) -> bool:
+        """Whether `refresh_s` has passed since the last read."""
+        return time.monotonic() - self.read_at >= self.refresh_s
 
     def refresh(self, force: bool = False) -> Optional[KeyRegistry]:
         """The registry just read if it replaced the one held (None: not due, unreadable or refused)."""
-        if not force and time.monotonic() - self.read_at < self.refresh_s:
+        if not force and not self.due():
             return None
         self.read_at = time.monotonic()
         try:
@@ -164,8 +194,78 @@ class RegistryFollower:
             self.log.error("ignoring an older key registry (serial %d < %d): a rollback", registry.serial,
                            self.registry.serial)
             return None
+        if self.learner is not None:
+            self.admissions = self._newer_admissions()
+            registry = registry.with_admitted(self.admissions.keys)
         self.registry = registry
         return registry
+
+    def _newer_admissions(self) -> Admissions:
+        try:
+            admissions = read_admissions(self.client, self.run, self.learner)
+        except SignatureError as e:
+            self.log.error("ignoring the admissions in Redis: %s; keeping the last valid ones", e.reason)
+            return self.admissions
+        except redis.RedisError as e:
+            self.log.warning("could not read the admissions (%s); keeping the last ones", type(e).__name__)
+            return self.admissions
+        if admissions.serial < self.admissions.serial:
+            self.log.error("ignoring older admissions (serial %d < %d): a rollback", admissions.serial,
+                           self.admissions.serial)
+            return self.admissions
+        return admissions
+
+
+class JoinDesk:
+    """The learner's side of invites: decides the join requests received since the last call
+    (`GrantBook`, in the order Redis received them) and writes what it admitted, signed by the
+    learner's key, with where it read to, so a restarted learner goes on from there with the
+    same counts. The root key is not needed."""
+
+    BATCH = 64
+
+    def __init__(self, client, run: str, root: PublicKey, learner: SigningKey, key_lifetime_days: float, log):
+        self.client, self.run, self.learner, self.log = client, run, learner, log
+        self.root = root
+        self.book: Optional[GrantBook] = None
+        self.key_lifetime_s = key_lifetime_days * 86400
+
+    def serve(self, registry: Optional[KeyRegistry], quarantined: set[str], now: Optional[float] = None) -> bool:
+        """Decide the waiting requests; whether any was (the admissions then changed)."""
+        try:
+            if self.book is None:  # where the last learner left off
+                self.book = GrantBook(self.run, self.root, read_admissions(self.client, self.run, self.learner.public),
+                                      self.key_lifetime_s)
+            entries = self.client.xrange(join_requests_key(self.run), f"({self.book.admissions.read_to}", "+",
+                                         count=self.BATCH)
+        except redis.RedisError as e:
+            self.log.warning("could not read join requests (%s); trying again", type(e).__name__)
+            return False
+        except SignatureError as e:  # not ours: never overwritten with an empty book
+            self.log.error("the admissions in Redis are not the learner's (%s): no volunteer is admitted", e.reason)
+            return False
+        if not entries:
+            return False
+        admissions = self.book.admissions
+        registered = {} if registry is None else {k: e for k, e in registry.keys.items() if not e.grant}
+        revoked = set() if registry is None else set(registry.revoked_grants)
+        now = time.time() if now is None else now
+        for entry_id, fields in entries:
+            try:
+                document = json.loads(fields.get("request", "")) if isinstance(fields, dict) else None
+            except ValueError:
+                document = None
+            key_id, why = self.book.decide(document, now, registered, revoked, quarantined)
+            admissions.read_to = entry_id
+            if why:
+                self.log.warning("join request %s refused: %s", entry_id, why)
+            else:
+                a = admissions.keys[key_id]
+                self.log.info("admitted sampler %r (key %s) with invite %s: %d joined", a["sampler_id"], key_id,
+                              a["grant"], admissions.joins[a["grant"]])
+        admissions.serial += 1
+        self.client.set(admissions_key(self.run), json.dumps(sign_document(admissions.to_document(), self.learner)))
+        return True
 
 
 def write_registry(client, registry: KeyRegistry, root: SigningKey) -> None:

@@ -33,7 +33,7 @@ def test_every_option_of_every_command_has_help_text():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
-                                     "study", "replay", "export", "compare", "chaos", "keys", "attack", "adversary",
+                                     "study", "replay", "export", "compare", "chaos", "keys", "invite", "join", "attack", "adversary",
                                      "validator", "weights", "loadtest"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     actions = next(a for a in commands.choices["keys"]._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,0 +1,237 @@
+"""`heterorl invite` and `heterorl join`: a volunteer joins a run with one line of text
+(pipeline/trust/invites.py says what the line holds; docs/security.md, "Invites", what it lets
+its holder do).
+
+`invite` runs where the root key is: it signs a grant (how many may join, until when) and
+packs it with what a sampler needs. `join` runs on the volunteer's host: it makes the host's
+own key, asks the learner to admit it under the grant (a join request in Redis) and, once
+admitted, runs the sampler of the run's config. Running `join` again resumes as the same
+sampler: its key, id and spool stay in its directory (`--home`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import redis
+import yaml
+
+from pipeline.clients.run_state import connect_redis
+from pipeline.clients.services import ServiceUnavailable, check_reachable, require_services
+from pipeline.config import ConfigError, HeteroConfig, config_from_text, dump_config
+from pipeline.trust.invites import (Grant, Invite, InviteError, check_not_expired, make_invite, make_join_request,
+                                    read_invite)
+from pipeline.trust.keyring import (join_requests_key, key_paths, load_learner_public, load_root_key, read_admissions,
+                                    read_registry, write_registry)
+from pipeline.wire.signing import SignatureError, SigningKey, read_key_file, write_key_file, write_public_file
+
+INVITED_SECTIONS = ("services", "security")
+"""Config sections the invite sets for the joiner (`--config` / `--set` may not)."""
+RUN_SECTIONS = ("run", "model", "task", "sampler", "learner")
+"""The run's config sections an invite carries (what a sampler uses; the rest are defaults)."""
+SAMPLER_SECURITY = ("require_signatures", "key_lifetime_days")
+"""The `security` fields of the run a joiner's sampler is given (paths are the joiner's own)."""
+SERVICE_FIELDS = ("kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key", "s3_secret_key", "s3_region",
+                  "bucket", "kafka_security_protocol", "kafka_sasl_mechanism", "kafka_sasl_username",
+                  "kafka_sasl_password", "kafka_ssl_check_hostname", "s3_cert_check")
+CA_FIELDS = ("kafka_ssl_cafile", "redis_ssl_ca_certs", "s3_ca_file")
+LOOPBACK = ("127.", "localhost", "[::1]")
+ADMIT_WAIT_S = 120.0
+"""How long `join` waits for the learner to decide its request (the learner reads requests
+every `security.registry_refresh_s` while it runs)."""
+
+
+# ---- invite -------------------------------------------------------------------------------
+def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, hours: float,
+                    now: Optional[float] = None) -> tuple[str, Grant, list[str]]:
+    """(the invite's text, its grant, lines for the operator) for run `cfg` (as its admin),
+    `sampler_cfg` the same run as its sampler role sees it (its Redis user)."""
+    if joins < 1 or hours <= 0:
+        raise ConfigError(f"--joins {joins} and --hours {hours:g}: an invite admits at least one sampler for some time")
+    paths = key_paths(cfg)
+    root, learner = load_root_key(paths), load_learner_public(paths)
+    services = require_services(sampler_cfg.services)
+    fields = {**{k: getattr(sampler_cfg.services, k) for k in SERVICE_FIELDS}, **{
+        "kafka_bootstrap": services.kafka_bootstrap, "redis_url": services.redis_url,
+        "s3_endpoint": services.s3_endpoint, "s3_access_key": services.s3_access_key,
+        "s3_secret_key": services.s3_secret_key, "s3_region": services.s3_region, "bucket": services.bucket}}
+    tls = {"kafka_ssl_cafile": sampler_cfg.services.kafka_security_protocol in ("SSL", "SASL_SSL"),
+           "redis_ssl_ca_certs": services.redis_url.startswith("rediss://"),
+           "s3_ca_file": services.s3_endpoint.startswith("https://")}
+    ca_files = {getattr(cfg.services, k) for k in CA_FIELDS if tls[k] and getattr(cfg.services, k)}
+    if len(ca_files) > 1:
+        raise ConfigError(f"services use {len(ca_files)} CA files ({', '.join(sorted(ca_files))}): an invite "
+                          "carries one")
+    ca_pem = Path(ca_files.pop()).read_text() if ca_files else None
+    everything = yaml.safe_load(dump_config(cfg))
+    config = {section: everything[section] for section in RUN_SECTIONS}
+    config["security"] = {k: everything["security"][k] for k in SAMPLER_SECURITY}
+    grant = Grant.new(cfg.run.name, joins, hours * 3600, time.time() if now is None else now)
+    text = make_invite(root, grant, services=fields, ca_pem=ca_pem, learner_public=learner, config=config)
+    lines = [f"invite {grant.grant_id} of run {cfg.run.name}: up to {joins} sampler(s) may join until "
+             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(grant.expires_at))}, as strangers (their groups "
+             "are checked)",
+             "anyone holding it can join: send it privately; end it with "
+             f"`heterorl invite --revoke {grant.grant_id}`"]
+    if any(services.kafka_bootstrap.startswith(p) or f"@{p}" in services.redis_url or f"//{p}" in services.redis_url
+           for p in LOOPBACK):
+        lines.append("its servers are on loopback (127.0.0.1): only this machine can join; for other hosts start "
+                     "the stack with `heterorl up --host ADDRESS`")
+    return text, grant, lines
+
+
+def revoke_invite(cfg: HeteroConfig, client, grant_id: str) -> list[str]:
+    """Revoke the invite `grant_id` in the root-signed registry: no key joins with it any more,
+    and those that joined with it are revoked."""
+    paths = key_paths(cfg)
+    root = load_root_key(paths)
+    registry = read_registry(client, cfg.run.name, root.public)
+    if grant_id in registry.revoked_grants:
+        raise ConfigError(f"invite {grant_id} of run {cfg.run.name} is already revoked")
+    joined = [k for k in read_admissions(client, cfg.run.name, load_learner_public(paths)).keys.values()
+              if k["grant"] == grant_id]
+    write_registry(client, registry.with_revoked_grant(grant_id, time.time()), root)
+    return [f"revoked invite {grant_id} of run {cfg.run.name}: no key joins with it any more, and its "
+            f"{len(joined)} sampler(s) ({', '.join(k['sampler_id'] for k in joined) or 'none'}) are refused within "
+            f"security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"]
+
+
+# ---- join ---------------------------------------------------------------------------------
+def join_home(base: Path, invite: Invite) -> Path:
+    """Where a joiner keeps its key, id and spool for this run and invite."""
+    return base / f"{invite.run}-{invite.grant.grant_id}"
+
+
+def joined_config(invite: Invite, home: Path, config_file: Optional[str], overrides: list[str]) -> HeteroConfig:
+    """The run's config from the invite, with the joiner's `--config` file and `--set` on top
+    (anything but `services` and `security`, which the invite and the joiner's key set)."""
+    data = json.loads(json.dumps(invite.config))
+    if config_file:
+        from heterorl.config_files import config_path
+
+        path = config_path(config_file)
+        mine = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(mine, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        for section, values in mine.items():
+            if section in INVITED_SECTIONS or section == "run":
+                raise ConfigError(f"{path}: {section}: the invite sets it (a joiner sets the sampler, model and "
+                                  "task fields)")
+            data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    for assignment in overrides:
+        if assignment.split("=", 1)[0].split(".", 1)[0] in (*INVITED_SECTIONS, "run"):
+            raise ConfigError(f"--set {assignment}: the invite sets it (a joiner sets the sampler, model and task "
+                              "fields)")
+    services = dict(invite.services)
+    if invite.ca_pem:
+        ca = home / "ca.crt"
+        ca.write_text(invite.ca_pem)
+        services.update({k: str(ca) for k in CA_FIELDS})
+    services["data_dir"] = str(home)
+    data["services"] = services
+    data["security"] = {**data.get("security", {}), "learner_public_key": str(home / "learner.pub"),
+                        "root_public_key": str(home / "root.pub"), "sampler_key": str(home / "sampler.key"),
+                        "keys_dir": str(home / "keys")}
+    return config_from_text(yaml.safe_dump(data), f"the invite of run {invite.run}", overrides, env={})
+
+
+def open_home(invite: Invite, base: Path, sampler_id: Optional[str]) -> tuple[Path, SigningKey, str, bool]:
+    """(the joiner's directory, its key, its sampler id, whether it joined from here before):
+    made on the first join; on a later one, the same key and id (an --id that differs is an error)."""
+    home = join_home(base, invite)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key_file, record = home / "sampler.key", home / "joined.json"
+    if key_file.exists() and record.exists():
+        joined = json.loads(record.read_text())
+        if sampler_id and sampler_id != joined["sampler_id"]:
+            raise ConfigError(f"this host joined run {invite.run} as {joined['sampler_id']!r} ({home}): run "
+                              "`heterorl join` without --id to resume, or with --home DIR to join anew")
+        return home, read_key_file(key_file), joined["sampler_id"], True
+    key = SigningKey.generate()
+    chosen = sampler_id or f"{socket.gethostname().split('.')[0][:40]}-{key.key_id[:8]}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", chosen):
+        raise ConfigError(f"--id {chosen!r}: use letters, digits, '_', '.', '-' (128 at most)")
+    write_key_file(key, key_file)
+    record.write_text(json.dumps({"sampler_id": chosen, "key_id": key.key_id, "grant": invite.grant.grant_id}))
+    write_public_file(invite.learner_public, home / "learner.pub")
+    write_public_file(invite.root_public, home / "root.pub")
+    return home, key, chosen, False
+
+
+def ask_to_join(client, invite: Invite, key: SigningKey, sampler_id: str, wait_s: float = ADMIT_WAIT_S,
+                say: Callable[[str], None] = print, now: Callable[[], float] = time.time) -> None:
+    """Send the join request (unless the learner admitted this key already) and wait for the
+    learner's decision; InviteError with its reason if refused, or if it never decides."""
+    run = invite.run
+    ended = client.hget(f"heterorl:{run}:learner", "ended_at")
+    if ended not in (None, "null"):
+        raise InviteError(f"run {run} ended at {time.strftime('%Y-%m-%d %H:%M', time.localtime(float(ended)))}: "
+                          "there is nothing to join")
+    try:
+        registry = read_registry(client, run, invite.root_public)
+    except SignatureError as e:
+        raise InviteError(f"this invite is not run {run}'s: its key registry is not signed by the invite's root "
+                          f"key {invite.root_public.key_id} ({e.reason})") from None
+    if invite.grant.grant_id in registry.revoked_grants:
+        raise InviteError(f"the invite {invite.grant.grant_id} of run {run} was revoked")
+    entry = registry.keys.get(key.key_id)
+    if entry is not None and entry.status == "revoked":
+        raise InviteError(f"this host's key {key.key_id} was revoked in run {run}")
+    if client.hexists(f"heterorl:{run}:quarantine", key.key_id):
+        raise InviteError(f"this host's key {key.key_id} is quarantined in run {run}: its groups failed the checks")
+    if _decision(client, invite, key)[0]:
+        return
+    request = make_join_request(key, invite, sampler_id, socket.gethostname(), now())
+    client.xadd(join_requests_key(run), {"request": json.dumps(request)})
+    say(f"asked to join run {run} as {sampler_id} (key {key.key_id}); waiting for the learner to admit it")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        admitted, why = _decision(client, invite, key)
+        if admitted:
+            return
+        if why:
+            raise InviteError(f"the learner of run {run} refused to admit this host: {why}")
+        time.sleep(0.5)
+    raise InviteError(f"the learner of run {run} did not answer within {wait_s:.0f} s: is it running? "
+                      "(`heterorl join` again resumes)")
+
+
+def _decision(client, invite: Invite, key: SigningKey) -> tuple[bool, str]:
+    """(admitted, why refused) as the learner's signed admissions say now."""
+    try:
+        admissions = read_admissions(client, invite.run, invite.learner_public)
+    except SignatureError as e:
+        raise InviteError(f"the admissions of run {invite.run} are not signed by its learner: {e.reason}") from None
+    return key.key_id in admissions.keys, admissions.refused.get(key.key_id, "")
+
+
+def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[str], sampler_id: Optional[str],
+         run_sampler: Optional[Callable[[HeteroConfig, str], int]] = None, wait_s: float = ADMIT_WAIT_S) -> int:
+    """`heterorl join`: read the invite, make (or reuse) this host's key, be admitted, sample."""
+    invite = read_invite(text)
+    home, key, sampler_id, again = open_home(invite, base, sampler_id)
+    if not again:
+        check_not_expired(invite.grant, time.time())
+    cfg = joined_config(invite, home, config_file, overrides)
+    services = require_services(cfg.services)
+    check_reachable(services, cfg.services.connect_timeout_s)
+    client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s,
+                           security=services.security)
+    try:
+        ask_to_join(client, invite, key, sampler_id, wait_s)
+    except redis.RedisError as e:
+        raise ServiceUnavailable(f"Redis at {services.public()['redis_url']}: {type(e).__name__}: {e}") from None
+    print(f"joined run {invite.run} as {sampler_id} (key {key.key_id}, invite {invite.grant.grant_id}); "
+          f"{'resuming' if again else 'fetching the newest policy'}; Ctrl-C leaves (groups not sent stay in "
+          f"{home}/ for the next start)", file=sys.stderr, flush=True)
+    if run_sampler is None:
+        from producers.sampler import run_sampler
+    os.environ.pop("HETERORL_SAMPLER_KEY", None)  # this host's key is the one in its home
+    return run_sampler(cfg, sampler_id)

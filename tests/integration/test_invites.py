@@ -1,0 +1,151 @@
+"""`heterorl invite` and `heterorl join` against the real local stack: volunteers given only the
+invite's line are admitted by the learner's `JoinDesk` (here on its own, standing for the
+learner, which runs the same desk in `Intake.refresh_registry`), up to the invite's count; every
+bad invite is one line and exit status 2 with nothing registered; and the sampler role's
+credentials that the invite carries cannot write what the learner or the root key sign."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from heterorl import invites
+from heterorl.cli import main
+from heterorl.keys import keys_list
+from heterorl.stack import with_services
+from infra.local_stack import stack_services
+from pipeline.config import load_config
+from pipeline.trust.invites import read_invite
+from pipeline.trust.keyring import JoinDesk, RegistryFollower, init_keys, key_paths, load_learner_key, load_root_public
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def run(local_stack, tmp_path):
+    """A run's keys, its config as the admin and as the sampler role, and a learner's join desk
+    serving requests in a thread."""
+    name = f"inv-{uuid.uuid4().hex[:8]}"
+    cfg = with_services(load_config(None, [f"run.name={name}", f"security.keys_dir={tmp_path / 'keys'}",
+                                           f"services.data_dir={tmp_path / 'stack'}"], env={}),
+                        stack_services(local_stack, "admin"))
+    paths = key_paths(cfg)
+    init_keys(paths)
+    admin = redis.Redis.from_url(stack_services(local_stack, "admin").redis_url, decode_responses=True)
+    desk = JoinDesk(admin, name, load_root_public(paths), load_learner_key(paths), 30, logging.getLogger("test.invites"))
+    follower = RegistryFollower(admin, name, load_root_public(paths), 0.1, logging.getLogger("test.invites"),
+                                load_learner_key(paths).public)
+    stop = threading.Event()
+
+    def learner():
+        while not stop.is_set():
+            follower.refresh(force=True)
+            desk.serve(follower.registry, set(admin.hkeys(f"heterorl:{name}:quarantine")))
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=learner, daemon=True)
+    thread.start()
+    yield type("Run", (), dict(cfg=cfg, sampler_cfg=with_services(cfg, stack_services(local_stack, "sampler")),
+                               admin=admin, follower=follower, name=name, tmp=tmp_path))
+    stop.set()
+    thread.join(5)
+
+
+def make(run, joins=2, hours=1.0) -> str:
+    text, _, _ = invites.make_run_invite(run.cfg, run.sampler_cfg, joins, hours)
+    return text
+
+
+def join(run, text, home, sampled, **kw) -> int:
+    return invites.join(text, base=run.tmp / home, config_file=None, overrides=["sampler.max_groups=3"],
+                        sampler_id=kw.get("sampler_id"), wait_s=20,
+                        run_sampler=lambda cfg, sampler_id: sampled.append((cfg, sampler_id)) or 0)
+
+
+def cli_join(run, text, home, capsys) -> tuple[int, str]:
+    code = main(["join", text, "--home", str(run.tmp / home)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("heterorl join: error:")]
+    return code, " | ".join(lines)
+
+
+def test_volunteers_join_with_the_invite_alone_up_to_its_count(run, capsys):
+    text, sampled = make(run, joins=2), []
+    assert join(run, text, "host-a", sampled) == 0 and join(run, text, "host-b", sampled) == 0
+    (cfg_a, id_a), (cfg_b, id_b) = sampled
+    assert id_a != id_b and cfg_a.run.name == run.name and cfg_a.run.topic == run.cfg.run.topic
+    assert cfg_a.sampler.max_groups == 3  # the joiner's --set on top of the run's config
+    assert cfg_a.services.redis_url == run.sampler_cfg.services.redis_url  # the sampler role's user, never admin
+    registry = run.follower.refresh(force=True) or run.follower.registry
+    joined = {e.sampler_id: e for e in registry.keys.values()}
+    grant = read_invite(text).grant.grant_id
+    assert {id_a, id_b} <= set(joined) and all(joined[i].grant == grant and not joined[i].local
+                                                 and not registry.is_local(joined[i].key_id) for i in (id_a, id_b))
+    # The same host again: the same sampler, not a new one (the count is not used again).
+    assert join(run, text, "host-a", sampled) == 0 and sampled[-1][1] == id_a
+    listed = "\n".join(keys_list(run.cfg))
+    assert id_a in listed and grant in listed
+    # A third host: used up. One line, exit status 2, nothing registered.
+    code, said = cli_join(run, text, "host-c", capsys)
+    assert code == 2 and "is used up (2 of 2 joined)" in said
+    assert len(run.follower.admissions.keys) == 2 and run.follower.admissions.joins == {grant: 2}
+
+
+def test_every_bad_invite_is_one_line_and_registers_nothing(run, capsys):
+    text = make(run, joins=5)
+    code, said = cli_join(run, text[:200], "cut", capsys)
+    assert code == 2 and "cut short or garbled" in said
+    code, said = cli_join(run, text[:-8] + ("A" * 8 if not text.endswith("A" * 8) else "B" * 8), "altered", capsys)
+    assert code == 2 and ("altered" in said or "garbled" in said)
+    expired = make(run, hours=1 / 3600)
+    time.sleep(1.5)
+    code, said = cli_join(run, expired, "late", capsys)
+    assert code == 2 and "expired" in said
+    other = run.cfg.model_copy(update={"security": run.cfg.security.model_copy(
+        update={"keys_dir": str(run.tmp / "other-keys"), "root_public_key": None, "learner_public_key": None})})
+    init_keys(key_paths(other))
+    foreign, _, _ = invites.make_run_invite(other, run.sampler_cfg, 1, 1.0)  # the same run name, another root
+    from heterorl.keys import keys_add
+    keys_add(run.cfg, "own-gpu")  # a registry signed by the run's root exists
+    code, said = cli_join(run, foreign, "foreign", capsys)
+    assert code == 2 and "not run" in said and "root key" in said
+    unreachable = run.sampler_cfg.model_copy(update={"services": run.sampler_cfg.services.model_copy(
+        update={"kafka_bootstrap": "127.0.0.1:1"})})
+    nowhere, _, _ = invites.make_run_invite(run.cfg, unreachable, 1, 1.0)
+    code, said = cli_join(run, nowhere, "nowhere", capsys)
+    assert code == 2 and "127.0.0.1:1" in said
+    time.sleep(0.5)  # the desk has read every request by now
+    run.follower.refresh(force=True)
+    assert run.follower.admissions.keys == {}  # nothing registered
+    # Revoked: the invite, and with it every key that joined with it.
+    sampled: list = []
+    assert join(run, text, "before", sampled) == 0
+    said = invites.revoke_invite(run.cfg, run.admin, read_invite(text).grant.grant_id)
+    assert "its 1 sampler(s)" in said[0]
+    registry = run.follower.refresh(force=True)
+    assert registry.keys[next(iter(run.follower.admissions.keys))].status == "revoked"
+    code, said = cli_join(run, text, "after", capsys)
+    assert code == 2 and "was revoked" in said
+    # A run that ended: nothing to join.
+    fresh = make(run)
+    run.admin.hset(f"heterorl:{run.name}:learner", "ended_at", str(time.time()))
+    code, said = cli_join(run, fresh, "ended", capsys)
+    assert code == 2 and "ended" in said
+
+
+def test_the_invite_s_credentials_cannot_write_what_others_sign(run):
+    """What a leaked invite never lets its holder do (docs/security.md, "Invites"), tried with
+    the credentials it carries: its Redis user cannot write the key registry, the admissions,
+    the policy pointer or the quarantines, nor read the learner's counters."""
+    services = read_invite(make(run)).services
+    sampler = redis.Redis.from_url(services["redis_url"], decode_responses=True)
+    for key in ("key_registry", "admissions", "policy", "quarantine"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            sampler.set(f"heterorl:{run.name}:{key}", "{}")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        sampler.hgetall(f"heterorl:{run.name}:learner_stats")
+    sampler.xadd(f"heterorl:{run.name}:join_requests", {"request": "{}"})  # what it may write: a request
