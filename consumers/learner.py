@@ -397,6 +397,7 @@ class Learner:
         values = self.recorder.record(self.version, batch.groups, {**step_metrics, **stages}, step=self.step)
         self.state.report_learner({"step": self.step, "policy_version": self.version})
         self.state.report_learner_stats(self.admission.counters.as_dict())  # not for samplers' eyes
+        self.state.count_used(Counter(r.sampler_id for r in batch.rollouts))  # a volunteer's "used" (heterorl join)
         self.log.info("step %d (v%d) loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.step,
                       self.version, values["loss"], values["reward_mean"], values["staleness_mean"],
                       values["staleness_max"], values["groups_used"], values["groups_dropped"])

@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import redis
 import yaml
 
-from pipeline.clients.run_state import connect_redis
+from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import ServiceUnavailable, check_reachable, require_services
 from pipeline.config import ConfigError, HeteroConfig, config_from_text, dump_config
 from pipeline.trust.invites import (Grant, Invite, InviteError, check_not_expired, make_invite, make_join_request,
@@ -234,4 +235,37 @@ def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[s
     if run_sampler is None:
         from producers.sampler import run_sampler
     os.environ.pop("HETERORL_SAMPLER_KEY", None)  # this host's key is the one in its home
-    return run_sampler(cfg, sampler_id)
+    progress = JoinProgress(RunState(client, invite.run), sampler_id)
+    progress.start()
+    try:
+        return run_sampler(cfg, sampler_id)
+    finally:
+        progress.stop.set()
+        progress.join(timeout=5)
+        print(progress.line(), file=sys.stderr, flush=True)
+
+
+class JoinProgress(threading.Thread):
+    """One line on screen every `every_s` while a joined sampler runs: the policy it holds,
+    the groups it sent and how many of them the learner trained on."""
+
+    def __init__(self, state: RunState, sampler_id: str, every_s: float = 30.0):
+        super().__init__(name="join-progress", daemon=True)
+        self.state, self.sampler_id, self.every_s = state, sampler_id, every_s
+        self.stop = threading.Event()
+        self.last: dict = {}
+
+    def line(self) -> str:
+        try:
+            lease = self.state.sampler_lease(self.sampler_id) or self.last
+            used = self.state.used_by(self.sampler_id)
+        except redis.RedisError as e:
+            return f"{self.sampler_id}: Redis unreachable ({type(e).__name__}); the sampler retries"
+        self.last = lease
+        version = lease.get("policy_version", "None")
+        return (f"{self.sampler_id}: policy {'v' + version if version not in ('None', '') else 'not loaded yet'}, "
+                f"groups sent {lease.get('groups', 0)}, used by the learner {used}")
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            print(self.line(), file=sys.stderr, flush=True)

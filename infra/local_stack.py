@@ -651,7 +651,7 @@ REDIS_ACL_FILE = "users.acl"
 # only reads (the admissions: the learner's, signed).
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
                   "prompt_cursor", "claim_stats", "claims_sweep", "meta", "join_requests")
-SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions")
+SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions", "used_by_sampler")
 # A validator (consumers/validator.py) writes its lease, the partition leases and where its
 # verdicts end; it reads what a sampler reads.
 VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")

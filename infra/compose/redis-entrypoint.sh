@@ -14,7 +14,7 @@ SAMPLER_KEYS="~heterorl:*:sampler:* ~heterorl:*:samplers_seen ~heterorl:*:sample
 ~heterorl:*:claims ~heterorl:*:reissue ~heterorl:*:prompt_cursor ~heterorl:*:claim_stats \
 ~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests \
 %R~heterorl:*:policy %R~heterorl:*:learner %R~heterorl:*:key_registry %R~heterorl:*:quarantine \
-%R~heterorl:*:admissions"
+%R~heterorl:*:admissions %R~heterorl:*:used_by_sampler"
 
 cat > /tmp/users.acl <<ACL
 user default off

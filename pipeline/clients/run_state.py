@@ -30,6 +30,9 @@ Keys (all under `heterorl:<run>:`):
 - `learner_stats`     hash of the learner's counters (groups used, dropped and refused by reason,
                       staleness): for `heterorl status` and the operator. No sampler or validator
                       user may read it: a forger would learn from it which of its groups were used.
+- `used_by_sampler`   hash sampler id -> groups of it the learner trained on (samplers may read
+                      it: `heterorl join` shows a volunteer its count; the per-group secret draw
+                      of stale checks makes knowing what was used worthless to a forger).
 - `evaluator`         hash {version, done, total}: the evaluator's progress on the version it
                       scores (`heterorl train` shows it while it waits).
 - `validator:<id>`    hash {host, groups, started_at, heartbeat_at} with a TTL renewed by each
@@ -527,6 +530,23 @@ class RunState:
     def report_learner(self, progress: dict) -> None:
         """Every value is stored as JSON, so readers get numbers, null and maps back."""
         self.client.hset(self.prefix + "learner", mapping={k: json.dumps(v) for k, v in progress.items()})
+
+    def count_used(self, by_sampler: dict[str, int]) -> None:
+        """Add each sampler's groups used in a step to `used_by_sampler` (what `heterorl join`
+        shows a volunteer)."""
+        if not by_sampler:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for sampler_id, n in by_sampler.items():
+            pipe.hincrby(self.prefix + "used_by_sampler", sampler_id, n)
+        pipe.execute()
+
+    def used_by(self, sampler_id: str) -> int:
+        return int(self.client.hget(self.prefix + "used_by_sampler", sampler_id) or 0)
+
+    def sampler_lease(self, sampler_id: str) -> dict:
+        """What a live sampler's last heartbeat said (empty once its lease is gone)."""
+        return self.client.hgetall(self._lease_key(sampler_id))
 
     def report_learner_stats(self, counters: dict) -> None:
         """The learner's counters (used, dropped, refused by reason...), where only the learner and

@@ -16,9 +16,11 @@ import redis
 
 from heterorl import invites
 from heterorl.cli import main
+from heterorl.invites import JoinProgress
 from heterorl.keys import keys_list
 from heterorl.stack import with_services
 from infra.local_stack import stack_services
+from pipeline.clients.run_state import RunState
 from pipeline.config import load_config
 from pipeline.trust.invites import read_invite
 from pipeline.trust.keyring import JoinDesk, RegistryFollower, init_keys, key_paths, load_learner_key, load_root_public
@@ -149,3 +151,17 @@ def test_the_invite_s_credentials_cannot_write_what_others_sign(run):
     with pytest.raises(redis.exceptions.NoPermissionError):
         sampler.hgetall(f"heterorl:{run.name}:learner_stats")
     sampler.xadd(f"heterorl:{run.name}:join_requests", {"request": "{}"})  # what it may write: a request
+
+
+def test_a_volunteer_sees_the_groups_it_sent_and_those_the_learner_used(run):
+    """`heterorl join`'s progress line, read with the sampler role's credentials: the policy
+    its lease names, the groups it sent and those the learner trained on (`count_used`)."""
+    learner = RunState(run.admin, run.name)
+    learner.renew_sampler_lease("vol-1", {"policy_version": 3, "groups": 7}, 30)
+    learner.count_used({"vol-1": 4, "honest-0": 60})
+    learner.count_used({"vol-1": 1})
+    sampler = redis.Redis.from_url(read_invite(make(run)).services["redis_url"], decode_responses=True)
+    progress = JoinProgress(RunState(sampler, run.name), "vol-1")
+    assert progress.line() == "vol-1: policy v3, groups sent 7, used by the learner 5"
+    assert JoinProgress(RunState(sampler, run.name), "vol-2").line() == (
+        "vol-2: policy not loaded yet, groups sent 0, used by the learner 0")
