@@ -6,6 +6,7 @@ credentials that the invite carries cannot write what the learner or the root ke
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,8 +23,10 @@ from heterorl.stack import with_services
 from infra.local_stack import stack_services
 from pipeline.clients.run_state import RunState
 from pipeline.config import load_config
-from pipeline.trust.invites import read_invite
-from pipeline.trust.keyring import JoinDesk, RegistryFollower, init_keys, key_paths, load_learner_key, load_root_public
+from pipeline.trust.invites import make_join_request, read_invite
+from pipeline.trust.keyring import (JoinDesk, RegistryFollower, init_keys, join_requests_key, key_paths, load_learner_key,
+                                    load_root_public)
+from pipeline.wire.signing import SigningKey
 
 pytestmark = pytest.mark.integration
 
@@ -165,3 +168,36 @@ def test_a_volunteer_sees_the_groups_it_sent_and_those_the_learner_used(run):
     assert progress.line() == "vol-1: policy v3, groups sent 7, used by the learner 5"
     assert JoinProgress(RunState(sampler, run.name), "vol-2").line() == (
         "vol-2: policy not loaded yet, groups sent 0, used by the learner 0")
+
+
+def test_an_invite_s_count_holds_across_learner_restarts(local_stack, tmp_path):
+    """A restarted learner's desk goes on from the signed admissions in Redis: the joins made
+    before count, and the requests decided before are not decided again."""
+    name = f"inv-{uuid.uuid4().hex[:8]}"
+    cfg = with_services(load_config(None, [f"run.name={name}", f"security.keys_dir={tmp_path / 'keys'}"], env={}),
+                        stack_services(local_stack, "admin"))
+    paths = key_paths(cfg)
+    init_keys(paths)
+    admin = redis.Redis.from_url(stack_services(local_stack, "admin").redis_url, decode_responses=True)
+    text, grant, _ = invites.make_run_invite(cfg, with_services(cfg, stack_services(local_stack, "sampler")), 2, 1.0)
+    invite = read_invite(text)
+
+    def desk():  # a learner started (again)
+        return JoinDesk(admin, name, load_root_public(paths), load_learner_key(paths), 30, logging.getLogger("t"))
+
+    def request(sampler_id):
+        key = SigningKey.generate()
+        admin.xadd(join_requests_key(name), {"request": json.dumps(
+            make_join_request(key, invite, sampler_id, "host", time.time()))})
+        return key
+
+    first = request("a")
+    assert desk().serve(None, set())
+    second, third = request("b"), request("c")
+    assert desk().serve(None, set()) and not desk().serve(None, set())  # nothing new: nothing decided
+    admissions = RegistryFollower(admin, name, load_root_public(paths), 1, logging.getLogger("t"),
+                                  load_learner_key(paths).public)
+    admissions.refresh(force=True)
+    assert set(admissions.admissions.keys) == {first.key_id, second.key_id}
+    assert admissions.admissions.joins == {grant.grant_id: 2}
+    assert "used up" in admissions.admissions.refused[third.key_id]

@@ -9,7 +9,7 @@ import pytest
 from pipeline.trust import KeyEntry, KeyRegistry
 from pipeline.trust.invites import (Admissions, Grant, GrantBook, InviteError, check_not_expired, decode_invite,
                                     encode_invite, make_invite, make_join_request, read_invite)
-from pipeline.wire.signing import SigningKey
+from pipeline.wire.signing import SigningKey, sign_document
 
 RUN, NOW = "r1", 1_000_000.0
 SERVICES = {"kafka_bootstrap": "10.0.0.1:9092", "redis_url": "redis://sampler:pw@10.0.0.1:6379/0"}
@@ -104,6 +104,9 @@ def test_what_a_join_request_cannot_get():
     assert "is taken" in run.request(text, SigningKey.generate(), "gpu-1")  # another key under a known id
     run.revoked.add(grant_id)
     assert "revoked" in run.request(text, SigningKey.generate(), "new")
+    validator = Grant.new(RUN, 5, 60, NOW).to_document() | {"role": "validator"}  # signed by the root, even
+    signed = make_join_request(key, read_invite(text), "v", "host", NOW) | {"grant": sign_document(validator, run.root)}
+    assert "role 'validator'" in run.book.decide(sign_document(signed, key), NOW, {}, set(), set())[1]
     forged = make_join_request(SigningKey.generate(), read_invite(text), "forged", "host", NOW)
     forged["public_key"] = SigningKey.generate().public.to_b64()  # someone else's key, not signed by it
     assert "is signed by key" in run.book.decide(forged, NOW, {}, set(), set())[1]
