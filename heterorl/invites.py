@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
+from urllib.parse import urlsplit
 
 import redis
 import yaml
@@ -44,6 +45,9 @@ SERVICE_FIELDS = ("kafka_bootstrap", "redis_url", "s3_endpoint", "s3_access_key"
                   "kafka_sasl_password", "kafka_ssl_check_hostname", "s3_cert_check")
 CA_FIELDS = ("kafka_ssl_cafile", "redis_ssl_ca_certs", "s3_ca_file")
 LOOPBACK = ("127.", "localhost", "[::1]")
+OTHER_ROLE_USERS = ("admin", "learner", "validator")
+"""Users that heterorl's stacks (local and compose) make for roles other than samplers: an
+invite never carries their credentials."""
 ADMIT_WAIT_S = 120.0
 """How long `join` waits for the learner to decide its request (the learner reads requests
 every `security.registry_refresh_s` while it runs)."""
@@ -59,6 +63,7 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
     paths = key_paths(cfg)
     root, learner = load_root_key(paths), load_learner_public(paths)
     services = require_services(sampler_cfg.services)
+    refuse_other_roles(services.redis_url, sampler_cfg.services.kafka_sasl_username)
     fields = {**{k: getattr(sampler_cfg.services, k) for k in SERVICE_FIELDS}, **{
         "kafka_bootstrap": services.kafka_bootstrap, "redis_url": services.redis_url,
         "s3_endpoint": services.s3_endpoint, "s3_access_key": services.s3_access_key,
@@ -86,6 +91,18 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
         lines.append("its servers are on loopback (127.0.0.1): only this machine can join; for other hosts start "
                      "the stack with `heterorl up --host ADDRESS`")
     return text, grant, lines
+
+
+def refuse_other_roles(redis_url: str, kafka_user: Optional[str]) -> None:
+    """ConfigError if the servers' users named here are another role's: where the variables of
+    `heterorl env --role learner` are set (the learner's host, where the root key is), they
+    override the local stack's sampler user, and the invite would hand its holder the
+    learner's Redis user, which writes every key of the run."""
+    for server, user in (("Redis", urlsplit(redis_url).username), ("Kafka", kafka_user)):
+        if user in OTHER_ROLE_USERS:
+            raise ConfigError(f"the {server} user set here is {user!r}: an invite carries the sampler role's "
+                              "credentials, so make it with the sampler's variables loaded (`set -a; . "
+                              "./sampler.env; set +a`, from `heterorl env --role sampler`)")
 
 
 def revoke_invite(cfg: HeteroConfig, client, grant_id: str) -> list[str]:
@@ -253,16 +270,14 @@ class JoinProgress(threading.Thread):
         super().__init__(name="join-progress", daemon=True)
         self.state, self.sampler_id, self.every_s = state, sampler_id, every_s
         self.stop = threading.Event()
-        self.last: dict = {}
 
     def line(self) -> str:
-        try:
-            lease = self.state.sampler_lease(self.sampler_id) or self.last
+        try:  # once the sampler stopped (the last line), its lease is gone: what it left
+            lease = self.state.sampler_lease(self.sampler_id) or self.state.last_of_sampler(self.sampler_id)
             used = self.state.used_by(self.sampler_id)
         except redis.RedisError as e:
             return f"{self.sampler_id}: Redis unreachable ({type(e).__name__}); the sampler retries"
-        self.last = lease
-        version = lease.get("policy_version", "None")
+        version = str(lease.get("policy_version"))  # a string in the lease, JSON once it is gone
         return (f"{self.sampler_id}: policy {'v' + version if version not in ('None', '') else 'not loaded yet'}, "
                 f"groups sent {lease.get('groups', 0)}, used by the learner {used}")
 

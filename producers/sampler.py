@@ -560,7 +560,7 @@ class Sampler:
                                    view.learner_unread, view.in_flight, view.completed, view.learner_pending)
 
     def totals(self) -> dict:
-        return {"generated": self.generated, "published": self.outbox.published,
+        return {"policy_version": self.policy.version, "generated": self.generated, "published": self.outbox.published,
                 "generate_s": round(self.generate_s, 1),
                 "verifier_errors": getattr(self.task, "verifier_errors", 0),
                 "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),

@@ -348,6 +348,21 @@ class RunState:
     def sampler_stats(self) -> dict[str, dict]:
         return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "sampler_stats").items()}
 
+    def last_of_sampler(self, sampler_id: str) -> dict:
+        """What a sampler's last heartbeat said, kept once its lease is gone; where it stopped
+        cleanly (`released_at`), its groups and policy version are the final ones it recorded
+        (a heartbeat can be a whole interval behind: a short run may end before the second)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.prefix + "sampler_last", sampler_id)
+        pipe.hget(self.prefix + "sampler_stats", sampler_id)
+        raw_last, raw_stats = pipe.execute()
+        last = json.loads(raw_last) if raw_last else {}
+        if "released_at" in last and raw_stats:
+            final = json.loads(raw_stats)
+            last["groups"] = final.get("published", last.get("groups", 0))
+            last["policy_version"] = final.get("policy_version", last.get("policy_version"))
+        return last
+
     def live_samplers(self) -> dict[str, dict]:
         """Samplers whose lease has not expired."""
         return self._live_leases("sampler")

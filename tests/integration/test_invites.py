@@ -166,6 +166,9 @@ def test_a_volunteer_sees_the_groups_it_sent_and_those_the_learner_used(run):
     sampler = redis.Redis.from_url(read_invite(make(run)).services["redis_url"], decode_responses=True)
     progress = JoinProgress(RunState(sampler, run.name), "vol-1")
     assert progress.line() == "vol-1: policy v3, groups sent 7, used by the learner 5"
+    learner.record_sampler_stats("vol-1", {"policy_version": 4, "published": 9})  # what a sampler's close() leaves
+    learner.release_sampler_lease("vol-1")
+    assert progress.line() == "vol-1: policy v4, groups sent 9, used by the learner 5"  # its last line
     assert JoinProgress(RunState(sampler, run.name), "vol-2").line() == (
         "vol-2: policy not loaded yet, groups sent 0, used by the learner 0")
 

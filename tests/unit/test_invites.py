@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from heterorl.invites import refuse_other_roles
+from pipeline.config import ConfigError
 from pipeline.trust import KeyEntry, KeyRegistry
 from pipeline.trust.invites import (Admissions, Grant, GrantBook, InviteError, check_not_expired, decode_invite,
                                     encode_invite, make_invite, make_join_request, read_invite)
@@ -128,3 +130,15 @@ def test_a_revoked_invite_revokes_the_keys_that_joined_with_it():
     revoked = KeyRegistry.empty(RUN).with_revoked(key.key_id, NOW, entry=entry)  # `heterorl keys revoke` one of them
     again = KeyRegistry.from_signed(revoked.signed(run.root), run.root.public, RUN)
     assert again.with_admitted(run.book.admissions.keys).keys[key.key_id].status == "revoked"
+
+
+def test_an_invite_never_carries_another_role_s_credentials():
+    """Where the learner's variables are set (its host holds the root key), its Redis user would
+    otherwise go into the invite: `heterorl invite` asks for the sampler's instead."""
+    refuse_other_roles("redis://sampler:pw@10.0.0.1:6379/0", None)
+    refuse_other_roles("redis://:pw@10.0.0.1:6379/0", "sampler")
+    for redis_url, kafka_user in (("redis://learner:pw@10.0.0.1:6379/0", None),
+                                  ("redis://admin:pw@10.0.0.1:6379/0", None),
+                                  ("redis://sampler:pw@10.0.0.1:6379/0", "learner")):
+        with pytest.raises(ConfigError, match=r"sampler role's credentials.*sampler\.env"):
+            refuse_other_roles(redis_url, kafka_user)
