@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit
@@ -30,8 +31,8 @@ from pipeline.clients.services import ServiceUnavailable, check_reachable, requi
 from pipeline.config import ConfigError, HeteroConfig, config_from_text, dump_config
 from pipeline.trust.invites import (Grant, Invite, InviteError, check_not_expired, make_invite, make_join_request,
                                     read_invite)
-from pipeline.trust.keyring import (join_requests_key, key_paths, load_learner_public, load_root_key, read_admissions,
-                                    read_registry, write_registry)
+from pipeline.trust.keyring import (SAMPLER_KEY_ENV, join_requests_key, key_paths, load_learner_public, load_root_key,
+                                    read_admissions, read_registry, write_registry)
 from pipeline.wire.signing import SignatureError, SigningKey, read_key_file, write_key_file, write_public_file
 
 INVITED_SECTIONS = ("services", "security")
@@ -91,6 +92,22 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
         lines.append("its servers are on loopback (127.0.0.1): only this machine can join; for other hosts start "
                      "the stack with `heterorl up --host ADDRESS`")
     return text, grant, lines
+
+
+def write_invite_file(path: Path, text: str) -> None:
+    """Write the invite to `path`, readable by its owner only (it carries the sampler role's
+    credentials)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+def read_invite_file(path: Path) -> str:
+    """The text of the invite in `path` (`--invite FILE`)."""
+    if not path.is_file():
+        raise ConfigError(f"--invite {path}: no such file")
+    return path.read_text()
 
 
 def refuse_other_roles(redis_url: str, kafka_user: Optional[str]) -> None:
@@ -230,9 +247,25 @@ def _decision(client, invite: Invite, key: SigningKey) -> tuple[bool, str]:
     return key.key_id in admissions.keys, admissions.refused.get(key.key_id, "")
 
 
-def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[str], sampler_id: Optional[str],
-         run_sampler: Optional[Callable[[HeteroConfig, str], int]] = None, wait_s: float = ADMIT_WAIT_S) -> int:
-    """`heterorl join`: read the invite, make (or reuse) this host's key, be admitted, sample."""
+@dataclass(frozen=True)
+class Admitted:
+    """A host the learner admitted under an invite: what it samples with."""
+
+    invite: Invite
+    home: Path
+    key: SigningKey
+    sampler_id: str
+    again: bool
+    """Whether it had joined from `home` before (it resumes)."""
+    cfg: HeteroConfig
+    """The run's config as this host's sampler runs it (`joined_config`)."""
+    client: redis.Redis
+
+
+def be_admitted(text: str, *, base: Path, config_file: Optional[str], overrides: list[str],
+                sampler_id: Optional[str], wait_s: float = ADMIT_WAIT_S) -> Admitted:
+    """Read the invite, make (or reuse) this host's key and wait until the learner admits it:
+    what `heterorl join` does before it samples, and `heterorl adversary --invite` before it lies."""
     invite = read_invite(text)
     home, key, sampler_id, again = open_home(invite, base, sampler_id)
     if not again:
@@ -246,16 +279,25 @@ def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[s
         ask_to_join(client, invite, key, sampler_id, wait_s)
     except redis.RedisError as e:
         raise ServiceUnavailable(f"Redis at {services.public()['redis_url']}: {type(e).__name__}: {e}") from None
-    print(f"joined run {invite.run} as {sampler_id} (key {key.key_id}, invite {invite.grant.grant_id}); "
-          f"{'resuming' if again else 'fetching the newest policy'}; Ctrl-C leaves (groups not sent stay in "
-          f"{home}/ for the next start)", file=sys.stderr, flush=True)
+    os.environ.pop(SAMPLER_KEY_ENV, None)  # this host's key is the one in its home
+    return Admitted(invite, home, key, sampler_id, again, cfg, client)
+
+
+def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[str], sampler_id: Optional[str],
+         run_sampler: Optional[Callable[[HeteroConfig, str], int]] = None, wait_s: float = ADMIT_WAIT_S) -> int:
+    """`heterorl join`: read the invite, make (or reuse) this host's key, be admitted, sample."""
+    admitted = be_admitted(text, base=base, config_file=config_file, overrides=overrides, sampler_id=sampler_id,
+                           wait_s=wait_s)
+    invite, sampler_id = admitted.invite, admitted.sampler_id
+    print(f"joined run {invite.run} as {sampler_id} (key {admitted.key.key_id}, invite {invite.grant.grant_id}); "
+          f"{'resuming' if admitted.again else 'fetching the newest policy'}; Ctrl-C leaves (groups not sent stay "
+          f"in {admitted.home}/ for the next start)", file=sys.stderr, flush=True)
     if run_sampler is None:
         from producers.sampler import run_sampler
-    os.environ.pop("HETERORL_SAMPLER_KEY", None)  # this host's key is the one in its home
-    progress = JoinProgress(RunState(client, invite.run), sampler_id)
+    progress = JoinProgress(RunState(admitted.client, invite.run), sampler_id)
     progress.start()
     try:
-        return run_sampler(cfg, sampler_id)
+        return run_sampler(admitted.cfg, sampler_id)
     finally:
         progress.stop.set()
         progress.join(timeout=5)

@@ -140,8 +140,8 @@ def provision_local(cfg: HeteroConfig, client, sampler_ids: list[str], validator
     as admin): keys made if missing, and each one's key file written and registered unless an
     active registration of it exists. `local`: the sampler keys are marked as the run's own
     processes (`KeyEntry.local`; `security.trust_local_samplers` decides what that spares them);
-    False for samplers that stand for remote ones (`heterorl loadtest`) or adversaries
-    (`heterorl attack`)."""
+    False for samplers that stand for remote ones (`heterorl loadtest`; `heterorl attack`'s
+    adversaries join with an invite instead)."""
     if not cfg.security.require_signatures and not validator_ids:
         return
     paths = key_paths(cfg)

@@ -1,7 +1,9 @@
-"""The adversaries of `heterorl attack`: samplers that hold a registered key and lie, and
-two attackers with write access to the broker and the bucket (docs/security.md).
+"""The adversaries of `heterorl attack`: samplers that hold a key the run admitted and lie,
+and attackers with write access to the broker and the bucket (docs/security.md).
 
-Samplers (`heterorl adversary KIND`), each a `producers.sampler.Sampler` that changes one thing:
+Samplers (`heterorl adversary KIND`), each a `producers.sampler.Sampler` that changes one thing.
+In the attack each joins with the attack's invite, as a stranger does (`heterorl adversary
+--invite`, the admission of `heterorl join`), and signs with the key it made for itself:
 
 - `forged_rewards`:  claims every completion is correct;
 - `noisy_logprobs`:  adds N(0, 0.5) noise to its log-probs;
@@ -23,6 +25,9 @@ Attackers run as threads of `heterorl attack`:
                      would let the adversaries' groups in: unsigned, signed with an adversary's
                      sampler key, a genuine verdict moved onto another group, and genuine
                      verdicts that let a group in, sent again.
+
+The replayer and the tamperer hold no key (they copy or rewrite what others signed); the
+`bad_signature` sampler joins like the others, but no message of its carries a valid signature.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import random
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 import msgpack
@@ -45,7 +51,7 @@ from pipeline.config import HeteroConfig
 from pipeline.clients.topics import TopicWriter, read_topic
 from pipeline.records.update_log import read_entries_kafka
 from pipeline.wire.rollout import Rollout, encode_rollout, header_value, seal_rollout
-from pipeline.wire.signing import SigningKey, sign_document
+from pipeline.wire.signing import KeyFileError, SigningKey, read_key_file, sign_document
 from producers.sampler import Sampler
 
 SAMPLER_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature",
@@ -361,7 +367,8 @@ class ManifestTamperer(threading.Thread):
 
 
 class VerdictForger(threading.Thread):
-    """An attacker that can write to the verdicts topic and holds an adversary's sampler key.
+    """An attacker that can write to the verdicts topic and holds an adversary's sampler key
+    (`sampler_key_file`, read once the adversary has made it: it joins as the attack starts).
     Every `every_s`, for the adversaries' groups published since its last pass (`adversary_ids`)
     it sends passing verdicts: one unsigned, one signed with `sampler_key`, and a validator's
     genuine verdict on another group rewritten to name this one (its signature kept); and it
@@ -373,11 +380,12 @@ class VerdictForger(threading.Thread):
     that fails (the broker fails a send, a topic not created yet) is counted by error type in
     `errors`, and what it had not sent is tried again at the next pass."""
 
-    def __init__(self, bootstrap: str, topic: str, run: str, adversary_ids: set[str], sampler_key: SigningKey,
+    def __init__(self, bootstrap: str, topic: str, run: str, adversary_ids: set[str], sampler_key_file: Path,
                  every_s: float = 2.0):
         super().__init__(name="verdict-forger", daemon=True)
         self.bootstrap, self.topic, self.run_name, self.every_s = bootstrap, topic, run, every_s
-        self.adversary_ids, self.sampler_key = adversary_ids, sampler_key
+        self.adversary_ids, self.sampler_key_file = adversary_ids, sampler_key_file
+        self.sampler_key: Optional[SigningKey] = None
         self.sent: dict[str, int] = {kind: 0 for kind in FORGED_VERDICT_KINDS}
         self.stopped = threading.Event()
         self.errors: Counter = Counter()
@@ -395,6 +403,8 @@ class VerdictForger(threading.Thread):
 
         sink: Optional[TopicWriter] = None
         while not self.stopped.wait(self.every_s):
+            if not self.has_key():
+                continue  # no adversary's group to forge for before it has a key
             try:
                 sink = sink or TopicWriter(self.bootstrap, verdicts_topic(self.topic))
                 self.read_verdicts(verdicts_topic(self.topic))
@@ -408,6 +418,15 @@ class VerdictForger(threading.Thread):
                 self.errors[type(e).__name__] += 1
         if sink is not None:
             sink.close()
+
+    def has_key(self) -> bool:
+        """Whether it holds the adversary's key: read from its file once it is there, whole."""
+        if self.sampler_key is None:
+            try:
+                self.sampler_key = read_key_file(self.sampler_key_file)
+            except KeyFileError:
+                return False  # not made yet, or being written
+        return True
 
     def read_new(self, topic: str) -> tuple[list, dict[int, int]]:
         """The messages of `topic` past `read_to[topic]`, and the positions after them (the

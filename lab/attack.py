@@ -1,9 +1,11 @@
 """`heterorl attack`: a training run with honest samplers and one adversary of each kind,
 then an audit of what the defences did (docs/security.md).
 
-The run gets a local stack of its own (in OUT/data), keys for every sampler, honest and
-not (the adversaries hold registered keys: they are insiders), and `minutes` of training.
-Then the samplers stop, the learner drains, and OUT/attack_audit.json says:
+The run gets a local stack of its own (in OUT/data), keys the run mints for its honest
+samplers, one invite (OUT/invite.txt) with which every adversarial sampler joins as a stranger
+does (`heterorl join`: a key of its own, admitted by the learner; OUT/adversaries/KIND holds
+it), and `minutes` of training. Then the samplers stop, the learner drains, and
+OUT/attack_audit.json says:
 
 - `forged_used_in_updates`: used groups from an adversary, or copies the replayer sent
   (target 0);
@@ -12,6 +14,8 @@ Then the samplers stop, the learner drains, and OUT/attack_audit.json says:
   quarantined (target: within 20; the log-prob forger within 2 of its groups of
   staleness 0, the fresh data checked against the learner's own weights);
 - honest samplers quarantined (target: none);
+- per adversarial sampler, the key it signed with: admitted under the attack's invite, never
+  the run's own (target: every one);
 - the checkpoints the tamperer rewrote and how often samplers refused them;
 - held-out accuracy before and after (it should still rise);
 - with `--validators K` (the checks done by K validators, docs/security.md "Validators"):
@@ -32,15 +36,17 @@ from tqdm import tqdm
 
 from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
                                   VerdictForger)
+from heterorl.invites import join_home, make_run_invite, write_invite_file
 from heterorl.keys import provision_local
 from heterorl.processes import Processes, child_env
-from heterorl.stack import as_role, services_for_run
+from heterorl.stack import as_role, services_for_run, with_services
 from consumers.screening import forged_used_bound
 from pipeline.records.audit import audit_topic
 from pipeline.records.update_log import read_entries_kafka
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.trust.keyring import init_keys, key_paths, load_root_public, read_registry
-from pipeline.wire.signing import read_key_file
+from pipeline.trust.invites import read_invite
+from pipeline.trust.keyring import (init_keys, key_paths, load_learner_public, load_root_public, read_admissions,
+                                    read_registry)
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 from pipeline.weights.store import PolicyPointer, current as current_pointer
@@ -55,6 +61,8 @@ UNATTRIBUTABLE = {"bad_signature", "replay", "tampered_manifest"}
 """Adversaries whose messages prove nothing about who sent them: refused one by one, never quarantined."""
 PROBES = {"stale_prober"}
 """Adversaries honest at first: their used groups are not all forged (`_prober` counts those)."""
+INVITE_HOURS = 1.0
+"""How long the adversaries' invite admits new keys: they ask as the attack starts."""
 ATTACKER_STOP_S = 60.0
 """How long the attack waits for an attacker's current pass to end before the learner drains
 (a pass reads the topics, which takes longer as they grow; the verdict forger stops mid-pass)."""
@@ -87,8 +95,11 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         adversary_ids = {kind: f"{run_name}-adv-{kind}" for kind in SAMPLER_KINDS}
         validator_ids = [f"{run_name}-v{i}" for i in range(validators)]
         provision_local(cfg, handles.state.client, honest_ids, validator_ids)
-        provision_local(cfg, handles.state.client, list(adversary_ids.values()), local=False)  # strangers
-        local_adversaries = _adversaries_registered_local(cfg, handles.state.client, adversary_ids)
+        # The adversaries are strangers: one invite for all of them, each joining with a key of its own.
+        sampler_cfg = with_services(cfg, as_role(services, cfg.services.data_dir, "sampler"))
+        invite_text, grant, _ = make_run_invite(cfg, sampler_cfg, len(adversary_ids), INVITE_HOURS)
+        invite_file, homes = out / "invite.txt", {kind: out / "adversaries" / kind for kind in adversary_ids}
+        write_invite_file(invite_file, invite_text)
         before = evaluate_base(cfg, base, task)
         log.info("held-out accuracy before: %.3f", before["accuracy_sampled"])
         config_file = out / "config.yaml"
@@ -98,7 +109,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         replayer = Replayer(services.kafka_bootstrap, cfg.run.topic, seed=cfg.run.seed)
         tamperer = ManifestTamperer(handles.store, handles.state, every_s=min(10.0, minutes * 60 / 8))
         forger = (VerdictForger(services.kafka_bootstrap, cfg.run.topic, run_name, set(adversary_ids.values()),
-                                read_key_file(key_paths(cfg).sampler_key(adversary_ids["forged_rewards"])))
+                                join_home(homes["forged_rewards"], read_invite(invite_text)) / "sampler.key")
                   if validators else None)
         attackers = [a for a in (replayer, tamperer, forger) if a is not None]
         try:
@@ -107,7 +118,8 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
             for i, sampler_id in enumerate(honest_ids):
                 procs.start(f"sampler-{i}", ["sampler", *common, "--id", sampler_id])
             for kind, sampler_id in adversary_ids.items():
-                procs.start(f"adversary-{kind}", ["adversary", kind, *common, "--id", sampler_id])
+                procs.start(f"adversary-{kind}", ["adversary", kind, "--invite", str(invite_file),
+                                                  "--home", str(homes[kind]), "--id", sampler_id])
             validator_env = child_env(as_role(services, cfg.services.data_dir, "validator"))
             for i, validator_id in enumerate(validator_ids):
                 procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env)
@@ -142,13 +154,20 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
                        validators)
         audit["adversaries"]["stale_prober"].update(_prober(reports.get(prober, {}), used_ids, cfg.security))
-        audit["adversary_keys_local"] = local_adversaries
+        keys = _adversary_keys(cfg, handles.state.client, adversary_ids, grant.grant_id)
+        for kind, held in keys.items():  # beside what each did: the key it did it with
+            audit["adversaries"][kind].update(held)
+        audit["adversary_keys_local"] = sorted(adversary_ids[k] for k, held in keys.items()
+                                               if any(key["local"] for key in held["keys"]))
+        audit["adversaries_not_joined"] = sorted(adversary_ids[k] for k, held in keys.items()
+                                                 if not held["joined_with_invite"])
         audit["targets_met"] = (audit["targets_met"] and audit["adversaries"]["stale_prober"]["target_met"]
-                                and not local_adversaries)
+                                and not audit["adversary_keys_local"] and not audit["adversaries_not_joined"])
         if forger is not None:
             audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}))
             audit["targets_met"] = audit["targets_met"] and audit["adversaries"]["forged_verdicts"]["target_met"]
         audit.update(run=run_name, minutes=minutes, honest_samplers=honest, validators=validators,
+                     invite=grant.grant_id,
                      final_policy_version=version,
                      eval_accuracy_before=before["accuracy_sampled"], eval_accuracy_after=after["accuracy_sampled"],
                      eval_greedy_before=before["accuracy_greedy"], eval_greedy_after=after["accuracy_greedy"],
@@ -160,14 +179,23 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
     return 0 if audit["targets_met"] else 1
 
 
-def _adversaries_registered_local(cfg: HeteroConfig, client, adversary_ids: dict[str, str]) -> list[str]:
-    """The adversaries whose keys the registry marks as the run's own (target: none). The attack
-    checks every key as a stranger's (`trust_local_samplers` off), so without this a registry
-    that wrongly trusted them would still pass the rest of the audit."""
+def _adversary_keys(cfg: HeteroConfig, client, adversary_ids: dict[str, str], invite_id: str) -> dict[str, dict]:
+    """Per adversary, the keys its sampler id holds in the registry every role reads (the root's
+    and the learner's admissions): each key's id, the invite it joined with (None: the root key
+    registered it) and whether it is marked the run's own. Target: one key, admitted under the
+    attack's invite, not local. The attack checks every key as a stranger's
+    (`trust_local_samplers` off), so without this a registry that wrongly trusted an adversary
+    would still pass the rest of the audit."""
     paths = key_paths(cfg)
-    registry = read_registry(client, cfg.run.name, load_root_public(paths))
-    return sorted(sampler_id for sampler_id in adversary_ids.values()
-                  if registry.is_local(read_key_file(paths.sampler_key(sampler_id)).key_id))
+    registry = read_registry(client, cfg.run.name, load_root_public(paths)).with_admitted(
+        read_admissions(client, cfg.run.name, load_learner_public(paths)).keys)
+    held = {}
+    for kind, sampler_id in adversary_ids.items():
+        keys = [{"key_id": e.key_id, "invite": e.grant or None, "local": e.local}
+                for e in registry.keys.values() if e.sampler_id == sampler_id]
+        held[kind] = {"keys": keys, "joined_with_invite": len(keys) == 1 and keys[0]["invite"] == invite_id
+                      and not keys[0]["local"]}
+    return held
 
 
 def _prober(report: dict, used_ids: set[str], security) -> dict:
@@ -291,7 +319,11 @@ def _report(audit: dict, out: Path) -> str:
                  f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes, {p.get('floods')} "
                  f"floods of {p.get('flooded_groups')} groups), {p.get('forged_used')} used (bound "
                  f"{p.get('forged_used_bound')}); {q}")
-    if audit.get("adversary_keys_local"):
+    joined = sum(1 for a in audit["adversaries"].values() if a.get("joined_with_invite"))
+    lines.append(f"  {joined} adversarial samplers joined with invite {audit['invite']}, each with a key of its own")
+    if audit["adversaries_not_joined"]:
+        lines.append(f"  NOT admitted under the invite: {', '.join(audit['adversaries_not_joined'])}")
+    if audit["adversary_keys_local"]:
         lines.append(f"  adversary keys registered as the run's own: {', '.join(audit['adversary_keys_local'])}")
     v = audit["adversaries"].get("forged_verdicts")
     if v is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from heterorl.commands.common import add_config_args, load_run_config
+from heterorl.commands.invites import DEFAULT_JOIN_HOME
+from pipeline.config import ConfigError
 
 
 def register_attack(sub) -> None:
@@ -35,18 +38,37 @@ ADVERSARY_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_ver
 
 def register_adversary(sub) -> None:
     p = sub.add_parser("adversary", help="run one adversarial sampler (what `heterorl attack` starts)",
-                       description="A sampler with a registered key that lies in one way: " +
-                                   ", ".join(ADVERSARY_KINDS) + ". For testing the learner's defences only.")
+                       description="A sampler with a key of its own that lies in one way: " +
+                                   ", ".join(ADVERSARY_KINDS) + ". Its key is registered, or with --invite it "
+                                   "joins as `heterorl join` does (its own key, admitted by the learner), and "
+                                   "--config / --set then change its fields as join's do. For testing the "
+                                   "learner's defences only.")
     p.add_argument("kind", choices=ADVERSARY_KINDS, help="what it does wrong (lab/adversaries.py)")
     add_config_args(p)
-    p.add_argument("--id", dest="sampler_id", required=True, metavar="ID", help="sampler id (its key must be registered)")
+    p.add_argument("--id", dest="sampler_id", required=True, metavar="ID",
+                   help="sampler id (its key must be registered, unless it joins with --invite)")
+    p.add_argument("--invite", dest="invite_file", metavar="FILE",
+                   help="join with the invite in FILE (`heterorl invite`) instead of a registered key")
+    p.add_argument("--home", default=DEFAULT_JOIN_HOME, metavar="DIR",
+                   help=f"with --invite: where it keeps its key, id and spool (default {DEFAULT_JOIN_HOME}/)")
 
 
 def _cmd_adversary(args) -> int:
-    cfg = load_run_config(args, role="sampler")
+    if args.invite_file is None:
+        cfg, sampler_id = load_run_config(args, role="sampler"), args.sampler_id
+    else:  # a stranger: admitted under the invite like any volunteer, then it lies
+        from heterorl.invites import be_admitted, read_invite_file
+
+        if args.data_dir:
+            raise ConfigError("--data-dir: an adversary that joins with --invite keeps its key and spool in --home")
+        admitted = be_admitted(read_invite_file(Path(args.invite_file)), base=Path(args.home),
+                               config_file=args.config, overrides=args.overrides, sampler_id=args.sampler_id)
+        cfg, sampler_id = admitted.cfg, admitted.sampler_id
+        print(f"adversary {args.kind} joined run {admitted.invite.run} as {sampler_id} (key {admitted.key.key_id}, "
+              f"invite {admitted.invite.grant.grant_id})", file=sys.stderr, flush=True)
     from lab.adversaries import run_adversary
 
-    return run_adversary(args.kind, cfg, args.sampler_id)
+    return run_adversary(args.kind, cfg, sampler_id)
 
 
 def register_chaos(sub) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -40,10 +39,7 @@ def _cmd_invite(args) -> int:
     text, _, lines = invites.make_run_invite(cfg, load_run_config(args, role="sampler"), args.joins, args.hours)
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
+        invites.write_invite_file(out, text)
         lines.append(f"wrote {out} (mode 0600): `heterorl join --invite {out}`")
     print("\n".join(lines), file=sys.stderr)
     print(text)
@@ -75,13 +71,7 @@ def _cmd_join(args) -> int:
 
     if bool(args.invite) == bool(args.invite_file):
         raise ConfigError("give the invite once: as INVITE, or as --invite FILE")
-    if args.invite_file:
-        path = Path(args.invite_file)
-        if not path.is_file():
-            raise ConfigError(f"--invite {path}: no such file")
-        text = path.read_text()
-    else:
-        text = args.invite
+    text = invites.read_invite_file(Path(args.invite_file)) if args.invite_file else args.invite
     return invites.join(text, base=Path(args.home), config_file=args.config, overrides=args.overrides,
                         sampler_id=args.sampler_id)
 

@@ -1,6 +1,6 @@
 """The run's own samplers and everyone else's, as the learner tells them apart: keys
 `provision_local` registers in Redis (local, or not with `local=False`, as `heterorl loadtest`
-and `heterorl attack` register theirs), read back by the learner's intake (`Intake.trusted`:
+registers its samplers), read back by the learner's intake (`Intake.trusted`:
 a group whose log-probs are not re-scored; `Intake.all_trusted`: no version needs keeping)."""
 
 import time
@@ -53,7 +53,7 @@ def test_keys_provisioned_as_not_local_are_not_trusted_and_the_learner_sees_it(l
     assert intake.trusted(group_of(cfg, "own-1")) and intake.trusted(group_of(cfg, "own-2"))
     assert intake.all_trusted()  # only the run's own: nothing to keep for re-scoring
 
-    provision_local(cfg, client, ["remote-1"], local=False)  # as `heterorl loadtest` / `attack` register theirs
+    provision_local(cfg, client, ["remote-1"], local=False)  # as `heterorl loadtest` registers its samplers
     registry = read_registry(client, cfg.run.name, load_root_public(key_paths(cfg)))
     remote = read_key_file(key_paths(cfg).role_key("remote-1", "sampler")).key_id
     assert registry.keys[remote].status == "active" and not registry.is_local(remote)

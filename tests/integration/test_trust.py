@@ -89,8 +89,8 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
 
 @pytest.mark.slow
 def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_data_dir):
-    """`heterorl attack --validators 1`: the groups' content is checked by a validator, and
-    forged verdicts come on top of the forged groups (the learner's own checks of the same
+    """`heterorl attack --validators 1`: the adversarial samplers join with an invite, the
+    groups' content is checked by a validator, and forged verdicts come on top of the forged groups (the learner's own checks of the same
     adversaries are GroupScreen's, tests/unit/test_screening.py; docs/results/attack_and_chaos.md shows a run of each)."""
     out = tmp_path / "attack"
     started = time.monotonic()
@@ -114,6 +114,10 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
     prober = audit["adversaries"]["stale_prober"]
     assert prober["forged_sent"] > 0 and prober["forged_used"] <= prober["forged_used_bound"], prober
     assert audit["adversary_keys_local"] == []  # every adversary checked as the stranger it is
+    assert audit["adversaries_not_joined"] == []  # each joined with the attack's invite, a key of its own
+    assert all(audit["adversaries"][kind]["keys"][0]["invite"] == audit["invite"]
+               for kind in ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature",
+                            "stale_prober"))
     assert audit["adversaries"]["bad_signature"]["groups_produced"] > 20
     assert audit["adversaries"]["replay"]["copies_sent"] > 0 and audit["adversaries"]["replay"]["copies_used"] == 0
     assert audit["adversaries"]["tampered_manifest"]["honest_sampler_refusals"] > 0
