@@ -12,6 +12,9 @@ status 1; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
+import os
 import signal
 import sys
 
@@ -83,13 +86,26 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminated)
         signal.signal(signal.SIGHUP, _terminated)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("heterorl: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except (UserError, RunFailed) as e:  # a bug is neither: it keeps its traceback
         print(f"heterorl {args.command}: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, RunFailed) else 2
+        code = 1 if isinstance(e, RunFailed) else 2
+    if argv is None:  # the program, not a caller in Python: the command is done. A Ctrl-C while
+        # the interpreter waits on a library's threads ends the process at once with the command's
+        # own status; once it tears its modules down (where Python puts SIGINT back to the default,
+        # which kills the process: status -2), a Ctrl-C is ignored.
+        signal.signal(signal.SIGINT, functools.partial(_leave_now, code))
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _leave_now(code: int, *_) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,9 @@ def joined_config(invite: Invite, home: Path, config_file: Optional[str], overri
 
 
 def open_home(invite: Invite, base: Path, sampler_id: Optional[str]) -> tuple[Path, SigningKey, str, bool]:
-    """(the joiner's directory, its key, its sampler id, whether it joined from here before):
-    made on the first join; on a later one, the same key and id (an --id that differs is an error)."""
+    """(the joiner's directory, its key, its sampler id, whether the learner admitted it from here
+    before): made on the first try; on a later one, the same key and id (an --id that differs is an
+    error), so a try the learner never answered is asked again as the same host, not a second one."""
     home = join_home(base, invite)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     key_file, record = home / "sampler.key", home / "joined.json"
@@ -188,13 +189,14 @@ def open_home(invite: Invite, base: Path, sampler_id: Optional[str]) -> tuple[Pa
         if sampler_id and sampler_id != joined["sampler_id"]:
             raise ConfigError(f"this host joined run {invite.run} as {joined['sampler_id']!r} ({home}): run "
                               "`heterorl join` without --id to resume, or with --home DIR to join anew")
-        return home, read_key_file(key_file), joined["sampler_id"], True
+        return home, read_key_file(key_file), joined["sampler_id"], bool(joined.get("admitted"))
     key = SigningKey.generate()
     chosen = sampler_id or f"{socket.gethostname().split('.')[0][:40]}-{key.key_id[:8]}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", chosen):
         raise ConfigError(f"--id {chosen!r}: use letters, digits, '_', '.', '-' (128 at most)")
     write_key_file(key, key_file)
-    record.write_text(json.dumps({"sampler_id": chosen, "key_id": key.key_id, "grant": invite.grant.grant_id}))
+    record.write_text(json.dumps({"sampler_id": chosen, "key_id": key.key_id, "grant": invite.grant.grant_id,
+                                  "admitted": False}))
     write_public_file(invite.learner_public, home / "learner.pub")
     write_public_file(invite.root_public, home / "root.pub")
     return home, key, chosen, False
@@ -279,6 +281,9 @@ def be_admitted(text: str, *, base: Path, config_file: Optional[str], overrides:
         ask_to_join(client, invite, key, sampler_id, wait_s)
     except redis.RedisError as e:
         raise ServiceUnavailable(f"Redis at {services.public()['redis_url']}: {type(e).__name__}: {e}") from None
+    if not again:  # admitted now: a later start resumes, past the invite's expiry too
+        record = home / "joined.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "admitted": True}))
     os.environ.pop(SAMPLER_KEY_ENV, None)  # this host's key is the one in its home
     return Admitted(invite, home, key, sampler_id, again, cfg, client)
 

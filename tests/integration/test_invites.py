@@ -45,10 +45,12 @@ def run(local_stack, tmp_path):
     desk = JoinDesk(admin, name, load_root_public(paths), load_learner_key(paths), 30, logging.getLogger("test.invites"))
     follower = RegistryFollower(admin, name, load_root_public(paths), 0.1, logging.getLogger("test.invites"),
                                 load_learner_key(paths).public)
-    stop = threading.Event()
+    stop, paused = threading.Event(), threading.Event()
 
     def learner():
         while not stop.is_set():
+            if paused.wait(0.1):
+                continue
             follower.refresh(force=True)
             desk.serve(follower.registry, set(admin.hkeys(f"heterorl:{name}:quarantine")))
             time.sleep(0.1)
@@ -56,7 +58,8 @@ def run(local_stack, tmp_path):
     thread = threading.Thread(target=learner, daemon=True)
     thread.start()
     yield type("Run", (), dict(cfg=cfg, sampler_cfg=with_services(cfg, stack_services(local_stack, "sampler")),
-                               admin=admin, follower=follower, name=name, tmp=tmp_path))
+                               admin=admin, follower=follower, name=name, tmp=tmp_path,
+                               paused=paused))
     stop.set()
     thread.join(5)
 
@@ -68,7 +71,7 @@ def make(run, joins=2, hours=1.0) -> str:
 
 def join(run, text, home, sampled, **kw) -> int:
     return invites.join(text, base=run.tmp / home, config_file=None, overrides=["sampler.max_groups=3"],
-                        sampler_id=kw.get("sampler_id"), wait_s=20,
+                        sampler_id=kw.get("sampler_id"), wait_s=kw.get("wait_s", 20),
                         run_sampler=lambda cfg, sampler_id: sampled.append((cfg, sampler_id)) or 0)
 
 
@@ -98,6 +101,32 @@ def test_volunteers_join_with_the_invite_alone_up_to_its_count(run, capsys):
     code, said = cli_join(run, text, "host-c", capsys)
     assert code == 2 and "is used up (2 of 2 joined)" in said
     assert len(run.follower.admissions.keys) == 2 and run.follower.admissions.joins == {grant: 2}
+
+
+def test_a_join_the_learner_did_not_answer_is_asked_again_as_the_same_host(run, capsys):
+    """A first try the learner never answered leaves the host's key but no admission: the next
+    try asks again with the same key and id (counted once), and checks the invite's expiry
+    again, which only an admitted host may outlive."""
+    sampled: list = []
+    run.paused.set()  # the learner is away
+    short = make(run, joins=1, hours=3 / 3600)
+    with pytest.raises(invites.InviteError, match="did not answer"):
+        join(run, short, "late", sampled, wait_s=1)
+    (home,) = (run.tmp / "late").iterdir()
+    assert json.loads((home / "joined.json").read_text())["admitted"] is False
+    time.sleep(3.5)
+    code, said = cli_join(run, short, "late", capsys)
+    assert code == 2 and "expired" in said and sampled == []
+
+    text = make(run, joins=1)
+    with pytest.raises(invites.InviteError, match="did not answer"):
+        join(run, text, "slow", sampled, wait_s=1)
+    first_id = json.loads(next((run.tmp / "slow").iterdir()).joinpath("joined.json").read_text())["sampler_id"]
+    run.paused.clear()
+    assert join(run, text, "slow", sampled) == 0 and sampled[-1][1] == first_id
+    grant = read_invite(text).grant.grant_id
+    assert run.follower.admissions.joins.get(grant) == 1
+    assert join(run, text, "slow", sampled) == 0 and sampled[-1][1] == first_id  # resumes, not a new one
 
 
 def test_every_bad_invite_is_one_line_and_registers_nothing(run, capsys):

@@ -1,8 +1,11 @@
 """The command line as users meet it: instant help, one-line errors, never a traceback."""
 
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,35 @@ def test_the_adversary_command_offers_every_kind_the_lab_has():
     from lab.adversaries import ADVERSARY_SAMPLERS, SAMPLER_KINDS
 
     assert ADVERSARY_KINDS == SAMPLER_KINDS == tuple(ADVERSARY_SAMPLERS)
+
+
+def test_a_ctrl_c_after_the_command_finished_leaves_its_status():
+    """`heterorl join` at the end of its run: a Ctrl-C that comes while Python tears its modules
+    down (where it puts SIGINT back to the default, which killed the process: status -2, as a
+    volunteer's join did in CI) leaves with the command's own status and no traceback."""
+    program = textwrap.dedent("""
+        import sys, time
+        from heterorl import cli
+
+        class SlowTeardown:  # a library's object that takes its time to go
+            def __del__(self):
+                print("tearing down", flush=True)
+                time.sleep(3)
+
+        teardown = SlowTeardown()
+
+        def finished(args):
+            print("done", flush=True)
+            return 0
+
+        cli.COMMANDS["status"] = finished
+        sys.argv = ["heterorl", "status"]
+        sys.exit(cli.main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "done"
+    assert proc.stdout.readline().strip() == "tearing down"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert "Traceback" not in proc.stderr.read()
