@@ -434,7 +434,14 @@ class LearnerConfig(Strict):
     keyframe_every: int = Field(10, ge=1)
     """A full copy of the weights at least every this many published versions; the ones
     between are deltas (1: every version is a full copy). A keyframe also comes early when
-    the deltas since the last one would outweigh it."""
+    the deltas since the last one would outweigh it. A keyframe also carries the delta from
+    the version before it, which samplers that hold that version take instead (docs/weights.md)."""
+    keyframe_keep_s: float = Field(600.0, ge=0)
+    """A keyframe stays in S3, with the deltas after it, this many seconds after the next
+    keyframe is published: what a joiner on a slow link has to download it (SmolLM2-135M's
+    270 MB in bf16 take 216 s at 10 Mbit/s). Two at most are held besides the newest. Costs
+    storage only: S3 holds up to 1 + min(2, keyframe_keep_s / seconds between keyframes)
+    copies of the model, with their deltas."""
     state_every_steps: int = Field(10, ge=0)
     """Write the recovery state (optimizer, fp32 master weights, RNG, Kafka offsets) every
     this many steps (0: by time only), and always at the end. It is 12-16 bytes per

@@ -54,6 +54,15 @@ class PolicyFollower:
         self.fallbacks = 0
         """Delta paths refused (a tampered delta, a copy that does not fit) before the keyframe path worked."""
         self.bytes_downloaded = 0
+        self.keyframe_bytes = 0
+        """Of `bytes_downloaded`, the keyframes' (the first policy's, and any taken later)."""
+        self.first_policy: Optional[tuple[int, int]] = None
+        """(version, bytes downloaded for it) of the first version loaded: what follows it is what
+        holding a version costs, per version (`per_version_bytes`)."""
+        self.download_s = 0.0
+        """Seconds spent downloading and verifying versions (the background thread's)."""
+        self.first_policy_at: Optional[float] = None
+        """time.time() when the first version was swapped in."""
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
         self._ready: Optional[tuple] = None
@@ -79,6 +88,8 @@ class PolicyFollower:
             path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
                                            expect_version=version, work_dir=self.work_dir)
             self.bytes_downloaded += report.bytes_downloaded
+            self.keyframe_bytes += report.keyframe_bytes
+            self.download_s += time.perf_counter() - started
             for reason in report.refused:
                 self.fallbacks += 1
                 self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
@@ -120,12 +131,22 @@ class PolicyFollower:
         self.engine.install(prepared)
         install_s = time.perf_counter() - started
         self.version, self.last_load_s = version, prepare_s + install_s
+        if self.first_policy_at is None:
+            self.first_policy_at = time.time()
+            self.first_policy = (version, self.bytes_downloaded)
         if old is not None:
             shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
             shutil.rmtree(self.work_dir / f"v{old}{ENGINE_COPY_SUFFIX}", ignore_errors=True)
         self.log.info("policy v%d loaded into the %s engine in %.3fs (%.3fs preparing, %.3fs swapping in; was v%s)",
                       version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
+
+    def per_version_bytes(self) -> Optional[float]:
+        """Bytes downloaded per version advanced since the first version loaded (keyframes taken
+        since included): what following the learner costs a sampler that holds a version."""
+        if self.first_policy is None or self.version is None or self.version == self.first_policy[0]:
+            return None
+        return (self.bytes_downloaded - self.first_policy[1]) / (self.version - self.first_policy[0])
 
     @property
     def loaded(self) -> bool:

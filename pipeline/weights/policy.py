@@ -11,14 +11,19 @@ of two kinds, named in the manifest's `extra["weights"]`:
   as uint8 tensors) and names its base version, the keyframe its chain starts from, each
   tensor's encoding and sha256, and the non-weight files it takes from its base with their
   sha256: `{"kind": "delta", "base_version": b, "keyframe_version": k, "files": {file:
-  {name: entry}}, "inherit": [{path, size, sha256}, ...]}`.
+  {name: entry}}, "inherit": [{path, size, sha256}, ...]}`;
+- a keyframe written after another version also holds the delta from it (its **bridge**:
+  `delta.safetensors`, described under `"bridge"` as a delta is), so that a sampler holding
+  the version before a keyframe takes the delta, not the full copy; only a sampler with no
+  version on the way (a joiner, or one left too far behind) downloads the full copy.
 
 The learner (`PolicyWriter`) keeps the weights it published last and writes a delta
 against them, or a keyframe: every `keyframe_every` versions or when the deltas since the
 last keyframe would outweigh a full copy (`KeyframeRule`), and whenever anything but the
 weights changed. A sampler (`fetch_policy`) holding version h rebuilds version t from the
-deltas after h when h is on t's chain (never more bytes than the keyframe path, by the rule
-above), else from t's keyframe and the deltas after it (`choose_path`). Every rebuilt tensor
+deltas after h when h is on t's chain, crossing keyframes by their bridges while that costs
+fewer bytes than the newest keyframe's path (`read_chain`), else from t's keyframe and the
+deltas after it (`choose_path`). Every rebuilt tensor
 must match its signed sha256 bit for bit. When the path from h fails (its copy is not what
 the chain says, a delta does not fit), the failure is recorded in the returned
 `FetchReport` and the keyframe path is taken; when that fails too, or a version on the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
@@ -77,6 +83,34 @@ class Link:
     base_version: Optional[int]
     nbytes: int
     """Bytes a sampler downloads for this version (its weights or its delta, no learner state)."""
+    bridge_base: Optional[int] = None
+    """A keyframe's bridge: the version its delta is from (None: it has none)."""
+    bridge_nbytes: int = 0
+    via_bridge: bool = False
+    """Taken as the delta of its bridge, not as a full copy (`kind` is then DELTA)."""
+
+    def bridged(self) -> "Link":
+        """This keyframe as the delta from its bridge's base."""
+        return Link(self.version, DELTA, self.bridge_base, self.bridge_nbytes, via_bridge=True)
+
+
+HELD_KEYFRAMES = 2
+"""At most this many keyframes besides the newest are held for joiners (`held_keyframe`)."""
+
+
+def held_keyframe(published: list[dict], now: float, keep_s: float) -> Optional[int]:
+    """The oldest keyframe still held for slow joiners, or None: each keyframe is kept (with the
+    deltas after it) until `keep_s` seconds after the next keyframe was published, so that a
+    sampler that started downloading it just before has that long to finish and then follow the
+    deltas and bridges to the newest version; but no more than `HELD_KEYFRAMES` of them, so that
+    a learner publishing keyframes every few seconds does not fill S3 (a link that needs longer
+    than that for a keyframe could not follow such a learner's deltas either).
+    `published`: `PolicyWriter.published`, oldest first."""
+    keyframes = [p for p in published if p["kind"] == KEYFRAME][-HELD_KEYFRAMES - 1:]
+    for older, newer in zip(keyframes, keyframes[1:]):
+        if now - newer["at"] < keep_s:
+            return older["version"]
+    return None
 
 
 def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
@@ -188,7 +222,8 @@ class PolicyWriter:
         self._since_keyframe = 0
         self._chain_bytes = 0
         self.published: list[dict] = []
-        """Per version: version, kind, bytes a sampler downloads, full bytes."""
+        """Per version: version, kind, bytes a sampler downloads (a keyframe's full copy), a keyframe's
+        bridge bytes (0: none), full bytes, and when it was published (time.time())."""
 
     def write(self, version: int, model_dir: Path, extra: Optional[dict] = None,
                 parent_version: Optional[int] = None, keyframe: bool = False,
@@ -209,9 +244,10 @@ class PolicyWriter:
                        for name, tensors in weights.items()}
         others = other_files(model_dir)
         full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
-        delta = None if keyframe else self._delta_against_last(version, weights, others)
-        kind = KEYFRAME if delta is None else self.rule.choose(self._since_keyframe, self._chain_bytes,
-                                                               sum(d.nbytes for d in delta.values()), full_bytes)
+        delta = self._delta_against_last(version, weights, others)
+        kind = KEYFRAME if delta is None or keyframe else self.rule.choose(
+            self._since_keyframe, self._chain_bytes, sum(d.nbytes for d in delta.values()), full_bytes)
+        bridge_bytes = 0
         with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=self.work_dir or model_dir.parent) as tmp:
             staged = Path(tmp)
             for f in others:
@@ -224,17 +260,21 @@ class PolicyWriter:
                         link_or_copy(model_dir / name, staged / name)
                 description = {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
                                                            for name, tensors in weights.items()}}
+                if delta is not None:  # the samplers holding the version before take this, not the copy
+                    description["bridge"] = {"base_version": self._last[0], "files": self._write_delta(delta, staged),
+                                             "inherit": others}
+                    bridge_bytes = (staged / DELTA_FILE).stat().st_size
                 self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
             else:
                 description = self._stage_delta(delta, staged, others)
             key = self.store.upload(version, staged, {**(extra or {}), "weights": description}, parent_version)
-            nbytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file())
+            nbytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file()) - bridge_bytes
         if kind == DELTA:
             self._since_keyframe += 1
             self._chain_bytes += nbytes
         self._last = (version, weights, others)
-        self.published.append({"version": version, "kind": kind, "bytes": nbytes,
-                               "full_bytes": full_bytes + sum(f["size"] for f in others)})
+        self.published.append({"version": version, "kind": kind, "bytes": nbytes, "bridge_bytes": bridge_bytes,
+                               "full_bytes": full_bytes + sum(f["size"] for f in others), "at": time.time()})
         return key
 
     def _delta_against_last(self, version, weights, others) -> Optional[dict[str, Delta]]:
@@ -249,7 +289,19 @@ class PolicyWriter:
             return None
 
     def _stage_delta(self, delta: dict[str, Delta], staged: Path, others: list[dict]) -> dict:
-        """Write `delta.safetensors` into `staged`; returns the manifest's description of the delta."""
+        """Stage the delta alone in `staged` (its other files are inherited); returns the manifest's
+        description of the delta."""
+        # The other files travel by reference ("inherit"): a delta's directory holds only its payload.
+        for f in others:
+            (staged / f["path"]).unlink()
+        for d in sorted((p for p in staged.rglob("*") if p.is_dir()), reverse=True):
+            d.rmdir()
+        return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
+                "files": self._write_delta(delta, staged), "inherit": others}
+
+    @staticmethod
+    def _write_delta(delta: dict[str, Delta], staged: Path) -> dict:
+        """Write `delta.safetensors` into `staged`; returns its entries by weights file."""
         payload: dict[str, bytes] = {}
         files = {}
         for name, file_delta in delta.items():
@@ -259,14 +311,8 @@ class PolicyWriter:
                     payload[f"{name}::{key}"] = file_delta.payload[key]
                 entries[tensor] = {**entry, "parts": {part: f"{name}::{key}" for part, key in entry["parts"].items()}}
             files[name] = entries
-        # The other files travel by reference ("inherit"): a delta's directory holds only its payload.
-        for f in others:
-            (staged / f["path"]).unlink()
-        for d in sorted((p for p in staged.rglob("*") if p.is_dir()), reverse=True):
-            d.rmdir()
         save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
-        return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
-                "files": files, "inherit": others}
+        return files
 
 
 def prune_policies(store: CheckpointStore, current: int, keep_from: int) -> list[int]:
@@ -299,6 +345,8 @@ class FetchReport:
     path: list[int] = field(default_factory=list)
     """Versions downloaded, in order."""
     bytes_downloaded: int = 0
+    keyframe_bytes: int = 0
+    """Of `bytes_downloaded`, the keyframe's (0 when the path started from the caller's copy)."""
     refused: list[str] = field(default_factory=list)
     """Why a path was refused before the one that worked (a broken chain, a tampered delta)."""
     from_keyframe: bool = False
@@ -314,35 +362,55 @@ def weights_description(manifest: Manifest) -> dict:
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"manifest v{manifest.version}: {what}")
 
+    def tensor_files(files) -> dict:
+        if not isinstance(files, dict) or not all(
+                isinstance(name, str) and isinstance(entries, dict)
+                and all(isinstance(t, str) and isinstance(e, dict) and e.get("dtype") in DTYPES
+                        for t, e in entries.items())
+                for name, entries in files.items()):
+            raise bad("its weights files are not described tensor by tensor")
+        return files
+
+    def delta_part(part, what: str) -> dict:
+        """A delta's base, tensors and inherited files (a delta version's, or a keyframe's bridge)."""
+        if not isinstance(part, dict):
+            raise bad(f"{what} is not described")
+        base = part.get("base_version")
+        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < manifest.version:
+            raise bad(f"{what} without a valid base version")
+        files = tensor_files(part.get("files"))
+        inherit = part.get("inherit")
+        if not isinstance(inherit, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                                                    and isinstance(f.get("sha256"), str) for f in inherit):
+            raise bad(f"{what} whose inherited files are not listed")
+        for f in inherit:
+            rel = PurePosixPath(safe_relpath(f["path"]))
+            if rel.name.endswith(WEIGHTS_SUFFIX) or not _is_policy_file(rel):
+                raise bad(f"{what} may not inherit {f['path']!r}")
+        return {"base_version": base, "files": files, "inherit": inherit}
+
     if not isinstance(weights, dict) or weights.get("kind") not in (KEYFRAME, DELTA):
         raise bad(f"unknown weights kind {weights.get('kind') if isinstance(weights, dict) else weights!r}")
-    files = weights.get("files")
-    if not isinstance(files, dict) or not all(
-            isinstance(name, str) and isinstance(entries, dict)
-            and all(isinstance(t, str) and isinstance(e, dict) and e.get("dtype") in DTYPES for t, e in entries.items())
-            for name, entries in files.items()):
-        raise bad("its weights files are not described tensor by tensor")
-    if weights["kind"] == KEYFRAME:
-        return {"kind": KEYFRAME, "files": files}
-    base = weights.get("base_version")
-    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < manifest.version:
-        raise bad("a delta without a valid base version")
-    inherit = weights.get("inherit")
-    if not isinstance(inherit, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
-                                                and isinstance(f.get("sha256"), str) for f in inherit):
-        raise bad("a delta whose inherited files are not listed")
-    for f in inherit:
-        rel = PurePosixPath(safe_relpath(f["path"]))
-        if rel.name.endswith(WEIGHTS_SUFFIX) or not _is_policy_file(rel):
-            raise bad(f"a delta may not inherit {f['path']!r}")
-    return {"kind": DELTA, "base_version": base, "files": files, "inherit": inherit}
+    if weights["kind"] == DELTA:
+        return {"kind": DELTA, **delta_part(weights, "a delta")}
+    files = tensor_files(weights.get("files"))
+    if DELTA_FILE in files:
+        raise bad(f"a keyframe may not name {DELTA_FILE} as a weights file")
+    bridge = None if weights.get("bridge") is None else delta_part(weights["bridge"], "a keyframe's bridge")
+    return {"kind": KEYFRAME, "files": files, "bridge": bridge}
 
 
 def link_of(manifest: Manifest) -> Link:
     """The chain link a manifest describes."""
     description = weights_description(manifest)
-    nbytes = sum(f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/"))
-    return Link(manifest.version, description["kind"], description.get("base_version"), nbytes)
+    sizes = {f["path"]: f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/")}
+    bridge = description.get("bridge")
+    if description["kind"] == KEYFRAME and bridge is not None:
+        if DELTA_FILE not in sizes:
+            raise CorruptCheckpointError(f"manifest v{manifest.version}: a bridge without its {DELTA_FILE}")
+        bridge_nbytes = sizes.pop(DELTA_FILE)
+        return Link(manifest.version, KEYFRAME, None, sum(sizes.values()), bridge["base_version"], bridge_nbytes)
+    return Link(manifest.version, description["kind"], description.get("base_version"), sum(sizes.values()))
 
 
 def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
@@ -351,18 +419,50 @@ def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] =
     `have` if the chain passes through it, up to `manifest` (oldest first), and their
     manifests. `have`'s own manifest is not read: the caller's copy was verified when it was
     fetched, and a version altered in the bucket since then must not block the deltas after
-    it (every tensor they rebuild is checked against the target's signed manifest). Raises
-    CheckpointNotFound when a version on the way is gone."""
+    it (every tensor they rebuild is checked against the target's signed manifest).
+
+    A keyframe with a bridge is crossed as the delta from its bridge's base while the deltas
+    down to `have` cost fewer bytes than the newest keyframe's path (that keyframe and the
+    deltas after it); where they would not, or a version on the way is gone, or a keyframe has
+    no bridge, the chain from the newest keyframe is returned. Raises CheckpointNotFound when a
+    version on that chain is gone."""
     manifests = {manifest.version: manifest}
     links = [link_of(manifest)]
-    while links[0].kind == DELTA and (have is None or have not in (links[0].version, links[0].base_version)):
+    newest_keyframe: Optional[tuple[list[Link], dict[int, Manifest]]] = None
+    """The chain from the newest keyframe, once the walk has crossed it by its bridge."""
+
+    def reached(link: Link) -> bool:
+        return have is not None and have in (link.version, link.base_version)
+
+    def costs_more(candidate: list[Link]) -> bool:
+        return sum(link.nbytes for link in candidate) >= sum(link.nbytes for link in newest_keyframe[0])
+
+    while not reached(links[0]):
+        first = links[0]
+        if first.kind == KEYFRAME:
+            if have is None or first.bridge_base is None or have >= first.version:
+                break
+            newest_keyframe = newest_keyframe or (list(links), dict(manifests))
+            links[0] = first.bridged()
+            if costs_more(links):
+                return newest_keyframe
+            continue
         if len(links) > max_links:
             raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
-        base = store.read_manifest(store.manifest_key(links[0].base_version))
-        if base.version != links[0].base_version:
-            raise CorruptCheckpointError(f"the manifest at v{links[0].base_version} says v{base.version}")
+        try:
+            base = store.read_manifest(store.manifest_key(first.base_version))
+        except CheckpointNotFound:
+            if newest_keyframe is not None:  # pruned below the keyframe: take the keyframe
+                return newest_keyframe
+            raise
+        if base.version != first.base_version:
+            raise CorruptCheckpointError(f"the manifest at v{first.base_version} says v{base.version}")
         manifests[base.version] = base
         links.insert(0, link_of(base))
+        if newest_keyframe is not None and links[0].kind == DELTA and costs_more(links):
+            return newest_keyframe
+    if newest_keyframe is not None and not reached(links[0]):
+        return newest_keyframe
     return links, manifests
 
 
@@ -402,9 +502,10 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
     try:
         origin_dir, _ = store.fetch(store.manifest_key(keyframe.version), origin / "model",
-                                    expect_version=keyframe.version)
+                                    expect_version=keyframe.version, skip=frozenset({DELTA_FILE}))
         report.path.append(keyframe.version)
         report.bytes_downloaded += keyframe.nbytes
+        report.keyframe_bytes += keyframe.nbytes
         weights = read_weights(origin_dir)
         _check_tensors(manifests[keyframe.version], weights)
         if len(path) == 1:  # the version is this keyframe: its verified files are the result
@@ -451,9 +552,12 @@ def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_d
     for link in deltas:
         manifest = manifests[link.version]
         description = weights_description(manifest)
+        if link.via_bridge:  # a keyframe taken as the delta from the version before it
+            description = description["bridge"]
         scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
         try:
-            delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version)
+            delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version,
+                                       only=frozenset({DELTA_FILE}))
             report.path.append(link.version)
             report.bytes_downloaded += link.nbytes
             payload = _payload_bytes(delta_dir / DELTA_FILE)

@@ -200,6 +200,8 @@ class PublishTarget:
     keep_last: int = 3
     keep_within: int = 0
     """Policies kept: the newest `keep_last` and every version within `keep_within` of the newest."""
+    keyframe_keep_s: float = 0.0
+    """And every version from a keyframe until this long after the next keyframe (`held_keyframe`)."""
     places: list[dict] = field(default_factory=list)
     pointer_check_s: float = 5.0
     """With `announce`, while no job waits, how often the child reads the pointer back: one that
@@ -225,7 +227,8 @@ def start_publisher(cfg, store, module, model_dir: Path, work_dir: Path, *, sign
     target = PublishTarget(cfg.model_dump_json(), store.bucket, store.run, str(Path(model_dir).resolve()),
                            str(Path(work_dir).resolve()), str(dtype).removeprefix("torch."), lcfg.keyframe_every,
                            signer_key=None if signer_key is None else str(Path(signer_key).resolve()), announce=announce,
-                           recovery=recovery, keep_last=lcfg.keep_checkpoints, keep_within=keep_within)
+                           recovery=recovery, keep_last=lcfg.keep_checkpoints, keep_within=keep_within,
+                           keyframe_keep_s=lcfg.keyframe_keep_s)
     on_gpu = next(module.parameters()).device.type == "cuda"
     return BackgroundPublisher(target, places, on_gpu=on_gpu)
 
@@ -568,7 +571,7 @@ class _Child:
         return said
 
     def publish_policy(self, job: dict) -> dict:
-        from pipeline.weights.policy import prune_policies
+        from pipeline.weights.policy import held_keyframe, prune_policies
 
         started = time.perf_counter()
         version = job["version"]
@@ -578,11 +581,15 @@ class _Child:
         if self.run_state is not None:
             self.pointer = PolicyPointer(self.run_state).set(version, key, signer=self.store.signer)
         last = self.policies.published[-1]
-        log.info("published v%d as a %s (%.2f MB, %.1f%% of a full copy) in %.1fs", version, last["kind"],
-                 last["bytes"] / 1e6, 100 * last["bytes"] / max(1, last["full_bytes"]), time.perf_counter() - started)
+        log.info("published v%d as a %s (%.2f MB, %.1f%% of a full copy%s) in %.1fs", version, last["kind"],
+                 last["bytes"] / 1e6, 100 * last["bytes"] / max(1, last["full_bytes"]),
+                 f"; its bridge from the version before {last['bridge_bytes'] / 1e6:.2f} MB" if last["bridge_bytes"]
+                 else "", time.perf_counter() - started)
         self.published.append(version)
         keep_last, keep_within = self.spec["keep_last"], self.spec["keep_within"]
         keep_from = min(version - keep_within, self.published[-keep_last] if len(self.published) >= keep_last else 0)
+        held = held_keyframe(self.policies.published, time.time(), self.spec["keyframe_keep_s"])
+        keep_from = keep_from if held is None else min(keep_from, held)
         prune_policies(self.store, current=version, keep_from=keep_from)
         return {"op": "done", "version": version, "seconds": {"copy": job["copy_s"],
                                                               "policy": time.perf_counter() - started},

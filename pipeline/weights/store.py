@@ -78,8 +78,10 @@ LEARNER_STATE_DIR = "learner_state"
 """Subdirectory of a checkpoint that only the learner downloads."""
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 """File endings of formats that unpickle when loaded: never published, never fetched."""
-CHUNK_BYTES = 4 * 1024 * 1024
-"""Size of one range request."""
+CHUNK_BYTES = 16 * 1024 * 1024
+"""Size of one range request. Each costs a round trip in which nothing arrives: on a far link
+(300 ms) at 10 Mbit/s that is 2 % of a 16 MiB chunk's time, 9 % of a 4 MiB one's. A cut
+loses only what was in flight: the file resumes from the bytes it holds."""
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 """What a dropped or failing link raises while downloading (retried, the file resumes)."""
 
@@ -274,7 +276,8 @@ class CheckpointStore:
         return manifest
 
     def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
-              network_retries: int = 8, expect_version: Optional[int] = None) -> tuple[Path, Manifest]:
+              network_retries: int = 8, expect_version: Optional[int] = None, only: Optional[frozenset] = None,
+              skip: frozenset = frozenset()) -> tuple[Path, Manifest]:
         """Download a checkpoint into `dest_dir`, verifying every file; only the learner
         asks for `learner_state`.
 
@@ -282,15 +285,20 @@ class CheckpointStore:
         a file that arrives complete but mismatching is downloaded again, `attempts` times in
         all, then CorruptCheckpointError. The directory only appears once verified.
         `expect_version`: the version the caller was told this is (the policy pointer's); a
-        manifest of another version is refused.
+        manifest of another version is refused. `only` / `skip`: the manifest's paths to
+        download (default all) / to leave out (a keyframe's bridge delta, for a whole copy).
         """
         manifest = self.read_expected(manifest_key, expect_version)
         dest_dir = Path(dest_dir)
         dest_dir.parent.mkdir(parents=True, exist_ok=True)
-        # Stable per manifest, so a later fetch of the same version resumes what is there.
-        partial = dest_dir.parent / f".partial-{hashlib.sha256(json.dumps(manifest.files).encode()).hexdigest()[:16]}"
         wanted = [f for f in manifest.files
-                  if learner_state or not f["path"].startswith(LEARNER_STATE_DIR + "/")]
+                  if (learner_state or not f["path"].startswith(LEARNER_STATE_DIR + "/"))
+                  and (only is None or f["path"] in only) and f["path"] not in skip]
+        if only is not None and {f["path"] for f in wanted} != set(only):
+            raise CorruptCheckpointError(f"s3://{self.bucket}/{manifest.prefix}: its manifest lists no "
+                                         f"{', '.join(sorted(set(only) - {f['path'] for f in wanted}))}")
+        # Stable per manifest and selection, so a later fetch of the same files resumes what is there.
+        partial = dest_dir.parent / f".partial-{hashlib.sha256(json.dumps(wanted).encode()).hexdigest()[:16]}"
         last_error = ""
         for _ in range(attempts):
             try:

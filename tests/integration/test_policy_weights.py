@@ -84,22 +84,52 @@ def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, ver
     # A sampler holding v4 takes only v5's delta; one holding nothing, the keyframe v3 and its deltas.
     near, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "near", have=(4, versions[4]))
     assert report.path == [5] and not report.from_keyframe and report.refused == []
+    assert report.keyframe_bytes == 0 and 0 < report.bytes_downloaded == deltas[-1]
     assert_same_weights(near, versions[5])
     fresh, manifest, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "fresh", expect_version=5)
     assert report.path == [3, 4, 5] and report.from_keyframe and manifest.extra["step"] == 5
+    assert report.keyframe_bytes == publisher.published[3]["bytes"] == report.bytes_downloaded - sum(deltas[-2:])
     assert_same_weights(fresh, versions[5])
     # A manifest other than the one the policy pointer announced is refused.
     with pytest.raises(CorruptCheckpointError, match="the policy pointer says v4 but its manifest .* is v5"):
         fetch_policy(reader, reader.manifest_key(5), tmp_path / "moved", expect_version=4)
-    # A sampler left behind before the keyframe: v1 is not on v5's chain.
-    _, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
-    assert report.path == [3, 4, 5]
+    # A sampler left behind before the keyframe v3 crosses it by its bridge (the delta from v2 it
+    # carries): the deltas after v1 cost less than v3's full copy and the deltas after it.
+    behind, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
+    by_version = {p["version"]: p for p in publisher.published}
+    assert report.path == [2, 3, 4, 5] and not report.from_keyframe and report.keyframe_bytes == 0
+    assert report.bytes_downloaded == sum(by_version[v]["bytes"] for v in (2, 4, 5)) + by_version[3]["bridge_bytes"]
+    assert report.bytes_downloaded < sum(by_version[v]["bytes"] for v in (3, 4, 5))
+    assert_same_weights(behind, versions[5])
     # Whatever the path, the result is a plain Hugging Face directory, config and tokenizer included.
     model = AutoModelForCausalLM.from_pretrained(near, use_safetensors=True)
     stored = load_file(str(versions[5] / "model.safetensors"))["model.norm.weight"]
     assert torch.equal(model.model.norm.weight.detach(), stored.float())
     AutoTokenizer.from_pretrained(near)
     assert {p.name for p in near.iterdir()} == {p.name for p in versions[5].iterdir()}
+
+
+def test_a_keyframe_bridge_is_taken_only_while_it_costs_less_than_the_keyframe(local_stack, versions, tmp_path):
+    publisher, writer, reader = _published(local_stack, "policy-bridge", versions)
+    by_version = {p["version"]: p for p in publisher.published}
+    assert by_version[0]["bridge_bytes"] == 0 and 0 < by_version[3]["bridge_bytes"] < by_version[3]["bytes"]
+    # The bridge is a delta of its own: v2 -> v3 alone is its bytes, and v3 is rebuilt bit for bit.
+    v3, _, report = fetch_policy(reader, reader.manifest_key(3), tmp_path / "v3", have=(2, versions[2]))
+    assert report.path == [3] and report.bytes_downloaded == by_version[3]["bridge_bytes"]
+    assert_same_weights(v3, versions[3])
+    # From v0 the deltas after it would cost more than v3's copy and the deltas after it, or not:
+    # whichever is fewer bytes is taken, and the result is the same.
+    from_v0, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "from-v0", have=(0, versions[0]))
+    bridged = sum(by_version[v]["bytes"] for v in (1, 2, 4, 5)) + by_version[3]["bridge_bytes"]
+    keyframe = sum(by_version[v]["bytes"] for v in (3, 4, 5))
+    assert report.path == ([1, 2, 3, 4, 5] if bridged < keyframe else [3, 4, 5])
+    assert report.bytes_downloaded == min(bridged, keyframe)
+    assert_same_weights(from_v0, versions[5])
+    # A version on the bridged way pruned: the keyframe path, not a refusal.
+    writer.delete(2)
+    pruned, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "pruned", have=(1, versions[1]))
+    assert report.path == [3, 4, 5] and report.from_keyframe and report.refused == []
+    assert_same_weights(pruned, versions[5])
 
 
 def test_a_sampler_whose_copy_does_not_fit_falls_back_to_the_keyframe(local_stack, versions, tmp_path):

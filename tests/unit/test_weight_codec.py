@@ -224,6 +224,21 @@ def test_a_sampler_takes_the_cheaper_path_to_a_version():
         choose_path(chain[1:], have=None)
 
 
+def test_a_keyframe_is_held_for_slow_joiners_until_long_enough_after_the_next():
+    from pipeline.weights.policy import DELTA, KEYFRAME, held_keyframe
+
+    published = [{"version": 0, "kind": KEYFRAME, "at": 0.0}, {"version": 1, "kind": DELTA, "at": 10.0},
+                 {"version": 10, "kind": KEYFRAME, "at": 100.0}, {"version": 11, "kind": DELTA, "at": 110.0},
+                 {"version": 20, "kind": KEYFRAME, "at": 200.0}]
+    assert held_keyframe(published, now=250.0, keep_s=600.0) == 0  # v10 came 150 s ago: v0 still held
+    assert held_keyframe(published, now=750.0, keep_s=600.0) == 10  # v0 let go; v20 came 550 s ago
+    assert held_keyframe(published, now=801.0, keep_s=600.0) is None  # only the newest keyframe's chain
+    assert held_keyframe(published, now=250.0, keep_s=0.0) is None
+    assert held_keyframe(published[:2], now=11.0, keep_s=600.0) is None  # one keyframe: nothing superseded
+    more = published + [{"version": 30, "kind": KEYFRAME, "at": 300.0}]
+    assert held_keyframe(more, now=310.0, keep_s=600.0) == 10  # two held at most, besides the newest
+
+
 def test_a_bf16_step_costs_little_more_than_a_byte_per_changed_element():
     """Gaps and flips in byte planes: the high planes of a one-step change are zeros (whole
     words cost 2.75 bytes per changed element here, byte planes 1.2)."""
