@@ -39,6 +39,7 @@ examples:
   heterorl weights fetch s3://heterorl/$RUN/v100/ --out final-model  # a verified HF directory
   heterorl compare runs/$RUN runs/gspo
   heterorl chaos --minutes 15 --samplers 3 --out runs/chaos   # faults + audit.json
+  heterorl wan --config smollm2 --compare-unshaped --out runs/wan  # samplers behind shaped links: wan_report
   heterorl loadtest --samplers 1,4,16 --out runs/loadtest   # capacity rig: loadtest.json + PNG
   heterorl attack --config demo --minutes 3 --out runs/attack # adversaries + attack_audit.json
   heterorl down                                      # data is kept; --wipe deletes it
@@ -46,7 +47,7 @@ examples:
 
 
 ORDER = ("up", "down", "status", "env", "keys", "invite", "join", "attack", "adversary", "sampler", "validator", "learner", "evaluator",
-         "study", "train", "replay", "export", "chaos", "loadtest", "weights", "compare")
+         "study", "train", "replay", "export", "chaos", "wan", "loadtest", "weights", "compare")
 """The commands in the order `heterorl --help` lists them."""
 
 _DECLARED = {name: entry for module in (stack, keys, invites, audits, roles, study, train, replay, loadtest, weights, compare)
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUPERVISORS = ("train", "chaos", "attack", "study", "loadtest")
+SUPERVISORS = ("train", "chaos", "wan", "attack", "study", "loadtest")
 """Commands that start processes of their own (each in a session of its own)."""
 
 

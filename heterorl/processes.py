@@ -73,12 +73,14 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: list[str], env: Optional[dict] = None, nice: int | str = 0) -> None:
+    def start(self, name: str, args: list[str], env: Optional[dict] = None, nice: int | str = 0,
+              prefix: tuple[str, ...] = ()) -> None:
         """Start `heterorl ARGS...` as `name`, logging to RUN_DIR/logs/NAME.log, in a session of its
         own, `nice` steps below this process's CPU priority, or (`IDLE`) only when no other
-        process wants the CPU (Linux SCHED_IDLE); every thread it starts inherits that."""
+        process wants the CPU (Linux SCHED_IDLE); every thread it starts inherits that. `prefix`:
+        a command that runs it (`ip netns exec NS`: on a host of its own), execing it in place."""
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "heterorl", *args], stdout=log,
+        self.procs[name] = subprocess.Popen([*prefix, sys.executable, "-m", "heterorl", *args], stdout=log,
                                             stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True,
                                             preexec_fn=_lower_priority(nice))
         log.close()

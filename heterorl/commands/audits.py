@@ -101,4 +101,35 @@ def _cmd_chaos(args) -> int:
                      keep_stack=args.keep_stack, validators=args.validators)
 
 
-COMMANDS = {"attack": (register_attack, _cmd_attack), "adversary": (register_adversary, _cmd_adversary), "chaos": (register_chaos, _cmd_chaos)}
+def register_wan(sub) -> None:
+    p = sub.add_parser("wan", help="train with samplers behind shaped WAN links, and report what each link costs",
+                       description="A rehearsal of a run across the internet on one machine: the servers and the "
+                                   "learner here; each sampler whose link is shaped on a host of its own (a network "
+                                   "namespace) behind a kernel rate limit (tc tbf) and a fault proxy (delay, "
+                                   "jitter, connection resets); a link with join= gets a volunteer that joins then "
+                                   "with only an invite. Writes OUT/wan_report.json and OUT/wan_report.png and "
+                                   "prints a table: per sampler the keyframe and delta bytes, seconds to its first "
+                                   "group used, groups sent, used, dropped, refused; the learner's pace. Exit status "
+                                   "1 if a rollout was lost or used twice. Needs root and iproute2 (ip, tc). See "
+                                   "docs/deployment.md, \"What link a sampler needs\".")
+    add_config_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="new directory: the report, each arm's logs and data")
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the samplers run, per arm (default 10)")
+    p.add_argument("--link", dest="links", action="append", default=[], metavar="'NAME [rate=MBIT] [delay=MS] "
+                   "[jitter=MS] [reset=S] [join=S]'",
+                   help="a sampler and its link (repeatable; replaces the default four: A unshaped; B rate=50 "
+                        "delay=40 jitter=4; C rate=10 delay=150 jitter=15 reset=120; D rate=10 delay=150 "
+                        "jitter=15 join=180)")
+    p.add_argument("--compare-unshaped", action="store_true",
+                   help="then run the same again with every link unshaped, the reference the targets compare with")
+
+
+def _cmd_wan(args) -> int:
+    cfg = load_run_config(args, local_stack=False)
+    from lab.wan import DEFAULT_LINKS, WanLink, run_wan
+
+    links = [WanLink.parse(text) for text in args.links] or list(DEFAULT_LINKS)
+    return run_wan(cfg, Path(args.out), args.minutes, links, args.compare_unshaped)
+
+
+COMMANDS = {"wan": (register_wan, _cmd_wan), "attack": (register_attack, _cmd_attack), "adversary": (register_adversary, _cmd_adversary), "chaos": (register_chaos, _cmd_chaos)}

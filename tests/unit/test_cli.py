@@ -24,7 +24,7 @@ def heterorl(*args, env=None, timeout=60):
 def test_help_lists_every_command():
     out = heterorl("--help").stdout
     for command in ("up", "down", "status", "env", "sampler", "learner", "evaluator", "train", "study", "replay",
-                    "export", "compare", "chaos"):
+                    "export", "compare", "chaos", "wan"):
         assert command in out
 
 
@@ -37,7 +37,7 @@ def test_every_option_of_every_command_has_help_text():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) == {"up", "down", "status", "env", "sampler", "learner", "evaluator", "train",
                                      "study", "replay", "export", "compare", "chaos", "keys", "invite", "join", "attack", "adversary",
-                                     "validator", "weights", "loadtest"}
+                                     "validator", "weights", "loadtest", "wan"}
     studies = next(a for a in commands.choices["study"]._actions if isinstance(a, argparse._SubParsersAction))
     actions = next(a for a in commands.choices["keys"]._actions if isinstance(a, argparse._SubParsersAction))
     weights = next(a for a in commands.choices["weights"]._actions if isinstance(a, argparse._SubParsersAction))
