@@ -46,10 +46,14 @@ s3 -> kafka (its log lives in S3) -> redis; stop order is the reverse.
 Pointing standard tools at a running stack (``heterorl env`` prints these)::
 
     eval "$(heterorl env)"        # KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, AWS_* ...
-    kcat -b "$KAFKA_BOOTSTRAP_SERVERS" -L
+    python -c 'import os; from kafka import KafkaConsumer; print(sorted(KafkaConsumer(
+        bootstrap_servers=os.environ["KAFKA_BOOTSTRAP_SERVERS"]).topics()))'   # the topics
     redis-cli -u "$REDIS_URL" ping
     aws --endpoint-url "$AWS_ENDPOINT_URL" s3 ls "s3://$HETERORL_S3_BUCKET"
     mc alias set local "$AWS_ENDPOINT_URL" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"
+
+(kcat built on librdkafka older than 2.2, as Debian 12 ships it, cannot talk to the local
+broker; kafka-python, which the product uses, and confluent-kafka 2.2 or newer can.)
 
 Kafka clients: use explicit partition assignment (``consumer.assign``) with a
 ``group_id`` for committed offsets; consumer-group subscribe works against Tansu but

@@ -653,7 +653,7 @@ def report_png(report: dict, path: Path) -> None:
     width = 0.8 / len(arms)
     panels = [("first group used (s after start/join)", lambda a, s: s["first_used_s"]),
               ("groups used", lambda a, s: s["used"]),
-              ("delta bytes per version (% of policy)",
+              ("bytes per version followed (% of policy)",
                lambda a, s: 100 * s["bytes_per_version"] / a["model_bytes"] if s["bytes_per_version"] else None)]
     for ax, (title, value) in zip(axes, panels):
         for i, arm in enumerate(arms):
