@@ -563,16 +563,7 @@ class Sampler:
         return {"policy_version": self.policy.version, "generated": self.generated, "published": self.outbox.published,
                 "generate_s": round(self.generate_s, 1),
                 "verifier_errors": getattr(self.task, "verifier_errors", 0),
-                "refused_pointers": self.refused_pointers, "refused_checkpoints": len(self.policy.refused),
-                "refused_delta_paths": self.policy.fallbacks, "weights_bytes_downloaded": self.policy.bytes_downloaded,
-                "keyframe_bytes": self.policy.keyframe_bytes,
-                "first_policy_bytes": None if self.policy.first_policy is None else self.policy.first_policy[1],
-                "first_policy_version": None if self.policy.first_policy is None else self.policy.first_policy[0],
-                "per_version_bytes": None if self.policy.per_version_bytes() is None
-                else round(self.policy.per_version_bytes()),
-                "weights_download_s": round(self.policy.download_s, 1),
-                "first_policy_s": None if self.policy.first_policy_at is None
-                else round(self.policy.first_policy_at - self.started, 1),
+                "refused_pointers": self.refused_pointers, **self.policy.stats(self.started),
                 "spooled": self.outbox.spool.pending(), "discarded_at_source": self.outbox.discarded_at_source,
                 **self.pauses.totals(), **self.gate.stats}
 

@@ -141,6 +141,17 @@ class PolicyFollower:
                       version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
 
+    def stats(self, started: float) -> dict:
+        """What following the learner cost, for the role's heartbeat (`started`: its time.time() at start)."""
+        per_version = self.per_version_bytes()
+        first_version, first_bytes = self.first_policy or (None, None)
+        return {"refused_checkpoints": len(self.refused), "refused_delta_paths": self.fallbacks,
+                "weights_bytes_downloaded": self.bytes_downloaded, "keyframe_bytes": self.keyframe_bytes,
+                "first_policy_version": first_version, "first_policy_bytes": first_bytes,
+                "first_policy_s": None if self.first_policy_at is None else round(self.first_policy_at - started, 1),
+                "per_version_bytes": None if per_version is None else round(per_version),
+                "weights_download_s": round(self.download_s, 1)}
+
     def per_version_bytes(self) -> Optional[float]:
         """Bytes downloaded per version advanced since the first version loaded (keyframes taken
         since included): what following the learner costs a sampler that holds a version."""

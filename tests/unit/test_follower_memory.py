@@ -126,7 +126,7 @@ class FullOnce:
 
 @pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError(OOM), RuntimeError(CPU_OOM)], ids=["gpu", "cpu"])
 def test_the_follower_retries_a_version_that_found_the_memory_full(tmp_path, monkeypatch, caplog, error):
-    report = SimpleNamespace(bytes_downloaded=0, refused=[], path=[])
+    report = SimpleNamespace(bytes_downloaded=0, keyframe_bytes=0, refused=[], path=[])
     monkeypatch.setattr(follower_module, "fetch_policy", lambda store, key, target, **kw: (target, None, report))
     engine = FullOnce(error)
     follower = PolicyFollower(None, tmp_path, logging.getLogger("test.follower"), engine)
@@ -137,3 +137,23 @@ def test_the_follower_retries_a_version_that_found_the_memory_full(tmp_path, mon
                for r in caplog.records)
     assert follower.update(4, "run/v4/manifest.json") and follower.version == 4  # tried again, loaded
     assert engine.installed == [tmp_path / "v4"]
+
+
+def test_the_follower_counts_its_first_policy_apart_from_what_each_later_version_cost(tmp_path, monkeypatch):
+    """What `heterorl wan` reports per sampler: the first policy's bytes (a keyframe and the deltas
+    after it), then bytes per version followed, keyframes taken later included."""
+    reports = {4: SimpleNamespace(bytes_downloaded=1000 + 30, keyframe_bytes=1000, refused=[], path=[0, 3, 4]),
+               6: SimpleNamespace(bytes_downloaded=20, keyframe_bytes=0, refused=[], path=[5, 6]),
+               9: SimpleNamespace(bytes_downloaded=1000, keyframe_bytes=1000, refused=[], path=[9])}
+    monkeypatch.setattr(follower_module, "fetch_policy",
+                        lambda store, key, target, expect_version, **kw: (target, None, reports[expect_version]))
+    engine = FullOnce(RuntimeError("never raised"))
+    engine.prepares = 1  # no memory trouble here
+    follower = PolicyFollower(None, tmp_path, logging.getLogger("test.follower"), engine)
+    assert follower.stats(0.0)["first_policy_bytes"] is None and follower.per_version_bytes() is None
+    for version in (4, 6, 9):
+        assert follower.update(version, f"run/v{version}/manifest.json")
+    stats = follower.stats(0.0)
+    assert (stats["first_policy_version"], stats["first_policy_bytes"]) == (4, 1030)
+    assert stats["keyframe_bytes"] == 2000 and stats["weights_bytes_downloaded"] == 2050
+    assert stats["per_version_bytes"] == round(1020 / 5)  # v4 -> v9: a delta path and a later keyframe
