@@ -117,9 +117,14 @@ def keys_revoke(cfg: HeteroConfig, name: str) -> list[str]:
             for k in targets]
 
 
+def run_registry(cfg: HeteroConfig, client) -> KeyRegistry:
+    """The keys every role of the run reads: the root's registry and the learner's admissions."""
+    return _with_joined(cfg, client, _registry(cfg, client))
+
+
 def keys_list(cfg: HeteroConfig) -> list[str]:
     client = _redis(cfg)
-    registry = _with_joined(cfg, client, _registry(cfg, client))
+    registry = run_registry(cfg, client)
     if not registry.keys:
         return [f"no sampler keys registered for run {cfg.run.name} (heterorl keys add <sampler id>, or "
                 "heterorl invite)"]

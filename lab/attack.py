@@ -37,7 +37,7 @@ from tqdm import tqdm
 from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
                                   VerdictForger)
 from heterorl.invites import join_home, make_run_invite, write_invite_file
-from heterorl.keys import provision_local
+from heterorl.keys import provision_local, run_registry
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run, with_services
 from consumers.screening import forged_used_bound
@@ -45,8 +45,7 @@ from pipeline.records.audit import audit_topic
 from pipeline.records.update_log import read_entries_kafka
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.trust.invites import read_invite
-from pipeline.trust.keyring import (init_keys, key_paths, load_learner_public, load_root_public, read_admissions,
-                                    read_registry)
+from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 from pipeline.weights.store import PolicyPointer, current as current_pointer
@@ -186,16 +185,24 @@ def _adversary_keys(cfg: HeteroConfig, client, adversary_ids: dict[str, str], in
     attack's invite, not local. The attack checks every key as a stranger's
     (`trust_local_samplers` off), so without this a registry that wrongly trusted an adversary
     would still pass the rest of the audit."""
-    paths = key_paths(cfg)
-    registry = read_registry(client, cfg.run.name, load_root_public(paths)).with_admitted(
-        read_admissions(client, cfg.run.name, load_learner_public(paths)).keys)
+    registry = run_registry(cfg, client)
     held = {}
     for kind, sampler_id in adversary_ids.items():
-        keys = [{"key_id": e.key_id, "invite": e.grant or None, "local": e.local}
-                for e in registry.keys.values() if e.sampler_id == sampler_id]
-        held[kind] = {"keys": keys, "joined_with_invite": len(keys) == 1 and keys[0]["invite"] == invite_id
-                      and not keys[0]["local"]}
+        keys = keys_of(registry, sampler_id)
+        held[kind] = {"keys": keys, "joined_with_invite": joined_as_stranger(keys, invite_id)}
     return held
+
+
+def keys_of(registry, sampler_id: str) -> list[dict]:
+    """The keys `sampler_id` holds in the run's registry: each one's id, the invite it joined with
+    (None: the root key registered it) and whether it is marked the run's own."""
+    return [{"key_id": e.key_id, "invite": e.grant or None, "local": e.local}
+            for e in registry.keys.values() if e.sampler_id == sampler_id]
+
+
+def joined_as_stranger(keys: list[dict], invite_id: str) -> bool:
+    """One key, admitted under the invite `invite_id`, not the run's own (its groups are checked)."""
+    return len(keys) == 1 and keys[0]["invite"] == invite_id and not keys[0]["local"]
 
 
 def _prober(report: dict, used_ids: set[str], security) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,10 +37,12 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from lab.attack import joined_as_stranger, keys_of
 from heterorl.invites import make_run_invite, write_invite_file
-from heterorl.keys import provision_local
+from heterorl.keys import provision_local, run_registry
 from heterorl.processes import Processes, child_env
 from heterorl.stack import with_services
+from infra import netns
 from infra.local_stack import stack_services, start_stack, stop_stack
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import ENV_OVERRIDES, Services, free_port
@@ -51,8 +52,7 @@ from pipeline.errors import UserError
 from pipeline.records.audit import audit_topic
 from pipeline.records.update_log import UpdateEntry, read_entries_kafka
 from pipeline.runtime import resolve_base_model, setup_logging
-from pipeline.trust.keyring import (init_keys, key_paths, load_learner_public, load_root_public, read_admissions,
-                                    read_registry)
+from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.weights.policy import link_of
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
@@ -156,26 +156,8 @@ def tbf_args(rate_mbit: float) -> list[str]:
 
 
 def why_no_namespaces() -> Optional[str]:
-    """Why this machine cannot give samplers hosts of their own (None: it can)."""
-    if sys.platform != "linux":
-        return "network namespaces are Linux's"
-    for tool in ("ip", "tc"):
-        if not shutil.which(tool):
-            return f"no `{tool}` command (iproute2)"
-    if os.geteuid() != 0:
-        return "network namespaces and tc need root"
-    probe = f"hrl-wanprobe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise UserError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    """Why this machine cannot give samplers hosts of their own with shaped links (None: it can)."""
+    return netns.why_no_namespaces(tools=("ip", "tc"))
 
 
 def _tc(namespace: Optional[str], *args: str) -> None:
@@ -204,20 +186,11 @@ class LinkHosts:
             raise
 
     def _build(self, links: list[WanLink], ports: dict[str, int], net: int, seed: int) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        netns.add_bridge(self.bridge, f"{self.gateway}/24")
         for i, link in enumerate((link for link in links if link.shaped), start=2):
             ns, outside, inside = f"hrlw-{self.tag}-{link.name}", f"hwo{self.tag}{i}", f"hwi{self.tag}{i}"
-            _ip("netns", "add", ns)
-            self.namespaces[link.name] = ns
-            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            _ip("link", "set", inside, "netns", ns)
-            _ip("link", "set", outside, "master", self.bridge)
-            _ip("link", "set", outside, "up")
-            _ip("-n", ns, "addr", "add", f"{SUBNET.format(net, i)}/24", "dev", inside)
-            _ip("-n", ns, "link", "set", inside, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            self.namespaces[link.name] = ns  # before it exists: a failure half-way is cleaned up too
+            netns.add_host(ns, self.bridge, outside, inside, f"{SUBNET.format(net, i)}/24")
             if link.rate_mbit is not None:  # egress of each end: to the sampler, and from it
                 _tc(None, "qdisc", "add", "dev", outside, "root", *tbf_args(link.rate_mbit))
                 _tc(ns, "qdisc", "add", "dev", inside, "root", *tbf_args(link.rate_mbit))
@@ -269,15 +242,7 @@ class LinkHosts:
         for proc in self.proxies.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        for ns in self.namespaces.values():
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        netns.remove_hosts(self.namespaces.values(), self.bridge)
 
 
 def on_loopback(services: Services) -> Services:
@@ -453,7 +418,7 @@ class WanArm:
             procs.start("learner", ["learner", *common, "--out", str(out)])
             for link in self.links:
                 if link.join_at_s is None:
-                    self._start_sampler(procs, hosts, link, common, child_env(role["sampler"]))
+                    self._start_sampler(procs, hosts, link, common, env=child_env(role["sampler"]))
             state = RunState(admin_redis, self.run_name)
             self._wait(procs, hosts, state, common, invite_file, run_start)
             run_end = time.time()
@@ -470,8 +435,9 @@ class WanArm:
                 hosts.close()
             stop_stack(out / "data")
 
-    def _start_sampler(self, procs: Processes, hosts: Optional[LinkHosts], link: WanLink, common: list[str],
-                       env: dict, invite_file: Optional[Path] = None) -> None:
+    def _start_sampler(self, procs: Processes, hosts: Optional[LinkHosts], link: WanLink, common: list[str], *,
+                       env: Optional[dict] = None, invite_file: Optional[Path] = None) -> None:
+        """A sampler with a registered key in `env`, or (`invite_file`) a volunteer joining with the invite."""
         prefix = hosts.prefix(link) if hosts else ()
         sampler_id = self.sampler_ids[link.name]
         if invite_file is None:
@@ -494,7 +460,7 @@ class WanArm:
         while time.time() - run_start < duration_s:
             elapsed = time.time() - run_start
             while waiting and waiting[0].join_at_s <= elapsed:
-                self._start_sampler(procs, hosts, waiting.pop(0), common, {}, invite_file)
+                self._start_sampler(procs, hosts, waiting.pop(0), common, invite_file=invite_file)
             learner = procs.procs["learner"]
             if learner.poll() is not None:
                 raise procs.failure("learner", f"learner exited with {learner.returncode}")
@@ -549,15 +515,8 @@ def strangers_not_admitted(cfg: HeteroConfig, client, sampler_ids: list[str], gr
     reads is not exactly one key admitted under that invite and checked as a stranger's."""
     if not sampler_ids:
         return []
-    paths = key_paths(cfg)
-    registry = read_registry(client, cfg.run.name, load_root_public(paths)).with_admitted(
-        read_admissions(client, cfg.run.name, load_learner_public(paths)).keys)
-    wrong = []
-    for sampler_id in sampler_ids:
-        keys = [e for e in registry.keys.values() if e.sampler_id == sampler_id]
-        if not (len(keys) == 1 and keys[0].grant == grant_id and not keys[0].local):
-            wrong.append(sampler_id)
-    return wrong
+    registry = run_registry(cfg, client)
+    return [sampler_id for sampler_id in sampler_ids if not joined_as_stranger(keys_of(registry, sampler_id), grant_id)]
 
 
 # ---- the report -----------------------------------------------------------------------------

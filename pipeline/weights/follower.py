@@ -56,13 +56,11 @@ class PolicyFollower:
         self.bytes_downloaded = 0
         self.keyframe_bytes = 0
         """Of `bytes_downloaded`, the keyframes' (the first policy's, and any taken later)."""
-        self.first_policy: Optional[tuple[int, int]] = None
-        """(version, bytes downloaded for it) of the first version loaded: what follows it is what
-        holding a version costs, per version (`per_version_bytes`)."""
+        self.first_policy: Optional[tuple[int, int, float]] = None
+        """(version, bytes downloaded for it, time.time() when it was swapped in) of the first version
+        loaded: what follows it is what holding a version costs, per version (`per_version_bytes`)."""
         self.download_s = 0.0
         """Seconds spent downloading and verifying versions (the background thread's)."""
-        self.first_policy_at: Optional[float] = None
-        """time.time() when the first version was swapped in."""
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
         self._ready: Optional[tuple] = None
@@ -131,9 +129,8 @@ class PolicyFollower:
         self.engine.install(prepared)
         install_s = time.perf_counter() - started
         self.version, self.last_load_s = version, prepare_s + install_s
-        if self.first_policy_at is None:
-            self.first_policy_at = time.time()
-            self.first_policy = (version, self.bytes_downloaded)
+        if self.first_policy is None:
+            self.first_policy = (version, self.bytes_downloaded, time.time())
         if old is not None:
             shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
             shutil.rmtree(self.work_dir / f"v{old}{ENGINE_COPY_SUFFIX}", ignore_errors=True)
@@ -144,11 +141,11 @@ class PolicyFollower:
     def stats(self, started: float) -> dict:
         """What following the learner cost, for the role's heartbeat (`started`: its time.time() at start)."""
         per_version = self.per_version_bytes()
-        first_version, first_bytes = self.first_policy or (None, None)
+        first_version, first_bytes, first_at = self.first_policy or (None, None, None)
         return {"refused_checkpoints": len(self.refused), "refused_delta_paths": self.fallbacks,
                 "weights_bytes_downloaded": self.bytes_downloaded, "keyframe_bytes": self.keyframe_bytes,
                 "first_policy_version": first_version, "first_policy_bytes": first_bytes,
-                "first_policy_s": None if self.first_policy_at is None else round(self.first_policy_at - started, 1),
+                "first_policy_s": None if first_at is None else round(first_at - started, 1),
                 "per_version_bytes": None if per_version is None else round(per_version),
                 "weights_download_s": round(self.download_s, 1)}
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.netns import add_bridge, add_host, remove_hosts, why_no_namespaces
 from pipeline.trust.invites import decode_invite, encode_invite, read_invite
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -65,26 +66,6 @@ learner:
 """
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-def why_no_namespaces() -> str | None:
-    """Why this machine cannot give roles hosts of their own (None: it can)."""
-    if sys.platform != "linux":
-        return "network namespaces are Linux's"
-    if not shutil.which("ip"):
-        return "no `ip` command (iproute2)"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    probe = f"hrl-probe-{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
-
-
 class Hosts:
     """Namespaces on one bridge: each host's address is 10.77.N.i, and nothing else is reachable."""
 
@@ -94,18 +75,9 @@ class Hosts:
         self.bridge = f"hrlbr{tag}"
         self.ns = {name: f"hrl-{tag}-{i}" for i, name in enumerate(names, start=1)}
         self.address = {name: SUBNET.format(self.net, i) for i, name in enumerate(names, start=1)}
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("link", "set", self.bridge, "up")
+        add_bridge(self.bridge)
         for i, name in enumerate(names, start=1):
-            ns, outside, inside = self.ns[name], f"hv{tag}{i}", f"hp{tag}{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            _ip("link", "set", inside, "netns", ns)
-            _ip("link", "set", outside, "master", self.bridge)
-            _ip("link", "set", outside, "up")
-            _ip("-n", ns, "addr", "add", f"{self.address[name]}/24", "dev", inside)
-            _ip("-n", ns, "link", "set", inside, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            add_host(self.ns[name], self.bridge, f"hv{tag}{i}", f"hp{tag}{i}", f"{self.address[name]}/24")
 
     def run(self, host: str, args: list[str], cwd: Path, env: dict, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.ns[host], *args], cwd=cwd, env=env, text=True,
@@ -117,15 +89,7 @@ class Hosts:
                                     stderr=subprocess.STDOUT)
 
     def close(self) -> None:
-        for ns in self.ns.values():
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _ip("netns", "del", ns, check=False)
-        _ip("link", "del", self.bridge, check=False)
+        remove_hosts(self.ns.values(), self.bridge)
 
 
 def bare_env() -> dict:
