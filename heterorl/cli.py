@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import atexit
 import functools
+import importlib
 import os
+import re
 import signal
 import sys
+from importlib import metadata
+from pathlib import Path
 
-from heterorl.commands import audits, compare, invites, keys, loadtest, replay, roles, stack, study, train, weights
+from heterorl.commands import compare, invites, keys, replay, roles, stack, train, weights
 from heterorl.processes import RunFailed
 from pipeline.errors import UserError
 
@@ -48,17 +52,73 @@ examples:
 
 ORDER = ("up", "down", "status", "env", "keys", "invite", "join", "attack", "adversary", "sampler", "validator", "learner", "evaluator",
          "study", "train", "replay", "export", "chaos", "wan", "loadtest", "weights", "compare")
-"""The commands in the order `heterorl --help` lists them."""
+"""The commands in the order `heterorl --help` lists them, the lab's among them (attack, adversary, study,
+chaos, wan, loadtest: there when the lab is installed); one another package adds comes after them."""
 
-_DECLARED = {name: entry for module in (stack, keys, invites, audits, roles, study, train, replay, loadtest, weights, compare)
-             for name, entry in module.COMMANDS.items()}
-COMMANDS = {name: _DECLARED[name][1] for name in ORDER}
-"""Each command's function, by name (declared with its options in heterorl/commands/)."""
+ENTRY_POINTS = "heterorl.commands"
+"""The entry-point group through which another package adds commands: each entry is a command's name and
+the module whose `COMMANDS` declares it. The lab adds its commands so (pyproject.toml, lab/commands/); the
+product never imports the lab."""
+
+
+def _registered() -> dict[str, str]:
+    """Each command added through `ENTRY_POINTS`, and its module. Run from a source tree that is not
+    installed (`PYTHONPATH=. python -m heterorl`, as bench/gpu_study.sh does), the tree's pyproject.toml,
+    which declares the entries, stands in for the metadata an install would have written."""
+    found = {entry.name: entry.value for entry in metadata.entry_points(group=ENTRY_POINTS)}
+    try:
+        metadata.distribution("heterorl")
+    except metadata.PackageNotFoundError:
+        source = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        if source.is_file():
+            import tomllib
+
+            project = tomllib.loads(source.read_text())["project"]
+            found = {**project.get("entry-points", {}).get(ENTRY_POINTS, {}), **found}
+    return found
+
+
+def _declare() -> tuple[dict[str, tuple], dict[str, str]]:
+    """Each command there is (its options' function and its own), and where each one missing would come from:
+    the module an entry names but this installation lacks, or the lab for one of `ORDER`'s."""
+    declared = {name: entry for module in (stack, keys, invites, roles, train, replay, weights, compare)
+                for name, entry in module.COMMANDS.items()}
+    missing = dict.fromkeys(ORDER, "the lab (lab/)")
+    for name, module_name in _registered().items():
+        try:
+            declared[name] = importlib.import_module(module_name).COMMANDS[name]
+        except ModuleNotFoundError as e:  # the module itself or its package absent; anything else is a bug
+            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise
+            missing[name] = f"{module_name.split('.')[0]}/ ({module_name})"
+    return declared, {name: source for name, source in missing.items() if name not in declared}
+
+
+def _not_installed(name: str, source: str) -> tuple:
+    """A command this installation lacks: not listed, and one line (exit status 2) if a user types it."""
+    def register(sub) -> None:
+        sub.add_parser(name, add_help=False)
+
+    def run(args) -> int:
+        raise UserError(f"`heterorl {name}` is not installed here: it comes with {source}, which this "
+                        "installation lacks (`make install` in a whole checkout has it)")
+
+    return register, run
+
+
+_DECLARED, _MISSING = _declare()
+_DECLARED.update({name: _not_installed(name, source) for name, source in _MISSING.items()})
+_NAMES = (*ORDER, *sorted(set(_DECLARED) - set(ORDER)))
+COMMANDS = {name: _DECLARED[name][1] for name in _NAMES}
+"""Each command's function, by name (declared with its options in heterorl/commands/, or by the package that
+added it: lab/commands/)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    examples = "".join(line for line in EXAMPLES.splitlines(keepends=True)  # less the commands not installed
+                       if not (m := re.match(r"\s+heterorl ([a-z]+)", line)) or m.group(1) not in _MISSING)
     parser = argparse.ArgumentParser(
-        prog="heterorl", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        prog="heterorl", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples,
         description="Asynchronous RL post-training over an unreliable WAN: samplers publish "
                     "version-tagged rollouts to Kafka, a DeepSpeed learner trains with GEPO and "
                     "publishes weights to S3, Redis holds the current policy version.")
@@ -66,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --no_local_rank); the LOCAL_RANK it also sets is what the learner reads.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in ORDER:
+    for name in _NAMES:
         _DECLARED[name][0](sub)
     return parser
 
@@ -80,7 +140,10 @@ def _terminated(*_) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command not in _MISSING:  # what parse_args does; a command not installed says so instead
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in SUPERVISORS:
         # `kill` (SIGTERM) and a closed terminal (SIGHUP) end them like Ctrl-C: they stop the
         # processes and the local stack they started on the way out, instead of leaving them running.

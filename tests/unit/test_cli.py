@@ -166,10 +166,73 @@ def test_the_learner_accepts_the_local_rank_argument_of_the_deepspeed_launcher()
 
 
 def test_the_adversary_command_offers_every_kind_the_lab_has():
-    from heterorl.commands.audits import ADVERSARY_KINDS
     from lab.adversaries import ADVERSARY_SAMPLERS, SAMPLER_KINDS
+    from lab.commands.audits import ADVERSARY_KINDS
 
     assert ADVERSARY_KINDS == SAMPLER_KINDS == tuple(ADVERSARY_SAMPLERS)
+
+
+LAB_COMMANDS = {"attack", "adversary", "study", "chaos", "wan", "loadtest"}
+
+
+def test_the_lab_adds_its_commands_through_the_entry_points_pyproject_declares(monkeypatch):
+    """The CLI finds the lab's commands in the `heterorl.commands` entry points (the product never imports
+    the lab); what is installed is what pyproject.toml declares (a stale .venv: `make install`), and a
+    source tree that is not installed reads the same from its pyproject.toml."""
+    import tomllib
+    from importlib import metadata
+
+    from heterorl import cli
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][cli.ENTRY_POINTS]
+    installed = {entry.name: entry.value for entry in metadata.entry_points(group=cli.ENTRY_POINTS)}
+    assert installed == declared, "the installed entry points are not pyproject.toml's: run `make install`"
+    assert set(declared) == LAB_COMMANDS and all(module.startswith("lab.commands.") for module in declared.values())
+    assert cli._MISSING == {} and set(cli.COMMANDS) == set(cli.ORDER)
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", not_installed)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])
+    assert cli._registered() == declared
+    monkeypatch.setattr(cli, "_registered", lambda: {})  # installed, but nothing adds a command
+    assert cli._declare()[1] == dict.fromkeys([name for name in cli.ORDER if name in LAB_COMMANDS], "the lab (lab/)")
+
+
+def test_without_the_lab_its_commands_are_missing_and_say_so_in_one_line():
+    """An installation without lab/ (the Docker image's) lists none of the lab's commands or examples; one
+    typed is one line on stderr, exit status 2, as any user mistake is; the product's commands work as ever."""
+    program = textwrap.dedent("""
+        import sys
+
+        class NoLab:  # an installation without lab/
+            def find_spec(self, name, path=None, target=None):
+                if name == "lab" or name.startswith("lab."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NoLab())
+        from heterorl import cli
+        sys.exit(cli.main(sys.argv[1:]))
+    """)
+
+    def without_lab(*args):
+        return subprocess.run([sys.executable, "-c", program, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+
+    help_text = without_lab("--help").stdout
+    assert "heterorl train --config demo" in help_text and "compare" in help_text
+    for name in LAB_COMMANDS:
+        assert f" {name} " not in help_text and f"heterorl {name}" not in help_text, name
+    for args in (["study", "delay", "--out", "x", "--quick"], ["chaos", "--help"], ["adversary"]):
+        proc = without_lab(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.splitlines() == [f"heterorl {args[0]}: error: `heterorl {args[0]}` is not installed here: it "
+                                            f"comes with lab/ (lab.commands.{'study' if args[0] == 'study' else 'audits'})"
+                                            ", which this installation lacks (`make install` in a whole checkout has it)"]
+    assert without_lab("train", "--help").stdout.startswith("usage: heterorl train")
+    proc = without_lab("train", "--bogus")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == "heterorl: error: unrecognized arguments: --bogus"
 
 
 def test_a_ctrl_c_after_the_command_finished_leaves_its_status():

@@ -1,6 +1,6 @@
 """The package layers (docs/architecture.md, "Layout"), checked with import-linter on every import, including
 those inside functions: the lab on top, then the commands, then roles and infra, then the library; no cycles; the product never
-imports the lab."""
+imports the lab (the lab adds its commands to the CLI through entry points)."""
 
 import subprocess
 import sys
@@ -15,6 +15,43 @@ def test_imports_point_one_way_and_no_package_has_a_cycle():
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 kept, 0 broken" in proc.stdout
+
+
+def _lab_imports(source: str) -> list[int]:
+    """The lines of `source` that import the lab: an import statement, or `import_module` / `__import__` by name."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else []
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            names = [str(node.args[0].value)] if func in ("import_module", "__import__") else []
+        else:
+            names = []
+        if any(name == "lab" or name.startswith("lab.") for name in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_of_the_product_imports_the_lab():
+    """Not one exception: the contracts about the lab ignore no import, and no module of the product imports
+    it, by an import statement or by name at run time (which import-linter cannot see)."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    forbidden, = [c for c in contracts if c["type"] == "forbidden" and c["forbidden_modules"] == ["lab"]]
+    assert set(forbidden["source_modules"]) == {"pipeline", "producers", "consumers", "infra", "heterorl"}
+    layers, = [c for c in contracts if c["type"] == "layers" and "lab" in c["layers"]]
+    assert "ignore_imports" not in forbidden and "ignore_imports" not in layers
+    assert _lab_imports("import lab.chaos\nfrom lab.commands import study\nimportlib.import_module('lab.wan')\n"
+                        "from . import lab\nimport laboratory\n") == [1, 2, 3]
+    found = [f"{path.relative_to(ROOT)}:{line}" for package in ("pipeline", "producers", "consumers", "infra", "heterorl")
+             for path in sorted((ROOT / package).rglob("*.py")) for line in _lab_imports(path.read_text())]
+    assert found == []
 
 
 def test_the_library_needs_nothing_above_it():

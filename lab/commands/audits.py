@@ -1,4 +1,5 @@
-"""Runs that end in an audit: `attack` (adversarial samplers) and `chaos` (seeded faults), and `adversary`, one adversarial sampler."""
+"""Runs that end in an audit: `heterorl attack` (adversarial samplers), `chaos` (seeded faults) and `wan`
+(samplers behind shaped links), and `adversary`, one adversarial sampler."""
 
 from __future__ import annotations
 

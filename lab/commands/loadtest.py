@@ -1,4 +1,4 @@
-"""`loadtest`: the capacity rig."""
+"""`heterorl loadtest`: the capacity rig (lab/loadtest/)."""
 
 from __future__ import annotations
 

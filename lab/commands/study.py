@@ -1,4 +1,4 @@
-"""`study delay` and `study pilot`: experiments made of many real runs."""
+"""`heterorl study delay` and `study pilot`: experiments made of many real runs (lab/study.py, lab/lr_pilot.py)."""
 
 from __future__ import annotations
 
