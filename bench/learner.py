@@ -57,18 +57,24 @@ GPU_MEMORY_TARGET_GIB = 40.0
 SPEED_TARGET = 0.9
 
 
-def build_model(shape: str):
+def build_model(shape: str, precision: str):
+    """The shape's model in fp32, with the attention kernel the learner runs in `precision`
+    (`model.attention: auto`)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.models import load_policy, resolve_model
+    from pipeline.models import DTYPES, attention_kernel, load_policy, resolve_model
     from pipeline.models.tiny import build_tiny_model, build_tokenizer
 
     torch.manual_seed(0)
+    kernel = attention_kernel(DTYPES[precision])
     if shape == "tiny":
-        return build_tiny_model(build_tokenizer(), seed=0)
+        model = build_tiny_model(build_tokenizer(), seed=0)
+        model.set_attn_implementation(kernel)
+        return model
     if shape == "smollm2":
-        return load_policy(resolve_model("smollm2-135m-instruct", ROOT / ".heterorl" / "models"))[0].train()
+        return load_policy(resolve_model("smollm2-135m-instruct", ROOT / ".heterorl" / "models"),
+                           attention=kernel)[0].train()
     if shape == "20m":
         config = Qwen2Config(vocab_size=32000, hidden_size=320, intermediate_size=1280, num_hidden_layers=6,
                              num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=4096,
@@ -79,7 +85,7 @@ def build_model(shape: str):
                              rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
     else:
         raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = kernel
     return Qwen2ForCausalLM(config).float()
 
 
@@ -190,7 +196,7 @@ def worker(args) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(args.shape)
+    model = build_model(args.shape, args.precision)
     params = sum(p.numel() for p in model.parameters())
     groups = make_groups(args, model.get_output_embeddings().weight.shape[0])
     step = (ProductStep if args.worker == "product" else ReferenceStep)(model, args, device)

@@ -14,7 +14,13 @@ attention implementation (`sdpa`, the default of transformers; `eager`; and bf16
 per-token |log-prob difference| (median, p99, share above 0.1) and the on-policy KL estimate
 exp(r) - r - 1 with r = learner - sampler (median and mean per token), and the seconds each path
 took. A second table follows the hidden states of one greedy completion layer by layer: the
-sampler's path against one pass over prompt and completion together.
+sampler's path against one pass over prompt and completion together. A third runs the
+learner's optimizer step (`optimizer_step` on a DeepSpeed engine, GEPO, lr 2e-6, ZeRO 1, as
+`smollm2_plateau` trains) on the sampled groups in each of `SETTINGS` (fp32; bf16 with eager
+attention and dithered rounding, what `auto` runs where bf16 is native; bf16 eager rounded to
+nearest; bf16 sdpa rounded to nearest, what ran before), alternated `--step-rounds` times in one
+process: each one's median step against fp32's (side by side, so the machine's noise hits all
+alike), and how far the bf16 weights the forward uses have followed their fp32 masters.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def probe(model_dir: Path, dtype, attention: str, prompts, groups_of: int, token
         lp, _ = completion_logprobs(model, [g.prompt_ids] * len(g.completion_ids), g.completion_ids, temperature)
         apart += [lp[i, :len(c)].tolist() for i, c in enumerate(g.completion_ids)]
     sampled = [lp for _, _, lp in rows]
-    return {"one_batch": mismatch([together[i, :len(c)].tolist() for i, (_, c, _) in enumerate(rows)], sampled),
+    return {"groups": groups, "one_batch": mismatch([together[i, :len(c)].tolist() for i, (_, c, _) in enumerate(rows)], sampled),
             "group_by_group": mismatch(apart, sampled), "sample_s": sample_s, "score_s": score_s}
 
 
@@ -119,6 +125,51 @@ def layers(model_dir: Path, dtype, attention: str, prompt: list[int], tokens: in
     return result
 
 
+SETTINGS = {"fp32 sdpa": ("fp32", "sdpa", "nearest"), "bf16 eager dithered": ("bf16", "eager", "dithered"),
+            "bf16 eager nearest": ("bf16", "eager", "nearest"), "bf16 sdpa nearest": ("bf16", "sdpa", "nearest")}
+"""The learner settings the step table compares: precision, `model.attention`, `learner.half_rounding`
+(the second is what `auto` runs where bf16 is native; the last, what ran before)."""
+
+
+def training_steps(model_dir: Path, groups, rounds: int, temperature: float, tokens: int) -> dict[str, dict]:
+    """Per setting: the seconds of each of `rounds` optimizer steps (GEPO, lr 2e-6, ZeRO 1; the
+    settings alternated, after one warm-up step each) and how far the weights the forward
+    computes with (and the samplers get) have followed their fp32 masters since the start."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from pipeline.config import LearnerConfig
+    from pipeline.learning.engine import make_deepspeed_engine
+    from pipeline.learning.update import optimizer_step
+    from pipeline.models import load_policy
+
+    engines = {}
+    for name, (precision, attention, rounding) in SETTINGS.items():
+        cfg = LearnerConfig(loss_type="gepo", lr=2e-6, lr_warmup_steps=0, zero_stage=1, precision=precision,
+                            half_rounding=rounding)
+        model, _ = load_policy(model_dir, attention=attention)
+        engine = make_deepspeed_engine(model.train(), cfg, torch.device("cpu"))
+        engines[name] = (engine, cfg, {n: p.detach().float().clone() for n, p in engine.module.named_parameters()})
+    weights = [1.0] * len(groups)
+    result = {name: {"seconds": []} for name in SETTINGS}
+    for round_ in range(rounds + 1):  # the first: warm-up, not timed
+        for name, (engine, cfg, _) in engines.items():
+            started = time.perf_counter()
+            optimizer_step(engine, groups, weights, cfg, temperature=temperature, max_completion_length=tokens)
+            if round_:
+                result[name]["seconds"].append(time.perf_counter() - started)
+    for name, (engine, _, start) in engines.items():
+        used = masters = changed = total = 0.0
+        for n, p in engine.module.named_parameters():
+            now = p.detach().float()
+            used += float((now - start[n]).abs().sum())
+            masters += float((safe_get_full_fp32_param(p).float() - start[n]).abs().sum())
+            changed += float((now != start[n]).sum())
+            total += now.numel()
+        result[name].update(follows=used / masters, changed=changed / total, mean_change=used / total)
+    return result
+
+
 TOKENIZER = None
 
 
@@ -129,6 +180,8 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=4, help="prompts sampled (default 4), 8 completions each")
     parser.add_argument("--tokens", type=int, default=16, help="max new tokens per completion (default 16)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--step-rounds", type=int, default=5,
+                        help="timed steps of the step table per setting, alternated (default 5; 0: no table)")
     args = parser.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -153,10 +206,12 @@ def main() -> int:
           f"{cfg.sampler.temperature}, torch {torch.__version__}, {args.threads} threads")
     print(f"{'precision':<10}{'attention':<10}{'batch':<16}{'tokens':>7}{'median |d|':>12}{'p99 |d|':>10}"
           f"{'>0.1':>7}{'KL median':>11}{'KL mean':>10}{'sample s':>10}{'score s':>9}")
+    sampled = None
     for dtype, name, attention, head in ((torch.float32, "fp32", "sdpa", False), (torch.float32, "fp32", "eager", False),
                                          (torch.bfloat16, "bf16", "sdpa", False), (torch.bfloat16, "bf16", "eager", False),
                                          (torch.bfloat16, "bf16+head", "sdpa", True)):
         got = probe(model_dir, dtype, attention, prompts, 8, args.tokens, cfg.sampler.temperature, head)
+        sampled = sampled or got["groups"]
         for batch in ("one_batch", "group_by_group"):
             m = got[batch]
             print(f"{name:<10}{attention:<10}{batch:<16}{m['tokens']:>7}{m['median_abs']:>12.2e}"
@@ -169,6 +224,24 @@ def main() -> int:
             per_layer = layers(model_dir, dtype, attention, prompts[0], args.tokens)
             shown = [f"L{layer} {rel:.1e}" for layer, rel in per_layer if layer in (1, 2, 5, 10, 20, len(per_layer) - 1)]
             print(f"  {name} {attention:<6}" + "  ".join(shown), flush=True)
+    if args.step_rounds:
+        from pipeline.wire.rollout import Rollout
+
+        rng = random.Random(1)
+        groups = [Rollout(prompt_id=f"p{i}", task="probe", sampler_id="probe", policy_version=0,
+                          prompt_ids=g.prompt_ids, completion_ids=g.completion_ids, sampler_logps=g.sampler_logps,
+                          rewards=[float(rng.random() < 0.5) for _ in g.completion_ids]) for i, g in enumerate(sampled)]
+        steps = training_steps(model_dir, groups, args.step_rounds, cfg.sampler.temperature, args.tokens)
+        fp32 = statistics.median(steps["fp32 sdpa"]["seconds"])
+        print(f"\nthe learner's optimizer step (GEPO, lr 2e-6, ZeRO 1, {len(groups)} groups x 8, the completions "
+              f"above), {args.step_rounds + 1} steps each, alternated (the first not timed); then how far the "
+              "weights the forward uses have followed the fp32 masters: their mean change over the masters' "
+              "(1 = as far), the share of weights changed at all, the mean |change|")
+        for name, got in steps.items():
+            median = statistics.median(got["seconds"])
+            print(f"  {name:<20} step median {median:6.2f} s ({median / fp32:.2f}x fp32)  follows {got['follows']:6.3f}"
+                  f"  changed {got['changed']:6.4f}  mean |change| {got['mean_change']:.3e}  "
+                  + " ".join(f"{s:.2f}" for s in got["seconds"]), flush=True)
     return 0
 
 

@@ -68,7 +68,7 @@ def build(shape: str):
     if shape == "tiny":
         from pipeline.models.tiny import build_tokenizer
         tokenizer = build_tokenizer()
-    return build_model(shape), tokenizer
+    return build_model(shape, "bf16"), tokenizer  # its learner trains in bf16 (below)
 
 
 def rollouts(shape: str, model, tokenizer, args) -> list:

@@ -92,7 +92,8 @@ class Intake:
         gib = lambda x: None if x is None else int(x * PastPolicies.GIB)  # noqa: E731 - None: a share of what is free
         past = PastPolicies(store, work_dir, model_dir, dtype=DTYPES[cfg.learner.precision], device=device,
                             keep_last=(reach if sec.keep_versions is None else sec.keep_versions) if rescores else 0,
-                            device_bytes=gib(sec.keep_versions_gib), host_bytes=gib(sec.keep_versions_host_gib))
+                            device_bytes=gib(sec.keep_versions_gib), host_bytes=gib(sec.keep_versions_host_gib),
+                            attention=cfg.model.attention)
         screen = screen or GroupScreen(sec, make_task_from_config(cfg), tokenizer, cfg.sampler.temperature, policy,
                                        past)
         intake = cls(cfg, admission, screen, state=state, registry=registry, dead_letter=dead_letter, clock=clock,

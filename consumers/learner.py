@@ -56,7 +56,7 @@ from consumers.recorder import LearnerLogs, StepRecorder
 from consumers.screening import GroupScreen
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.learning.admission import Admission, RolloutLimits, Verdicts
-from pipeline.learning.engine import Ranks, can_discard_gradients
+from pipeline.learning.engine import Ranks, can_discard_gradients, leave_process_group
 from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import SAVE, START, STOP, TRAIN
 from pipeline.learning.update import StepRefused, optimizer_step
@@ -389,7 +389,7 @@ class Learner:
             step_metrics = self.parts.step(self.engine, batch.rollouts, batch.weights, self.lcfg,
                                            temperature=self.cfg.sampler.temperature,
                                            max_completion_length=self.cfg.sampler.max_new_tokens, ranks=self.ranks,
-                                           fresh_check=check)
+                                           fresh_check=check, on_policy_version=self.version)
         self.version += 1
         self.step += 1
         self.intake.trained(batch, step_metrics.pop("fresh_gaps", {}), self.version)
@@ -475,6 +475,7 @@ class Learner:
     def close(self) -> None:
         if self.link is not None:
             self.link.send(STOP)
+            leave_process_group()  # with the other ranks, which leave on STOP
         if not self.publisher.closed:  # an error path: still publish what was handed over
             try:
                 self.publisher.close()

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 
 from pipeline.config import HeteroConfig
-from pipeline.learning.engine import Ranks, init_distributed, make_deepspeed_engine
+from pipeline.learning.engine import Ranks, init_distributed, leave_process_group, make_deepspeed_engine
 from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.learning.update import FreshCheck, StepRefused, optimizer_step
-from pipeline.models import load_policy
+from pipeline.models import DTYPES, attention_kernel, load_policy
 from pipeline.runtime import connect_run, setup_logging, with_machine_precision
 from pipeline.weights.store import LEARNER_STATE_DIR
 from pipeline.clients.services import free_port
@@ -37,7 +37,9 @@ from pipeline.wire.rollout import decode_rollout
 def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log, *, resuming: bool):
     """(DeepSpeed engine, tokenizer) from a model directory (the base model, or the checkpoint
     a learner resumes from), with its learner state if it has one."""
-    model, tokenizer = load_policy(model_dir)  # DeepSpeed moves it to model.device
+    # DeepSpeed moves it to model.device and casts it to the learner's precision, whose kernel it runs
+    model, tokenizer = load_policy(model_dir, attention=attention_kernel(DTYPES[cfg.learner.precision],
+                                                                         cfg.model.attention))
     engine = make_deepspeed_engine(model, cfg.learner, device, ranks)
     if (model_dir / LEARNER_STATE_DIR).is_dir():
         # AdamW moments, LR schedule and step count, so the resumed run continues exactly.
@@ -104,6 +106,7 @@ class LearnerRank:
                     if payload["state"]:
                         capture(engine, tokenizer, state=True, leader=False)
                 elif command == STOP:
+                    leave_process_group()  # with rank 0, which leaves after sending STOP
                     return 0
 
 

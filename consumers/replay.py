@@ -50,7 +50,7 @@ from pipeline.errors import UserError
 from pipeline.clients.topics import read_topic, topic_partitions
 from pipeline.weights.learner_state import save_weights
 from pipeline.records.metrics import MetricsWriter
-from pipeline.models import load_policy, tokenizer_fingerprint
+from pipeline.models import DTYPES, attention_kernel, load_policy, tokenizer_fingerprint
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
 from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
 from pipeline.clients.services import ServiceUnavailable, require_services
@@ -380,7 +380,9 @@ class Replay:
         base_dir = fetch_base(self.cfg, self.base, self.work_dir / "base")
         torch.set_num_threads(self.lcfg.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
-        model, self.tokenizer = load_policy(base_dir)  # DeepSpeed moves it to model.device
+        # DeepSpeed moves it to model.device and casts it to the learner's precision, whose kernel it runs
+        model, self.tokenizer = load_policy(base_dir, attention=attention_kernel(DTYPES[self.cfg.learner.precision],
+                                                                                 self.cfg.model.attention))
         vocab_size = model.get_input_embeddings().num_embeddings
         check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
         (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
@@ -400,7 +402,8 @@ class Replay:
         """The learner's step on one planned batch, logged; a checkpoint and an evaluation when due."""
         step_metrics = optimizer_step(self.engine, [g.rollout for g in batch], [g.decision.weight for g in batch],
                                       self.lcfg, temperature=self.cfg.sampler.temperature,
-                                      max_completion_length=self.cfg.sampler.max_new_tokens)
+                                      max_completion_length=self.cfg.sampler.max_new_tokens,
+                                      on_policy_version=self.version)
         self.version += 1
         self.recorder.record(self.version, batch, step_metrics)
         if self.version % self.lcfg.sync_every == 0:

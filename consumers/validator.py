@@ -155,7 +155,7 @@ class Validator:
         _, tokenizer = load_policy(model_dir)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f".validator-{self.validator_id}-",
                                               dir=self.cfg.services.data_dir))
-        self.past = PastPolicies(self.handles.store, self.work_dir, model_dir)
+        self.past = PastPolicies(self.handles.store, self.work_dir, model_dir, attention=self.cfg.model.attention)
         return GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
                            self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past,
                            trusted=lambda r: trusted_sampler(self.verifier.registry, r.key_id,

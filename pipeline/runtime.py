@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 from transformers.utils import logging as hf_logging
 
 from pipeline.weights.store import CheckpointNotFound, CheckpointStore, Manifest, connect_s3
@@ -26,7 +27,7 @@ from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
 from pipeline.devices import resolve_device, resolve_precision
 from pipeline.trust.keyring import key_paths, load_learner_public
-from pipeline.models import DTYPES, evaluate_policy, load_policy, resolve_model
+from pipeline.models import DTYPES, attention_kernel, evaluate_policy, load_policy, resolve_model
 from pipeline.models.cache import INFO_FILE, is_complete
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import Services, check_reachable, require_services
@@ -61,9 +62,14 @@ def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str
     """`cfg` with `precision: auto` (learner and sampler) replaced by what this machine does
     fastest (`pipeline.devices.machine_precision`), and a line saying what was chosen and why.
     Every role calls it once at its start, on its own machine, so the rest of the code sees
-    `fp32` or `bf16` only."""
-    learner, why_learner = resolve_precision(cfg.learner.precision, device)
-    sampler, why_sampler = resolve_precision(cfg.sampler.precision, device)
+    `fp32` or `bf16` only.
+
+    `auto` picks what learns, not only what is fast: bf16 only where the learner and the
+    sampler then compute the same bits for the same tokens, which `model.attention: auto`
+    (eager in bf16) gives; with `model.attention: sdpa` their bf16 log-probs disagree (on-policy
+    KL 2.8e-3 on SmolLM2-135M, docs/learner.md "Half precision"), so `auto` keeps fp32."""
+    learner, why_learner = _learning_precision(cfg, cfg.learner.precision, device)
+    sampler, why_sampler = _learning_precision(cfg, cfg.sampler.precision, device)
     updates = {"precision": learner}
     if learner == "bf16" and cfg.learner.zero_stage == 0:
         updates["zero_stage"] = 1  # DeepSpeed keeps bf16's fp32 master weights in its ZeRO optimizer
@@ -72,6 +78,18 @@ def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str
     reasons = sorted({why for why in (why_learner, why_sampler) if why != "as configured"})
     line = f"precision: learner {learner}, sampling {sampler}" + (f" ({'; '.join(reasons)})" if reasons else "")
     return cfg, line
+
+
+def _learning_precision(cfg: HeteroConfig, setting: str, device) -> tuple[str, str]:
+    """`resolve_precision`, with `auto` kept at fp32 where bf16 would not learn like it."""
+    chosen, why = resolve_precision(setting, device)
+    if setting != "auto" or chosen != "bf16":
+        return chosen, why
+    if cfg.model.attention == "sdpa":
+        return "fp32", (f"{why}, but model.attention=sdpa gives the sampler's and the learner's bf16 "
+                        "log-probs different bits")
+    kernel = attention_kernel(torch.bfloat16, cfg.model.attention)
+    return chosen, f"{why}; {kernel} attention gives the sampler's and the learner's log-probs the same bits"
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:
@@ -118,7 +136,7 @@ def evaluate_checkpoint(cfg: HeteroConfig, model_dir: Path, task, progress=None)
     goes back to the system afterwards (`heterorl train` then sits beside its processes)."""
     device = resolve_device(cfg.model.device)
     cfg, _ = with_machine_precision(cfg, device)  # `auto`, for commands that evaluate before any role starts
-    model, tokenizer = load_policy(model_dir, device, DTYPES[cfg.sampler.precision])
+    model, tokenizer = load_policy(model_dir, device, DTYPES[cfg.sampler.precision], cfg.model.attention)
     try:
         return evaluate_model(cfg, model, tokenizer, task, progress)
     finally:

@@ -242,7 +242,7 @@ def make_sampler_engine(cfg: HeteroConfig) -> tuple[HeteroConfig, str, PolicyEng
     sampling = SamplingSettings(scfg.temperature, scfg.top_p, scfg.top_k, scfg.max_new_tokens)
     return cfg, precision, make_generation_engine(
         pick_backend(scfg.backend, device, sampling), sampling, device, precision=scfg.precision,
-        kv_cache_gib=scfg.vllm_kv_cache_gib, max_model_len=scfg.vllm_max_model_len,
+        attention=cfg.model.attention, kv_cache_gib=scfg.vllm_kv_cache_gib, max_model_len=scfg.vllm_max_model_len,
         gpu_memory_utilization=scfg.vllm_gpu_memory_utilization)
 
 

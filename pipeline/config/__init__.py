@@ -145,6 +145,14 @@ class ModelConfig(Strict):
     directory or of a `.gguf` file, or a Hugging Face Hub id (`org/name`, where the Hub can be
     reached). Anything converted or downloaded is cached in `<data_dir>/models`; a relative
     path is read beside the config file first."""
+    attention: Literal["auto", "eager", "sdpa"] = "auto"
+    """The attention kernel of transformers that the learner, replay, evaluator, validators and
+    samplers of the PyTorch backend run (vLLM runs its own whatever this says). `auto`: `eager`
+    where a role computes in bf16, `sdpa` in fp32. In bf16, `sdpa` gives a sampler's cached
+    one-token steps and the learner's pass over the completions different bits (SmolLM2-135M:
+    on-policy KL 2.8e-3), `eager` the same bits (KL 0); `eager` holds each head's sequence x
+    sequence attention matrix, so for long sequences on a GPU `sdpa` may be needed for memory
+    (docs/learner.md, "Half precision")."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Where the learner, replay, evaluator and samplers run the model: `auto` (the GPU when
     there is one, else the CPU), `cpu`, `cuda` or `cuda:N`. A learner of several processes
@@ -393,6 +401,15 @@ class LearnerConfig(Strict):
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     keeping them: less memory for about one more forward pass."""
+    half_rounding: Literal["dithered", "nearest"] = "dithered"
+    """How a bf16 learner's weights, which its forward and the published policy use, follow
+    their fp32 masters after each step. `nearest` (DeepSpeed's) leaves a weight unchanged until
+    its master has moved half a bf16 step: at small learning rates the policy then barely moves
+    (SmolLM2-135M at 2e-6: the mean change of the bf16 weights 1/16 of the masters' after 10
+    steps, and no learning in 50). `dithered` rounds each master up or down by a fixed threshold
+    of its own, so the weights move as their masters do on average while deltas stay small
+    (pipeline.learning.engine.DitheredRounding; docs/learner.md, "Half precision"). ZeRO stages
+    1 and 2; with zero_stage 3 set `nearest`."""
     offload_optimizer: bool = False
     """Keep the optimizer state (and its update) in CPU memory (ZeRO-Offload; zero_stage >= 1)."""
     micro_batch_tokens: int = Field(16384, ge=1)
@@ -466,6 +483,9 @@ class LearnerConfig(Strict):
         if self.precision == "bf16" and self.zero_stage == 0:
             raise ValueError("learner.precision=bf16 needs learner.zero_stage >= 1 (DeepSpeed keeps the fp32 "
                              "master weights in its ZeRO optimizer)")
+        if self.precision in ("bf16", "auto") and self.half_rounding == "dithered" and self.zero_stage == 3:
+            raise ValueError("learner.half_rounding=dithered needs learner.zero_stage 1 or 2 (it rounds their flat fp32 "
+                             "partitions); with zero_stage 3 set learner.half_rounding=nearest")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
         return self

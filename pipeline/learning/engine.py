@@ -15,10 +15,12 @@ ranks and updates).
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -96,13 +98,23 @@ def init_distributed(device: torch.device, ranks: Ranks) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl", verbose=False)
-        atexit.register(_leave_process_group)
+        atexit.register(leave_process_group)
 
 
-def _leave_process_group() -> None:
-    """At exit: NCCL warns of leaked resources when a process group is never destroyed."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def leave_process_group() -> None:
+    """At exit: NCCL warns of leaked resources when a process group is never destroyed. Under
+    gloo the ranks first meet (for at most a minute), so that none tears its connections down
+    while another still has work in flight on them: a rank that left first could end the other
+    with SIGABRT ("terminate called without an active exception") as the interpreter shut down."""
+    if not torch.distributed.is_initialized():
+        return
+    if torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() > 1:
+        try:
+            torch.distributed.monitored_barrier(timeout=timedelta(seconds=60))
+        except RuntimeError:  # a rank that ended first (say, killed): leave without it
+            pass
+    gc.collect()  # work objects that still hold tensors go while the interpreter is whole
+    torch.distributed.destroy_process_group()
 
 
 def begin_micro_batch(engine) -> None:
@@ -158,4 +170,84 @@ def make_deepspeed_engine(model, cfg: LearnerConfig, device: torch.device, ranks
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=deepspeed_config(cfg, ranks.world_size))
     engine.train()
+    if cfg.precision == "bf16" and cfg.half_rounding == "dithered":
+        engine.heterorl_half_rounding = DitheredRounding(engine)
     return engine
+
+
+
+DITHER_BLOCK = 1 << 22
+"""Weights per block of dithering thresholds: each block's come from a generator seeded with
+its position, so a weight's threshold depends on its place in the model, not on the ranks."""
+
+
+class DitheredRounding:
+    """How a bf16 learner's weights (what its forward computes with and what it publishes)
+    follow their fp32 masters after each optimizer step (`learner.half_rounding: dithered`).
+
+    DeepSpeed rounds each master to the nearest bf16, which keeps a weight where it is until its
+    master has moved half a bf16 step (2^-9 of its size) away. At a learning rate of 2e-6 Adam
+    moves SmolLM2-135M's masters by about 1e-6 a step: after 10 steps 3 % of the bf16 weights had
+    changed at all, and their mean change was 1/16 of the masters' (docs/results/precision/), so
+    the policy that samples and learns barely moves. Here each weight has a fixed threshold t in
+    [0, 1) of a bf16 step, drawn once from a seed and its position, and its master rounds up
+    (away from zero) when the master's fraction of a step reaches 1 - t: over the weights the bf16
+    copy moves as the masters do (the same mean change to 4 digits in that test), yet a weight
+    still changes only when its master crosses its own threshold, so successive versions differ
+    in about as few weights as under rounding to nearest and their deltas stay small. The
+    rounding is a function of the masters alone: a replay, a resumed learner or another rank
+    computes the same bits. ZeRO stages 1 and 2 (their flat fp32 partitions); thresholds are
+    kept in host memory on a CPU and drawn again each step on a GPU."""
+
+    def __init__(self, engine):
+        self.optimizer = engine.optimizer
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def thresholds(self, group: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """The int32 thresholds (in [0, 2^16)) of the flat group's weights start..start+count."""
+        if group in self.kept:
+            return self.kept[group]
+        first, last = start // DITHER_BLOCK, (start + count - 1) // DITHER_BLOCK
+        blocks = [torch.randint(0, 1 << 16, (DITHER_BLOCK,), dtype=torch.int32, device=device,
+                                generator=torch.Generator(device=device).manual_seed(
+                                    (HALF_ROUNDING_SEED + group) * 1_000_003 + block))
+                  for block in range(first, last + 1)]
+        drawn = torch.cat(blocks)[start - first * DITHER_BLOCK:][:count]
+        if device.type == "cpu":
+            self.kept[group] = drawn
+        return drawn
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        import deepspeed.comm as dist
+        from deepspeed.runtime.utils import all_gather_dp_groups
+
+        opt = self.optimizer
+        for group, (bit16_partitions, fp32_partition) in enumerate(
+                zip(opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups)):
+            rank = dist.get_rank(group=opt.real_dp_process_group[group])
+            bits = fp32_partition.detach().view(torch.int32)
+            # bf16 is the upper half of an fp32's bits: adding the threshold to the lower half and
+            # truncating rounds the magnitude up by one bf16 step (a carry into the exponent where
+            # due) exactly when the fraction of a step reaches 1 - t.
+            rounded = bits + self.thresholds(group, rank * bits.numel(), bits.numel(), bits.device)
+            rounded.bitwise_and_(-(1 << 16))
+            bit16_partitions[rank].copy_(rounded.view(torch.float32))
+        if dist.get_world_size() > 1:
+            all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
+                                 partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                                 dp_process_group=opt.real_dp_process_group,
+                                 start_alignment_factor=opt.nccl_start_alignment_factor,
+                                 allgather_bucket_size=opt.allgather_bucket_size)
+
+
+HALF_ROUNDING_SEED = 0x5EEDB16
+"""Seeds the thresholds of `DitheredRounding` (with the flat group and block)."""
+
+
+def round_half_weights(engine) -> None:
+    """After `engine.step()`: the bf16 weights from their masters as `learner.half_rounding`
+    says (nothing to do for fp32, or for `nearest`, which DeepSpeed's step has done)."""
+    rounding = getattr(engine, "heterorl_half_rounding", None)
+    if rounding is not None:
+        rounding()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import LearnerConfig
-from pipeline.learning.engine import Ranks, begin_micro_batch, discard_gradients
+from pipeline.learning.engine import Ranks, begin_micro_batch, discard_gradients, round_half_weights
 from pipeline.learning.losses import batch_stats, compute_policy_loss, group_advantages, micro_batch_loss
 from pipeline.models import completion_logprobs, logits_chunk_tokens
 from pipeline.wire.rollout import Rollout
@@ -151,10 +151,12 @@ def _lockstep(engine, batch: GroupBatch, batches: list[list[int]], ranks: Ranks)
 
 def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: LearnerConfig, *,
                    temperature: float, max_completion_length: int, ranks: Ranks = Ranks(),
-                   fresh_check: FreshCheck | None = None) -> dict:
+                   fresh_check: FreshCheck | None = None, on_policy_version: int | None = None) -> dict:
     """One DeepSpeed step on whole groups; every rank calls it with the same groups (and the
     same `fresh_check`). Returns the step's metrics (the same on every rank); with a
-    `fresh_check`, `metrics["fresh_gaps"]` maps each checked group to its statistic.
+    `fresh_check`, `metrics["fresh_gaps"]` maps each checked group to its statistic; with
+    `on_policy_version` (the version the engine holds), the `token_mismatch` of the groups
+    sampled by that very version, under `mismatch_*`.
 
     Raises StepRefused, the engine as it was before the call, when a checked group fails.
     The learner and `heterorl replay` both step through here: with the same weights,
@@ -193,17 +195,42 @@ def optimizer_step(engine, groups: list[Rollout], weights: list[float], cfg: Lea
         discard_gradients(engine)
         raise StepRefused(failed, gaps)
     engine.step()
+    round_half_weights(engine)
     with torch.no_grad():
         _, metrics = compute_policy_loss(
             cfg.loss_type, learner_logps, batch.sampler_logps, batch.mask, advantages, batch.group_ids,
             max_completion_length=max_completion_length, sequence_weights=batch.sequence_weights,
             rewards=batch.rewards, **loss_args)
+    if on_policy_version is not None:
+        rows = torch.tensor([groups[g].policy_version == on_policy_version for g in batch.group_ids.tolist()],
+                            device=batch.mask.device)
+        metrics.update({f"mismatch_{k}": v for k, v in token_mismatch(
+            learner_logps, batch.sampler_logps, batch.mask * rows[:, None]).items()})
     metrics["reward_mean"] = float(batch.rewards.mean())
     metrics["sequences"] = batch.num_sequences
     metrics["completion_tokens"] = float(batch.mask.sum())
     if fresh_check is not None:
         metrics["fresh_gaps"] = gaps
     return {**metrics, "lr": engine.get_lr()[0]}
+
+
+MISMATCH_GAP = 0.1
+"""A token whose learner and sampler log-probs differ by more than this counts in
+`token_mismatch`'s share (`mismatch_share_over_0.1`)."""
+
+
+def token_mismatch(learner_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the learner's log-probs of the tokens under `mask` lie from the sampler's, per token:
+    the median and 99th percentile of k3 = exp(d) - d - 1 with d = sampler - learner (the
+    estimator of the `kl` metric, which averages it), the share of tokens with |d| > MISMATCH_GAP,
+    and how many tokens; {} when `mask` holds none. On groups sampled by the version the learner
+    holds, this is the learner-sampler mismatch of the precision and kernels alone (no drift)."""
+    d = (sampler_logps.double() - learner_logps.detach().double())[mask.bool()]
+    if d.numel() == 0:
+        return {}
+    k3 = torch.expm1(d) - d
+    return {"kl_median": float(torch.quantile(k3, 0.5)), "kl_p99": float(torch.quantile(k3, 0.99)),
+            "share_over_0.1": float((d.abs() > MISMATCH_GAP).double().mean()), "tokens": float(d.numel())}
 
 
 def fresh_gaps(batch: GroupBatch, learner_logps: torch.Tensor, check: FreshCheck | None) -> dict[int, float]:

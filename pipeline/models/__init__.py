@@ -14,7 +14,7 @@ The names below are the public face; import them from here.
 
 from pipeline.models.evaluation import evaluate_policy
 from pipeline.models.logprobs import completion_logprobs, logits_chunk_tokens
-from pipeline.models.policy import (DTYPES, decode_completion, eos_ids, generation_eos_ids, load_policy, load_tokenizer,
+from pipeline.models.policy import (DTYPES, attention_kernel, decode_completion, eos_ids, generation_eos_ids, load_policy, load_tokenizer,
                                     load_weights_into, pad_id, tokenizer_fingerprint)
 from pipeline.models.decoding import SampledGroup, greedy_completions, sample_groups
 from pipeline.models.sources import BUILTIN_MODELS, TINY, ModelSourceError, resolve_model
@@ -23,6 +23,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "DTYPES",
     "TINY",
+    "attention_kernel",
     "ModelSourceError",
     "SampledGroup",
     "completion_logprobs",

@@ -135,8 +135,9 @@ class HfEngine:
 
     backend = "hf"
 
-    def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32"):
-        self.settings, self.device, self.dtype = settings, device, DTYPES[precision]
+    def __init__(self, settings: SamplingSettings, device: torch.device, precision: str = "fp32",
+                 attention: str = "auto"):
+        self.settings, self.device, self.dtype, self.attention = settings, device, DTYPES[precision], attention
         self.model = self.tokenizer = None
         self.in_place_swaps = 0
         """Versions swapped in from host memory: the GPU had no room for their second copy."""
@@ -149,7 +150,7 @@ class HfEngine:
         the GPU between two batches; where the GPU has no room for that second copy they stay
         on the host and `install` copies them in from there (slower, but the sampler updates)."""
         if self.model is None:
-            return load_policy(model_dir, self.device, self.dtype)
+            return load_policy(model_dir, self.device, self.dtype, self.attention)
         from pipeline.weights.policy import read_weights
 
         tensors = {name: t for tensors in read_weights(model_dir).values() for name, t in tensors.items()}
@@ -360,11 +361,12 @@ class VllmEngine:
 
 
 def make_generation_engine(backend: str, settings: SamplingSettings, device: torch.device, *, precision: str = "fp32",
-                kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None,
+                attention: str = "auto", kv_cache_gib: float = 1.0, max_model_len: Optional[int] = None,
                 gpu_memory_utilization: float = 0.3) -> PolicyEngine:
-    """The engine of a resolved backend (`hf` or `vllm`)."""
+    """The engine of a resolved backend (`hf` or `vllm`); `attention` (`model.attention`) is the
+    PyTorch backend's (vLLM runs its own kernels)."""
     if backend == "hf":
-        return HfEngine(settings, device, precision)
+        return HfEngine(settings, device, precision, attention)
     if backend == "vllm":
         return VllmEngine(settings, device, precision, kv_cache_gib, max_model_len, gpu_memory_utilization)
     raise ValueError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")

@@ -187,14 +187,14 @@ class PastPolicies:
 
     def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", keep_last: int = 0, device_bytes: Optional[int] = None,
-                 host_bytes: Optional[int] = None):
+                 host_bytes: Optional[int] = None, attention: str = "auto"):
         """`model_dir`: a directory of this model (its architecture; the weights are replaced);
-        `dtype` and `device`: where re-scoring computes; `keep_last`: versions `keep` holds, in
+        `dtype`, `device` and `attention` (`model.attention`): where and how re-scoring computes; `keep_last`: versions `keep` holds, in
         at most `device_bytes` on `device` then `host_bytes` of (pinned) host memory (None:
         `SHARE` of what is free at each keep; for `host_bytes`, on a device other than a GPU, 0:
         the device is host memory already)."""
         self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
-        self.dtype, self.device, self.keep_last = dtype, torch.device(device), keep_last
+        self.dtype, self.device, self.keep_last, self.attention = dtype, torch.device(device), keep_last, attention
         self.device_bytes, self.host_bytes = device_bytes, host_bytes
         self.scratch: Optional[torch.nn.Module] = None
         self.loaded: Optional[int] = None
@@ -372,7 +372,7 @@ class PastPolicies:
 
     def _load(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if self.scratch is None:
-            self.scratch, _ = load_policy(self.model_dir, device=self.device, dtype=self.dtype)
+            self.scratch, _ = load_policy(self.model_dir, device=self.device, dtype=self.dtype, attention=self.attention)
             for p in self.scratch.parameters():
                 p.requires_grad_(False)
             self.scratch.eval()
