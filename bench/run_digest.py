@@ -6,7 +6,9 @@ Reads RUN_DIR/summary.json, learner_summary.json and metrics.jsonl (what `hetero
 writes) and prints the precision and CPU it ran with, held-out accuracy before and after
 (sampled and greedy), the learner's step times (median and 90th percentile, and the time
 between its first and last step), the per-stage seconds of the learner's steps and the share
-of its busy time outside the optimizer step, and the minutes before, during and after
+of its busy time outside the optimizer step, the learner-sampler mismatch on the groups sampled
+by the learner's own version (`mismatch_*` in its metrics), whether the publisher kept up
+(`versions_skipped` in learner_summary.json), and the minutes before, during and after
 training. `bench/gpu_check.sh` ends with it; it reads any run's directory.
 """
 
@@ -24,6 +26,38 @@ sys.path.insert(0, str(ROOT))
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def mismatch_line(steps: list[dict], precision: str = "", staleness_histogram: dict | None = None) -> str:
+    """The learner-sampler mismatch over the steps whose batch held groups sampled by the learner's
+    own version: per-token KL (k3) median (the median of the steps'), p99 (the largest step's),
+    and the token-weighted share of tokens whose log-probs differ by more than 0.1."""
+    on_policy = [r for r in steps if "mismatch_kl_median" in r]
+    what = precision.split("(")[0].strip().removeprefix("precision: ") or "precision not recorded"
+    if not on_policy:
+        fresh = (staleness_histogram or {}).get("0", 0)
+        return f"on-policy mismatch ({what}): " + (
+            f"not recorded, though {fresh} groups were used at staleness 0 (a run from before the learner "
+            "wrote mismatch_* metrics)" if fresh else "no step held a group sampled by the learner's own version")
+    tokens = [r.get("mismatch_tokens", 1.0) for r in on_policy]
+    share = sum(r["mismatch_share_over_0.1"] * t for r, t in zip(on_policy, tokens)) / sum(tokens)
+    return (f"on-policy mismatch ({what}): KL per token median {statistics.median(r['mismatch_kl_median'] for r in on_policy):.2e}, "
+            f"p99 up to {max(r['mismatch_kl_p99'] for r in on_policy):.2e}, tokens with |log-prob gap| > 0.1: "
+            f"{100 * share:.2f} %, over {len(on_policy)} of {len(steps)} steps ({sum(tokens):.0f} tokens)")
+
+
+def publisher_line(learner: dict) -> str:
+    """Whether the publisher kept up: the versions the learner made, and those skipped because a
+    newer one overtook them while they waited (`versions_skipped`)."""
+    skipped = learner.get("versions_skipped")
+    if skipped is None:
+        return "publisher: versions_skipped not recorded"
+    made = learner.get("final_policy_version", 0) - learner.get("start_policy_version", 0)
+    waited = learner.get("seconds", {}).get("time_publish_wait_s")
+    verdict = "kept up" if not skipped else "fell behind"
+    return (f"publisher: {verdict}, {len(skipped)} of {made} versions skipped"
+            + (f" ({', '.join(f'v{v}' for v in skipped[:10])}{', ...' if len(skipped) > 10 else ''})" if skipped else "")
+            + (f"; the learner waited {waited:.1f} s for it" if waited is not None else ""))
 
 
 def digest(run_dir: Path) -> list[str]:
@@ -50,6 +84,8 @@ def digest(run_dir: Path) -> list[str]:
                                                         for k, v in seconds.items() if k.startswith(("time_", "background_")))
                      + f"; outside the optimizer step: {100 * (learner.get('outside_optimizer_share') or 0):.1f} % "
                        "of its busy time")
+    lines.append(mismatch_line(steps, summary.get("precision", ""), learner.get("staleness_histogram")))
+    lines.append(publisher_line(learner))
     phases = summary.get("seconds", {})
     if phases:
         lines.append("minutes: " + ", ".join(f"{k.replace('_', ' ')} {v / 60:.1f}" for k, v in phases.items())

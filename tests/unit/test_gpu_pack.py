@@ -46,19 +46,23 @@ def optional_extras() -> set[str]:
 
 
 def test_the_pack_is_the_runtime_closure_less_the_image():
-    closure, image, pack = gpu_pack.runtime_closure(), gpu_pack.image_packages(), gpu_pack.to_pack()
-    assert set(pack) == set(closure) - image
+    closure, image = gpu_pack.runtime_closure(), gpu_pack.image_packages()
+    with_torch = set(gpu_pack.runtime_closure("torch", ())) | {"torch"}
+    pack = gpu_pack.to_pack(image)
+    assert set(pack) == set(closure) - image - with_torch
     # what the first GPU run found missing, by hand, is found here by derivation
     assert {"botocore", "cryptography", "zstandard", "tenacity", "kafka-python", "deepspeed", "gguf"} <= set(pack)
-    assert "torch" in closure and "torch" not in pack  # the image's own CUDA build is used
+    assert "torch" in closure and "torch" not in pack  # the machine's own (CUDA) build is used
     assert all(pack[name] == metadata.version(name) for name in pack)  # the versions tested here
+    # without a list of what the machine has, everything but torch and what torch needs
+    assert set(gpu_pack.to_pack()) == set(closure) - with_torch and "transformers" in gpu_pack.to_pack()
 
 
 def test_every_module_the_product_imports_resolves_on_the_gpu_image():
     """A static scan (imports inside functions count: the local S3 server's botocore is one),
     each top-level module mapped to the distribution that provides it here."""
     providers = metadata.packages_distributions()
-    available = gpu_pack.image_packages() | set(gpu_pack.to_pack())
+    available = gpu_pack.image_packages() | set(gpu_pack.to_pack(gpu_pack.image_packages()))
     optional = optional_extras()
     unresolved = {}
     for module, files in imported_top_level_modules().items():
