@@ -92,7 +92,9 @@ def test_seed_spread_and_the_two_claims():
     c = claims(unpaired, [0, 64])
     assert abs(c["gepo_drop_pct"] - 100 * (0.50 - 0.54) / 0.50) < 1e-9
     assert _bars(c)[0].endswith("holds (on seed 1: the seeds with both cells).")
-    assert _bars(claims(records[:4], [0, 64]))[0].endswith(": holds.")  # every seed paired: nothing to say
+    # every seed paired: nothing to say about pairing; over two seeds the mean is no verdict, the interval is
+    assert _bars(claims(records[:4], [0, 64]))[0].endswith(
+        ": under the bar on the mean of the seeds; the verdict, with its interval over them, is the next section's.")
 
 
 def test_the_report_shows_the_range_over_seeds(tmp_path):
