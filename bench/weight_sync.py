@@ -153,8 +153,9 @@ def encode_measure(old: dict, new: dict) -> dict:
     return {"bytes": nbytes, "changed_share": changed / max(1, elements), "encode_s": enc_s, "decode_verify_s": dec_s}
 
 
-def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> dict:
-    """`--steps` learner steps at `lr`; per step, the bf16 and fp32 deltas."""
+def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path, rounding: str = "dithered") -> dict:
+    """`--steps` learner steps at `lr` (bf16 weights from their masters by `rounding`:
+    `learner.half_rounding`); per step, the bf16 and fp32 deltas."""
     import copy
 
     import torch
@@ -165,7 +166,8 @@ def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> 
     from pipeline.learning.update import optimizer_step
 
     lcfg = LearnerConfig(loss_type="gepo", lr=lr, lr_warmup_steps=0, precision="bf16", zero_stage=1,
-                         micro_batch_tokens=4096, gradient_checkpointing=args.shape == "qwen2-0.5b")
+                         micro_batch_tokens=4096, gradient_checkpointing=args.shape == "qwen2-0.5b",
+                         half_rounding=rounding)
     engine = make_deepspeed_engine(copy.deepcopy(model), lcfg, resolve_device("cpu"))
     bf16, fp32 = policy_weights(engine, tokenizer, work)
     steps, kept = [], None
@@ -176,13 +178,13 @@ def train_and_measure(model, tokenizer, groups, lr: float, args, work: Path) -> 
         step_s = time.perf_counter() - started
         new_bf16, new_fp32 = policy_weights(engine, tokenizer, work)
         steps.append({"step_s": step_s, "bf16": encode_measure(bf16, new_bf16), "fp32": encode_measure(fp32, new_fp32)})
-        print(f"  lr {lr:g} step {len(steps)}: {step_s:.1f}s; bf16 delta {steps[-1]['bf16']['bytes'] / 1e6:.2f} MB "
+        print(f"  {rounding} lr {lr:g} step {len(steps)}: {step_s:.1f}s; bf16 delta {steps[-1]['bf16']['bytes'] / 1e6:.2f} MB "
               f"encoded in {steps[-1]['bf16']['encode_s']:.1f}s; fp32 delta {steps[-1]['fp32']['bytes'] / 1e6:.1f} MB",
               flush=True)
         bf16, fp32 = new_bf16, new_fp32
         kept = kept or new_bf16
     del engine
-    return {"lr": lr, "steps": steps, "first_bf16": kept}
+    return {"lr": lr, "rounding": rounding, "steps": steps, "first_bf16": kept}
 
 
 def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dict]:
@@ -256,6 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="smollm2", choices=["tiny", "smollm2", "qwen2-0.5b"],
                         help="the model (default smollm2, the real SmolLM2-135M-Instruct)")
     parser.add_argument("--lrs", default="1e-6,1e-5,5e-4", help="learning rates, comma-separated")
+    parser.add_argument("--half-rounding", default="dithered",
+                        help="learner.half_rounding of the bf16 learner, comma-separated to compare: dithered "
+                             "(default), nearest")
     parser.add_argument("--steps", type=int, default=2, help="learner steps per learning rate (default 2)")
     parser.add_argument("--groups", type=int, default=2, help="prompt groups per step (default 2)")
     parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4)")
@@ -284,17 +289,18 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         groups = rollouts(args.shape, model, tokenizer, args)
         print(f"rollouts: {len(groups)} informative groups in {time.perf_counter() - started:.0f}s", flush=True)
-        runs = [train_and_measure(model, tokenizer, groups, lr, args, work) for lr in lrs]
+        runs = [train_and_measure(model, tokenizer, groups, lr, args, work, rounding)
+                for rounding in args.half_rounding.split(",") for lr in lrs]
         full_bf16 = sum(t.numel() * 2 for tensors in runs[0]["first_bf16"].values() for t in tensors.values())
         full_fp32 = 2 * full_bf16
         print(f"\nbytes per version (full bf16 {full_bf16 / 1e6:.1f} MB, full fp32 {full_fp32 / 1e6:.1f} MB):")
-        print(f"{'lr':>8} {'step s':>7} {'bf16 delta MB':>14} {'% of bf16':>10} {'changed':>8} {'encode s':>9} "
+        print(f"{'rounding':>9} {'lr':>8} {'step s':>7} {'bf16 delta MB':>14} {'% of bf16':>10} {'changed':>8} {'encode s':>9} "
               f"{'decode+verify s':>16} {'fp32 delta MB':>14} {'% of fp32':>10}")
         table = []
         for run in runs:
             s = run["steps"]
             worst = max(x["bf16"]["bytes"] for x in s)
-            row = {"lr": run["lr"], "step_s": statistics.mean(x["step_s"] for x in s),
+            row = {"lr": run["lr"], "half_rounding": run["rounding"], "step_s": statistics.mean(x["step_s"] for x in s),
                    "bf16_delta_bytes": [x["bf16"]["bytes"] for x in s], "bf16_share_max": worst / full_bf16,
                    "bf16_changed_share": [x["bf16"]["changed_share"] for x in s],
                    "encode_s": statistics.mean(x["bf16"]["encode_s"] for x in s),
@@ -302,7 +308,7 @@ def main(argv=None) -> int:
                    "fp32_delta_bytes": [x["fp32"]["bytes"] for x in s],
                    "fp32_share_max": max(x["fp32"]["bytes"] for x in s) / full_fp32}
             table.append(row)
-            print(f"{run['lr']:>8.0e} {row['step_s']:>7.1f} {worst / 1e6:>14.2f} {100 * row['bf16_share_max']:>9.2f}% "
+            print(f"{run['rounding']:>9} {run['lr']:>8.0e} {row['step_s']:>7.1f} {worst / 1e6:>14.2f} {100 * row['bf16_share_max']:>9.2f}% "
                   f"{100 * max(row['bf16_changed_share']):>7.2f}% {row['encode_s']:>9.2f} "
                   f"{row['decode_verify_s']:>16.2f} {max(row['fp32_delta_bytes']) / 1e6:>14.2f} "
                   f"{100 * row['fp32_share_max']:>9.1f}%")

@@ -408,8 +408,7 @@ class LearnerConfig(Strict):
     (SmolLM2-135M at 2e-6: the mean change of the bf16 weights 1/16 of the masters' after 10
     steps, and no learning in 50). `dithered` rounds each master up or down by a fixed threshold
     of its own, so the weights move as their masters do on average while deltas stay small
-    (pipeline.learning.engine.DitheredRounding; docs/learner.md, "Half precision"). ZeRO stages
-    1 and 2; with zero_stage 3 set `nearest`."""
+    (pipeline.learning.engine.DitheredRounding; docs/learner.md, "Half precision")."""
     offload_optimizer: bool = False
     """Keep the optimizer state (and its update) in CPU memory (ZeRO-Offload; zero_stage >= 1)."""
     micro_batch_tokens: int = Field(16384, ge=1)
@@ -483,9 +482,6 @@ class LearnerConfig(Strict):
         if self.precision == "bf16" and self.zero_stage == 0:
             raise ValueError("learner.precision=bf16 needs learner.zero_stage >= 1 (DeepSpeed keeps the fp32 "
                              "master weights in its ZeRO optimizer)")
-        if self.precision in ("bf16", "auto") and self.half_rounding == "dithered" and self.zero_stage == 3:
-            raise ValueError("learner.half_rounding=dithered needs learner.zero_stage 1 or 2 (it rounds their flat fp32 "
-                             "partitions); with zero_stage 3 set learner.half_rounding=nearest")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
         return self

@@ -196,26 +196,41 @@ class DitheredRounding:
     still changes only when its master crosses its own threshold, so successive versions differ
     in about as few weights as under rounding to nearest and their deltas stay small. The
     rounding is a function of the masters alone: a replay, a resumed learner or another rank
-    computes the same bits. ZeRO stages 1 and 2 (their flat fp32 partitions); thresholds are
-    kept in host memory on a CPU and drawn again each step on a GPU."""
+    computes the same bits. Each rank rounds the flat fp32 partition it holds: under ZeRO 1 and 2
+    a weight's threshold follows its place in the model, under ZeRO 3 (whose partitions are
+    slices of every weight) its place in the rank's partition, so a ZeRO-3 replay needs the same
+    number of ranks. Thresholds are kept in host memory on a CPU and drawn again each step on a
+    GPU."""
 
     def __init__(self, engine):
         self.optimizer = engine.optimizer
-        self.kept: dict[int, torch.Tensor] = {}
+        self.kept: dict[tuple, torch.Tensor] = {}
 
-    def thresholds(self, group: int, start: int, count: int, device: torch.device) -> torch.Tensor:
-        """The int32 thresholds (in [0, 2^16)) of the flat group's weights start..start+count."""
-        if group in self.kept:
-            return self.kept[group]
+    def thresholds(self, key: tuple, start: int, count: int, device: torch.device) -> torch.Tensor:
+        """The int32 thresholds (in [0, 2^16)) of weights start..start+count of the flat tensor
+        `key` names."""
+        if key in self.kept:
+            return self.kept[key]
         first, last = start // DITHER_BLOCK, (start + count - 1) // DITHER_BLOCK
+        seed = HALF_ROUNDING_SEED
+        for part in key:
+            seed = seed * 1_000_003 + part
         blocks = [torch.randint(0, 1 << 16, (DITHER_BLOCK,), dtype=torch.int32, device=device,
-                                generator=torch.Generator(device=device).manual_seed(
-                                    (HALF_ROUNDING_SEED + group) * 1_000_003 + block))
+                                generator=torch.Generator(device=device).manual_seed((seed * 1_000_003 + block) % 2**63))
                   for block in range(first, last + 1)]
         drawn = torch.cat(blocks)[start - first * DITHER_BLOCK:][:count]
         if device.type == "cpu":
-            self.kept[group] = drawn
+            self.kept[key] = drawn
         return drawn
+
+    def rounded(self, master: torch.Tensor, key: tuple, start: int) -> torch.Tensor:
+        """`master` (fp32) dithered to bf16 values (still fp32, their lower halves 0)."""
+        bits = master.detach().view(torch.int32)
+        # bf16 is the upper half of an fp32's bits: adding the threshold to the lower half and
+        # truncating rounds the magnitude up by one bf16 step (a carry into the exponent where
+        # due) exactly when the fraction of a step reaches 1 - t.
+        rounded = bits + self.thresholds(key, start, bits.numel(), bits.device)
+        return rounded.bitwise_and_(-(1 << 16)).view(torch.float32)
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -223,16 +238,17 @@ class DitheredRounding:
         from deepspeed.runtime.utils import all_gather_dp_groups
 
         opt = self.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 3: partitions gathered where used
+            rank, world = dist.get_rank(), dist.get_world_size()
+            for group, (bit16, fp32) in enumerate(zip(opt.fp16_partitioned_groups_flat,
+                                                      opt.fp32_partitioned_groups_flat)):
+                if bit16 is not None:  # (None: swapped out to NVMe, left to DeepSpeed's rounding)
+                    bit16.copy_(self.rounded(fp32, (3, group, rank, world), 0))
+            return
         for group, (bit16_partitions, fp32_partition) in enumerate(
                 zip(opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups)):
             rank = dist.get_rank(group=opt.real_dp_process_group[group])
-            bits = fp32_partition.detach().view(torch.int32)
-            # bf16 is the upper half of an fp32's bits: adding the threshold to the lower half and
-            # truncating rounds the magnitude up by one bf16 step (a carry into the exponent where
-            # due) exactly when the fraction of a step reaches 1 - t.
-            rounded = bits + self.thresholds(group, rank * bits.numel(), bits.numel(), bits.device)
-            rounded.bitwise_and_(-(1 << 16))
-            bit16_partitions[rank].copy_(rounded.view(torch.float32))
+            bit16_partitions[rank].copy_(self.rounded(fp32_partition, (group,), rank * fp32_partition.numel()))
         if dist.get_world_size() > 1:
             all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
                                  partitioned_param_groups=opt.parallel_partitioned_bit16_groups,

@@ -100,10 +100,10 @@ def test_bf16_with_sdpa_parts_from_the_sampler(base):
     assert metrics["mismatch_kl_p99"] > 0
 
 
-def bf16_engine(rounding: str, lr: float = 1e-3):
+def bf16_engine(rounding: str, lr: float = 1e-3, stage: int = 1):
     from tests.unit.test_learner_state import tiny_model
 
-    cfg = load_config(None, ["learner.precision=bf16", "learner.zero_stage=1", f"learner.half_rounding={rounding}",
+    cfg = load_config(None, ["learner.precision=bf16", f"learner.zero_stage={stage}", f"learner.half_rounding={rounding}",
                              f"learner.lr={lr}", "learner.lr_warmup_steps=0", "learner.kl_coef=0.05"], env={}).learner
     return make_deepspeed_engine(tiny_model(), cfg, torch.device("cpu")), cfg
 
@@ -140,20 +140,23 @@ def test_dithered_rounding_moves_the_share_of_weights_a_master_has_moved_and_onl
     assert torch.equal(nearest[:n], start[:n].bfloat16().float())  # what DeepSpeed starts from: round to nearest
 
 
-def test_at_a_small_learning_rate_dithered_bf16_weights_move_as_their_masters_and_nearest_ones_lag():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_at_a_small_learning_rate_dithered_bf16_weights_move_as_their_masters_and_nearest_ones_lag(stage):
     from deepspeed.utils import safe_get_full_fp32_param
 
+    from tests.unit.test_learner_state import weights
     from tests.unit.test_update import groups
 
     moved = {}
     for rounding in ("dithered", "nearest"):
-        engine, cfg = bf16_engine(rounding, lr=1e-5)
-        before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        engine, cfg = bf16_engine(rounding, lr=1e-5, stage=stage)
+        before = weights(engine)
         for seed in (2, 3, 4):
             optimizer_step(engine, groups(seed=seed), [1.0, 0.5, 1.0], cfg, temperature=1.0, max_completion_length=8)
-        weights = sum(float((p.detach().float() - before[n]).abs().sum()) for n, p in engine.module.named_parameters())
+        after = weights(engine)
+        used = sum(float((after[n] - before[n]).abs().sum()) for n in before)
         masters = sum(float((safe_get_full_fp32_param(p) - before[n]).abs().sum())
                       for n, p in engine.module.named_parameters())
-        moved[rounding] = weights / masters
+        moved[rounding] = used / masters
     assert 0.9 < moved["dithered"] < 1.1
     assert moved["nearest"] < 0.5
