@@ -475,7 +475,7 @@ class Learner:
     def close(self) -> None:
         if self.link is not None:
             self.link.send(STOP)
-            leave_process_group()  # with the other ranks, which leave on STOP
+            leave_process_group(together=True)  # with the other ranks, which leave on STOP
         if not self.publisher.closed:  # an error path: still publish what was handed over
             try:
                 self.publisher.close()

@@ -106,7 +106,7 @@ class LearnerRank:
                     if payload["state"]:
                         capture(engine, tokenizer, state=True, leader=False)
                 elif command == STOP:
-                    leave_process_group()  # with rank 0, which leaves after sending STOP
+                    leave_process_group(together=True)  # with rank 0, which leaves after sending STOP
                     return 0
 
 

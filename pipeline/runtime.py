@@ -89,7 +89,8 @@ def _learning_precision(cfg: HeteroConfig, setting: str, device) -> tuple[str, s
         return "fp32", (f"{why}, but model.attention=sdpa gives the sampler's and the learner's bf16 "
                         "log-probs different bits")
     kernel = attention_kernel(torch.bfloat16, cfg.model.attention)
-    return chosen, f"{why}; {kernel} attention gives the sampler's and the learner's log-probs the same bits"
+    return chosen, (f"{why}; {kernel} attention gives the learner's and a PyTorch sampler's log-probs the same bits "
+                    "(vLLM runs kernels of its own: mismatch_* in the metrics)")
 
 
 def base_model_settings(cfg: HeteroConfig) -> dict:

@@ -101,14 +101,16 @@ def init_distributed(device: torch.device, ranks: Ranks) -> None:
         atexit.register(leave_process_group)
 
 
-def leave_process_group() -> None:
-    """At exit: NCCL warns of leaked resources when a process group is never destroyed. Under
-    gloo the ranks first meet (for at most a minute), so that none tears its connections down
-    while another still has work in flight on them: a rank that left first could end the other
-    with SIGABRT ("terminate called without an active exception") as the interpreter shut down."""
+def leave_process_group(together: bool = False) -> None:
+    """Destroy the process group (NCCL warns of leaked resources when one is never destroyed; at
+    exit this runs by itself). `together`: the learner's coordinated end (rank 0 sent STOP, the
+    others received it): under gloo the ranks first meet, for at most a minute, so that none
+    tears its connections down while another still has work in flight on them (a rank that left
+    first could end the other with SIGABRT, "terminate called without an active exception").
+    A rank ending on an error does not wait for the others."""
     if not torch.distributed.is_initialized():
         return
-    if torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() > 1:
+    if together and torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() > 1:
         try:
             torch.distributed.monitored_barrier(timeout=timedelta(seconds=60))
         except RuntimeError:  # a rank that ended first (say, killed): leave without it
@@ -205,32 +207,39 @@ class DitheredRounding:
     def __init__(self, engine):
         self.optimizer = engine.optimizer
         self.kept: dict[tuple, torch.Tensor] = {}
+        """Thresholds by (flat tensor, block), kept where they are drawn on the CPU."""
 
-    def thresholds(self, key: tuple, start: int, count: int, device: torch.device) -> torch.Tensor:
-        """The int32 thresholds (in [0, 2^16)) of weights start..start+count of the flat tensor
-        `key` names."""
-        if key in self.kept:
-            return self.kept[key]
-        first, last = start // DITHER_BLOCK, (start + count - 1) // DITHER_BLOCK
+    def thresholds(self, key: tuple, block: int, device: torch.device) -> torch.Tensor:
+        """The int32 thresholds (in [0, 2^16)) of block `block` (DITHER_BLOCK weights) of the flat
+        tensor `key` names."""
+        if (key, block) in self.kept:
+            return self.kept[key, block]
         seed = HALF_ROUNDING_SEED
-        for part in key:
-            seed = seed * 1_000_003 + part
-        blocks = [torch.randint(0, 1 << 16, (DITHER_BLOCK,), dtype=torch.int32, device=device,
-                                generator=torch.Generator(device=device).manual_seed((seed * 1_000_003 + block) % 2**63))
-                  for block in range(first, last + 1)]
-        drawn = torch.cat(blocks)[start - first * DITHER_BLOCK:][:count]
+        for part in (*key, block):
+            seed = (seed * 1_000_003 + part) % 2**63
+        drawn = torch.randint(0, 1 << 16, (DITHER_BLOCK,), dtype=torch.int32, device=device,
+                              generator=torch.Generator(device=device).manual_seed(seed))
         if device.type == "cpu":
-            self.kept[key] = drawn
+            self.kept[key, block] = drawn
         return drawn
 
-    def rounded(self, master: torch.Tensor, key: tuple, start: int) -> torch.Tensor:
-        """`master` (fp32) dithered to bf16 values (still fp32, their lower halves 0)."""
+    def round_into(self, target: torch.Tensor, master: torch.Tensor, key: tuple, start: int) -> None:
+        """`target` (bf16) = `master` (fp32, the weights start.. of the flat tensor `key` names)
+        dithered, a block of DITHER_BLOCK weights at a time (no second copy of the partition)."""
         bits = master.detach().view(torch.int32)
-        # bf16 is the upper half of an fp32's bits: adding the threshold to the lower half and
-        # truncating rounds the magnitude up by one bf16 step (a carry into the exponent where
-        # due) exactly when the fraction of a step reaches 1 - t.
-        rounded = bits + self.thresholds(key, start, bits.numel(), bits.device)
-        return rounded.bitwise_and_(-(1 << 16)).view(torch.float32)
+        done = 0
+        while done < bits.numel():
+            block, offset = divmod(start + done, DITHER_BLOCK)
+            count = min(DITHER_BLOCK - offset, bits.numel() - done)
+            part = bits[done:done + count]
+            # bf16 is the upper half of an fp32's bits: adding the threshold to the lower half and
+            # truncating rounds the magnitude up by one bf16 step (a carry into the exponent where
+            # due) exactly when the fraction of a step reaches 1 - t.
+            rounded = (part + self.thresholds(key, block, bits.device)[offset:offset + count])
+            rounded = rounded.bitwise_and_(-(1 << 16)).view(torch.float32)
+            value = part.view(torch.float32)
+            target[done:done + count].copy_(torch.where(value.isnan(), value, rounded))  # a NaN stays one
+            done += count
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -242,13 +251,17 @@ class DitheredRounding:
             rank, world = dist.get_rank(), dist.get_world_size()
             for group, (bit16, fp32) in enumerate(zip(opt.fp16_partitioned_groups_flat,
                                                       opt.fp32_partitioned_groups_flat)):
-                if bit16 is not None:  # (None: swapped out to NVMe, left to DeepSpeed's rounding)
-                    bit16.copy_(self.rounded(fp32, (3, group, rank, world), 0))
+                if bit16 is not None and fp32.numel() == bit16.numel():  # (else swapped out: DeepSpeed's rounding)
+                    self.round_into(bit16, fp32, (3, group, rank, world), 0)
+            persistent = opt.persistent_parameters
+            if persistent:  # the small weights DeepSpeed keeps gathered: gathered again from the new partitions
+                persistent[0].partition(persistent)
+                persistent[0].all_gather(persistent)
             return
         for group, (bit16_partitions, fp32_partition) in enumerate(
                 zip(opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups)):
             rank = dist.get_rank(group=opt.real_dp_process_group[group])
-            bit16_partitions[rank].copy_(self.rounded(fp32_partition, (group,), rank * fp32_partition.numel()))
+            self.round_into(bit16_partitions[rank], fp32_partition, (group,), rank * fp32_partition.numel())
         if dist.get_world_size() > 1:
             all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
                                  partitioned_param_groups=opt.parallel_partitioned_bit16_groups,

@@ -126,7 +126,7 @@ def test_precision_auto_is_decided_by_the_machine(monkeypatch):
     chosen, line = with_machine_precision(cfg, cpu)
     # bf16 keeps its fp32 master weights in DeepSpeed's ZeRO optimizer: stage 1 at least.
     assert (chosen.learner.precision, chosen.sampler.precision, chosen.learner.zero_stage) == ("bf16", "bf16", 1)
-    assert "(AMX)" in line and "eager attention gives the sampler's and the learner's log-probs the same bits" in line
+    assert "(AMX)" in line and "eager attention gives the learner's and a PyTorch sampler's log-probs the same bits" in line
     # What learns, not only what is fast: with sdpa attention bf16's two sides disagree, so auto keeps fp32.
     sdpa = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "sdpa"})})
     chosen, line = with_machine_precision(sdpa, cpu)

@@ -71,3 +71,59 @@ def test_two_ranks_give_the_weights_of_one(tmp_path, one_rank, stage, budget):
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 3e-5
     # The gradient norm of every step, and the last step's loss.
     assert numbers_two == pytest.approx(numbers_one, rel=1e-4, abs=1e-7)
+
+
+BF16_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    import torch
+    from pipeline.config import load_config
+    from pipeline.learning.engine import Ranks, make_deepspeed_engine
+    from pipeline.learning.update import optimizer_step
+    from pipeline.models import completion_logprobs
+    from tests.unit.test_learner_state import tiny_model, weights
+    from tests.unit.test_update import groups
+
+    ranks = Ranks.from_env()
+    cfg = load_config(None, ["learner.zero_stage=3", "learner.precision=bf16", "learner.half_rounding=dithered",
+                             "learner.lr=1e-4", "learner.lr_warmup_steps=0"], env={{}}).learner
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    engine = make_deepspeed_engine(model, cfg, torch.device("cpu"), ranks)
+    for seed in (2, 3, 4):
+        optimizer_step(engine, groups(n=5, seed=seed), [1.0] * 5, cfg, temperature=1.0, max_completion_length=8,
+                       ranks=ranks)
+    batch = groups(n=2, seed=9)
+    prompts = [g.prompt_ids for g in batch for _ in g.completion_ids]
+    completions = [c for g in batch for c in g.completion_ids]
+    engine.module.eval()
+    with torch.no_grad():
+        computed, _ = completion_logprobs(engine.module, prompts, completions, 1.0)  # every rank: ZeRO 3 gathers
+    published = weights(engine)  # what a checkpoint of this version holds
+    if ranks.leader:
+        fresh = tiny_model()
+        fresh.set_attn_implementation("eager")
+        fresh.load_state_dict(published)
+        for param in fresh.parameters():  # as DeepSpeed's bf16 does: the parameters, not the buffers
+            param.data = param.data.to(torch.bfloat16)
+        fresh.eval()
+        with torch.no_grad():
+            again, _ = completion_logprobs(fresh, prompts, completions, 1.0)
+        print("SAME" if torch.equal(computed, again) else f"DIFF {{float((computed - again).abs().max())}}")
+""")
+
+
+def test_a_bf16_zero3_learner_on_two_ranks_computes_with_the_weights_it_publishes(tmp_path):
+    """Dithered rounding under ZeRO 3 rounds each rank's partition; the small weights DeepSpeed keeps
+    gathered must be gathered again from it, or the learner's forward would use other bits than the
+    version it publishes (and its samplers' log-probs would part from its own)."""
+    script = BF16_SCRIPT.format(root=str(ROOT))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, stderr) in zip(procs, outputs):
+        assert p.returncode == 0, stderr[-3000:]
+    assert "SAME" in outputs[0][0], outputs[0][0][-500:]
