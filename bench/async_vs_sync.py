@@ -101,8 +101,9 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     from pipeline.learning.engine import make_deepspeed_engine
     from pipeline.devices import resolve_device
     from pipeline.records.metrics import StageClock
-    from pipeline.models import DTYPES, attention_kernel, load_policy, sample_groups
-    from pipeline.runtime import evaluate_model, make_task_from_config, resolve_base_model, with_machine_precision
+    from pipeline.models import DTYPES, load_policy, sample_groups
+    from pipeline.runtime import (evaluate_model, learner_attention, make_task_from_config, resolve_base_model,
+                                  with_machine_precision)
     from pipeline.learning.update import optimizer_step
     from producers.sampler import score_groups
 
@@ -118,7 +119,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
         evals.append({"step": 0, "minutes": 0.0, **evaluate_model(cfg, model, tokenizer, task)})
         del model
     started = time.time()
-    model, tokenizer = load_policy(base, attention=attention_kernel(DTYPES[cfg.learner.precision], cfg.model.attention))
+    model, tokenizer = load_policy(base, attention=learner_attention(cfg))
     engine = make_deepspeed_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
     times, index, evaluating_s = [], 0, 0.0

@@ -24,8 +24,8 @@ from pipeline.learning.engine import Ranks, init_distributed, leave_process_grou
 from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import NAMES, SAVE, START, STOP, TRAIN, RankLink
 from pipeline.learning.update import FreshCheck, StepRefused, optimizer_step
-from pipeline.models import DTYPES, attention_kernel, load_policy
-from pipeline.runtime import connect_run, setup_logging, with_machine_precision
+from pipeline.models import load_policy
+from pipeline.runtime import connect_run, learner_attention, setup_logging, with_machine_precision
 from pipeline.weights.store import LEARNER_STATE_DIR
 from pipeline.clients.services import free_port
 from pipeline.weights.learner_state import capture, load_learner_state
@@ -38,8 +38,7 @@ def start_engine(cfg: HeteroConfig, model_dir: Path, device, ranks: Ranks, log, 
     """(DeepSpeed engine, tokenizer) from a model directory (the base model, or the checkpoint
     a learner resumes from), with its learner state if it has one."""
     # DeepSpeed moves it to model.device and casts it to the learner's precision, whose kernel it runs
-    model, tokenizer = load_policy(model_dir, attention=attention_kernel(DTYPES[cfg.learner.precision],
-                                                                         cfg.model.attention))
+    model, tokenizer = load_policy(model_dir, attention=learner_attention(cfg))
     engine = make_deepspeed_engine(model, cfg.learner, device, ranks)
     if (model_dir / LEARNER_STATE_DIR).is_dir():
         # AdamW moments, LR schedule and step count, so the resumed run continues exactly.

@@ -50,9 +50,10 @@ from pipeline.errors import UserError
 from pipeline.clients.topics import read_topic, topic_partitions
 from pipeline.weights.learner_state import save_weights
 from pipeline.records.metrics import MetricsWriter
-from pipeline.models import DTYPES, attention_kernel, load_policy, tokenizer_fingerprint
+from pipeline.models import load_policy, tokenizer_fingerprint
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
-from pipeline.runtime import evaluate_model, make_task_from_config, setup_logging, with_machine_precision
+from pipeline.runtime import (evaluate_model, learner_attention, make_task_from_config, setup_logging,
+                              with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
 from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
@@ -381,8 +382,7 @@ class Replay:
         torch.set_num_threads(self.lcfg.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
         # DeepSpeed moves it to model.device and casts it to the learner's precision, whose kernel it runs
-        model, self.tokenizer = load_policy(base_dir, attention=attention_kernel(DTYPES[self.cfg.learner.precision],
-                                                                                 self.cfg.model.attention))
+        model, self.tokenizer = load_policy(base_dir, attention=learner_attention(self.cfg))
         vocab_size = model.get_input_embeddings().num_embeddings
         check_base_matches(self.record.update_log, self.tokenizer, vocab_size, self.base)
         (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))

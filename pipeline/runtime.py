@@ -80,6 +80,12 @@ def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str
     return cfg, line
 
 
+def learner_attention(cfg: HeteroConfig) -> str:
+    """The attention kernel a learner (or a replay) loads its model with: it loads in fp32 and
+    DeepSpeed casts it to `learner.precision`, whose kernel it then runs (`model.attention`)."""
+    return attention_kernel(DTYPES[cfg.learner.precision], cfg.model.attention)
+
+
 def _learning_precision(cfg: HeteroConfig, setting: str, device) -> tuple[str, str]:
     """`resolve_precision`, with `auto` kept at fp32 where bf16 would not learn like it."""
     chosen, why = resolve_precision(setting, device)
