@@ -8,14 +8,16 @@ threads:
 
 - ``same``: no element changed; nothing is sent.
 - ``sparse``: the flat indices of the changed elements, delta-coded (gaps between
-  consecutive indices, as uint32), plus the XOR of old and new bit patterns of those
-  elements (new = old XOR flip: a change of one bf16 step is a flip of a low bit or two).
-- ``xor``: the XOR of the old and new bit patterns of every element (the unchanged
-  elements are zero words).
+  consecutive indices, as uint32), plus the step of each of those elements: new − old of the
+  bit patterns read as integers (modulo 2^16 or 2^32), zigzag-coded (0, −1, 1, −2, 2, ... as
+  0, 1, 2, 3, 4, ...). An element that moves by one bf16 step is a step of ±1, stored as 1 or 2.
+- ``dense``: the step of every element (the unchanged elements are zero words).
 
 Each part is stored in byte planes (`byte_planes`: all the words' lowest bytes, then the
-next, ...) and zstd-compressed: the high planes of small flips and gaps are mostly zero,
-and zstd squeezes them to almost nothing.
+next, ...) and zstd-compressed: the high planes of small steps and gaps are mostly zero,
+and zstd squeezes them to almost nothing. Steps replaced the XOR of the old and new patterns
+(this codec's first form): the XOR of a one-step move is a run of low ones whose length
+follows the carry, and drops the direction (docs/weights.md gives both sizes).
 
 Everything works on the raw bit patterns (uint16 for bf16/fp16, uint32 for fp32), never on
 float values, so reconstruction is exact: `apply_delta(base, encode_delta(base, new))` equals
@@ -54,9 +56,9 @@ BIT_VIEWS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-ENCODINGS = ("same", "sparse", "xor")
+ENCODINGS = ("same", "sparse", "dense")
 MAX_SPARSE_ELEMENTS = 2**32 - 1
-"""Largest tensor whose changed elements can be sent as uint32 index gaps (larger ones: `xor`)."""
+"""Largest tensor whose changed elements can be sent as uint32 index gaps (larger ones: `dense`)."""
 
 
 class DeltaError(UserError, ValueError):
@@ -68,7 +70,7 @@ class Delta:
     entries: dict[str, dict] = field(default_factory=dict)
     """Per tensor name: {"encoding", "dtype", "shape", "sha256", "changed", "parts": {part: payload name}}."""
     payload: dict[str, bytes | memoryview] = field(default_factory=dict)
-    """Compressed bytes by payload name (`<tensor>.indices`, `<tensor>.values`, `<tensor>.xor`)."""
+    """Compressed bytes by payload name (`<tensor>.indices` and `<tensor>.steps`)."""
 
     @property
     def nbytes(self) -> int:
@@ -96,10 +98,25 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(bits(tensor).tobytes()).hexdigest()
 
 
+def steps(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """What turns each word of `old` into `new`: new − old modulo the word size, zigzag-coded
+    so that small steps of either sign are small numbers (0, −1, 1, −2, 2 → 0, 1, 2, 3, 4)."""
+    signed = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}[old.dtype]
+    bits_per_word = 8 * old.itemsize
+    step = (new - old).view(signed)  # unsigned subtraction wraps: exact modulo 2^bits
+    return ((step << 1) ^ (step >> (bits_per_word - 1))).view(old.dtype)
+
+
+def apply_steps(old: np.ndarray, zigzag: np.ndarray) -> np.ndarray:
+    """`old` moved by `steps` (its inverse): old + step modulo the word size, in place."""
+    old += (zigzag >> 1) ^ (zigzag.dtype.type(0) - (zigzag & 1))  # 0 - 1 wraps to all ones
+    return old
+
+
 def byte_planes(words: np.ndarray) -> bytes:
     """`words` with their bytes regrouped by significance: every word's byte 0, then every
-    byte 1, ... A small change leaves the high bytes of its XOR zero, and zstd squeezes a
-    plane of zeros to nothing (2.3x smaller than whole words, measured on bf16 steps)."""
+    byte 1, ... A small step leaves the high bytes zero, and zstd squeezes a plane of zeros
+    to nothing (2.3x smaller than whole words, measured on bf16 steps)."""
     return np.ascontiguousarray(words.view(np.uint8).reshape(-1, words.itemsize).T).tobytes()
 
 
@@ -116,7 +133,7 @@ def describe(tensor: torch.Tensor) -> dict:
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
                  level: int = ZSTD_LEVEL, workers: int = 0) -> Delta:
-    """What turns `base` into `new`, per tensor the smallest of `same`, `sparse` and `xor`.
+    """What turns `base` into `new`, per tensor the smallest of `same`, `sparse` and `dense`.
 
     Both must hold the same names with the same dtypes and shapes (a version changes values,
     never the architecture); otherwise DeltaError. Tensors are encoded by `workers` threads
@@ -157,15 +174,15 @@ def _encode_tensor(name: str, old_t: torch.Tensor, new_t: torch.Tensor, level: i
     entry["changed"] = int(changed.size)
     if changed.size == 0:
         return {**entry, "encoding": "same"}, {}
-    flips = old_bits ^ new_bits
-    candidates = [("xor", {"xor": compressor.compress(byte_planes(flips))})]
-    # Sparse pays a gap per changed element on top of its flips, and xor's unchanged elements are
-    # zero bytes that zstd all but removes: past half the elements changed (every element, in an
-    # fp32 step) sparse saves next to nothing and would double the work.
+    moves = steps(old_bits, new_bits)
+    candidates = [("dense", {"steps": compressor.compress(byte_planes(moves))})]
+    # Sparse pays a gap per changed element on top of its steps, and dense's unchanged elements
+    # are zero bytes that zstd all but removes: past half the elements changed (every element, in
+    # an fp32 step) sparse saves next to nothing and would double the work.
     if new_bits.size <= MAX_SPARSE_ELEMENTS and 2 * changed.size <= new_bits.size:  # gaps are uint32
         gaps = np.diff(changed, prepend=0).astype(np.uint32)  # first gap is the first index itself
         candidates.append(("sparse", {"indices": compressor.compress(byte_planes(gaps)),
-                                      "flips": compressor.compress(byte_planes(flips[changed]))}))
+                                      "steps": compressor.compress(byte_planes(moves[changed]))}))
     chosen, parts = min(candidates, key=lambda c: sum(len(b) for b in c[1].values()))
     return {**entry, "encoding": chosen}, parts
 
@@ -201,14 +218,14 @@ def _rebuild_tensor(name: str, old_t: torch.Tensor, delta: Delta) -> torch.Tenso
         if not 1 <= count <= raw.size:
             raise DeltaError(f"tensor {name!r}: the delta claims {count} changed elements of {raw.size}")
         gaps = from_byte_planes(_part(decompressor, delta, name, entry, "indices", count * 4), np.uint32)
-        flips = from_byte_planes(_part(decompressor, delta, name, entry, "flips", count * raw.itemsize),
+        moves = from_byte_planes(_part(decompressor, delta, name, entry, "steps", count * raw.itemsize),
                                  raw.dtype)
         indices = np.cumsum(gaps, dtype=np.int64)
         if count and (indices[-1] >= raw.size or (count > 1 and np.any(gaps[1:] == 0))):
             raise DeltaError(f"tensor {name!r}: the delta's indices fall outside the tensor or repeat")
-        raw[indices] ^= flips
-    elif encoding == "xor":
-        raw ^= from_byte_planes(_part(decompressor, delta, name, entry, "xor", raw.nbytes), raw.dtype)
+        raw[indices] = apply_steps(raw[indices], moves)
+    elif encoding == "dense":
+        apply_steps(raw, from_byte_planes(_part(decompressor, delta, name, entry, "steps", raw.nbytes), raw.dtype))
     elif encoding != "same":
         raise DeltaError(f"tensor {name!r}: unknown delta encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
     digest = hashlib.sha256(raw.tobytes()).hexdigest()

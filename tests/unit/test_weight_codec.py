@@ -49,8 +49,8 @@ def test_an_optimizer_sized_step_is_rebuilt_bit_for_bit(dtype):
         assert changed < 0.05
         assert delta.nbytes < 0.10 * full
     else:
-        # In fp32 nearly every element changes, in its low bits: XOR of the patterns compresses well.
-        assert all(e["encoding"] == "xor" for name, e in delta.entries.items() if e["changed"])
+        # In fp32 nearly every element changes, in its low bits: every step sent (dense) compresses well.
+        assert all(e["encoding"] == "dense" for name, e in delta.entries.items() if e["changed"])
         assert delta.nbytes < full
 
 
@@ -177,11 +177,11 @@ def test_payloads_are_bounded_by_the_declared_size():
     delta = encode_delta(base, new)
     assert delta.entries["w"]["encoding"] == "sparse"
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 10_000_000)
-    delta.payload[delta.entries["w"]["parts"]["flips"]] = bomb
+    delta.payload[delta.entries["w"]["parts"]["steps"]] = bomb
     with pytest.raises(DeltaError, match="declares 10000000 bytes, 200 expected"):  # refused before it expands
         apply_delta(base, delta)
     undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 200)
-    delta.payload[delta.entries["w"]["parts"]["flips"]] = undeclared
+    delta.payload[delta.entries["w"]["parts"]["steps"]] = undeclared
     with pytest.raises(DeltaError, match="declares no size"):
         apply_delta(base, delta)
     for claimed in (0, 100_001):  # no changed element, or more than the tensor holds
@@ -240,8 +240,9 @@ def test_a_keyframe_is_held_for_slow_joiners_until_long_enough_after_the_next():
 
 
 def test_a_bf16_step_costs_little_more_than_a_byte_per_changed_element():
-    """Gaps and flips in byte planes: the high planes of a one-step change are zeros (whole
-    words cost 2.75 bytes per changed element here, byte planes 1.2)."""
+    """Gaps and steps in byte planes: the high planes of a one-step change are zeros (whole
+    words cost 2.75 bytes per changed element here; byte planes with the XOR of old and new
+    1.25, with zigzag steps 1.09)."""
     from pipeline.weights.codec import byte_planes, from_byte_planes
 
     generator = torch.Generator().manual_seed(3)
@@ -250,7 +251,7 @@ def test_a_bf16_step_costs_little_more_than_a_byte_per_changed_element():
     base, new = {"w": master.to(torch.bfloat16)}, {"w": (master + step).to(torch.bfloat16)}
     delta = encode_delta(base, new)
     assert delta.entries["w"]["encoding"] == "sparse"
-    assert delta.nbytes / delta.entries["w"]["changed"] < 1.5
+    assert delta.nbytes / delta.entries["w"]["changed"] < 1.15
     assert_bit_equal(apply_delta(base, delta), new)
     words = np.arange(7, dtype=np.uint32) * 0x01020304
     assert np.array_equal(from_byte_planes(byte_planes(words), np.uint32), words)
@@ -264,9 +265,30 @@ def test_tensors_encoded_and_rebuilt_by_several_threads_give_the_same_delta():
     assert_bit_equal(apply_delta(base, three, workers=3), new)
 
 
-def test_a_step_that_changes_every_fp32_element_is_sent_as_xor():
+def test_a_step_that_changes_every_fp32_element_is_sent_dense():
     base = model_weights(torch.float32)
     new = {name: w + 1e-3 for name, w in base.items()}  # every element moves
     delta = encode_delta(base, new)
-    assert {e["encoding"] for e in delta.entries.values()} == {"xor"}
+    assert {e["encoding"] for e in delta.entries.values()} == {"dense"}
     assert_bit_equal(apply_delta(base, delta), new)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_steps_are_exact_modulo_the_word_and_small_for_either_sign(dtype):
+    """A step is new − old of the bit patterns, zigzag-coded: one bf16 step up or down is 2 or 1
+    (a single low byte), and every pair of patterns, across signs and the ends of the range,
+    comes back exactly."""
+    from pipeline.weights.codec import apply_steps, steps
+
+    top = np.iinfo(dtype).max
+    old = np.array([0, 5, 5, 0, top, 0x7F, 0x0001, top // 2], dtype=dtype)
+    new = np.array([0, 6, 4, top, 0, 0x80, 0x8001 if dtype == np.uint16 else 0x80000001, top // 2 + 1],
+                   dtype=dtype)
+    coded = steps(old, new)
+    assert list(coded[:3]) == [0, 2, 1]  # unchanged, one step up, one step down
+    assert coded[3] == 1 and coded[4] == 2  # 0 -> max is -1 modulo the word, max -> 0 is +1
+    assert np.array_equal(apply_steps(old.copy(), coded), new)
+    generator = np.random.default_rng(0)
+    a = generator.integers(0, top, 10_000, dtype=dtype, endpoint=True)
+    b = generator.integers(0, top, 10_000, dtype=dtype, endpoint=True)
+    assert np.array_equal(apply_steps(a.copy(), steps(a, b)), b)
