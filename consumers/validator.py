@@ -42,7 +42,7 @@ import torch
 
 from consumers.screening import GroupScreen
 from pipeline.weights.follower import PastPolicies
-from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, current as current_pointer
+from pipeline.weights.store import CheckpointNotFound, CorruptCheckpointError, MalformedPointer, PolicyPointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import RawRecord, TopicWriter, TopicReader, ensure_topic
 from pipeline.trust.keyring import (RegistryFollower, key_paths, load_learner_public, load_root_public,
@@ -84,6 +84,8 @@ class Validator:
         self.held: dict[int, int] = {}
         """Partition held -> the next offset whose verdict is not yet acknowledged."""
         self.counts: Counter = Counter()
+        self.refused_pointer: Optional[str] = None
+        """Why the policy pointer was last refused (said once per reason, counted in `refused_pointers`)."""
         self.started = time.time()
         self.last_heartbeat = -math.inf
         self.check_s = 0.0
@@ -205,7 +207,7 @@ class Validator:
         """One verdict per group read (none for a message whose seal fails), sent and
         acknowledged, then each partition's progress recorded."""
         started = time.monotonic()
-        version, manifest_key = current_pointer(self.state)
+        version, manifest_key = self.pointer_hint()
         if version is not None and manifest_key:
             self.is_published(version, manifest_key)
         verdicts: list[GroupVerdict] = []
@@ -283,6 +285,20 @@ class Validator:
             self.counts[f"no_verdict:{getattr(e, 'code', 'malformed')}"] += 1
             return None
         return rollout
+
+    def pointer_hint(self) -> tuple[Optional[int], Optional[str]]:
+        """The version and manifest the policy pointer names: a hint of what is published (each
+        version is still read from its signed manifest). A pointer that is no pointer is no hint:
+        said once per reason, counted in `refused_pointers`, and judging goes on."""
+        try:
+            pointer = PolicyPointer(self.state).read()
+        except MalformedPointer as e:
+            if str(e) != self.refused_pointer:
+                self.refused_pointer = str(e)
+                self.counts["refused_pointers"] += 1
+                self.log.warning("ignoring the policy pointer: %s", e)
+            return None, None
+        return (None, None) if pointer is None else (pointer.version, pointer.manifest_key)
 
     def is_published(self, version: int, manifest_key: Optional[str] = None) -> bool:
         """Whether the learner published `version` (its manifest reads and carries the learner's

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import redis
 
 from consumers.learner import Learner
+from consumers.validator import Validator
 from infra.local_stack import stack_services
 from pipeline.clients.run_state import MalformedPointer, RunState, parse_pointer
 from pipeline.config import HeteroConfig
@@ -86,6 +88,13 @@ def test_every_reader_takes_a_malformed_pointer_as_nothing_new(local_stack, run,
     with pytest.raises(MalformedPointer, match=SAID[form]):
         PolicyPointer(RunState(_as(local_stack, "validator"), run.name)).read_verified(run.learner_key.public)
     assert current_pointer(sampler_state) == (None, None) and PolicyPointer(sampler_state).version() is None
+    # the validator, which takes the pointer as a hint of what is published: none, said once, counted
+    validator = SimpleNamespace(state=RunState(_as(local_stack, "validator"), run.name), counts=Counter(),
+                                refused_pointer=None, log=logging.getLogger("t"))
+    with caplog.at_level(logging.WARNING, logger="t"):
+        for _ in range(3):
+            assert Validator.pointer_hint(validator) == (None, None)
+    assert validator.counts["refused_pointers"] == 1 and caplog.text.count("ignoring the policy pointer") == 1
     # a learner resuming now: the pointer left out, said in its log
     learner = SimpleNamespace(handles=SimpleNamespace(store=SimpleNamespace(signer=run.learner_key)),
                               state=RunState(_as(local_stack, "learner"), run.name), log=logging.getLogger("t"))
