@@ -11,10 +11,13 @@ In the attack each joins with the attack's invite, as a stranger does (`heterorl
                      architecture) while claiming the published version;
 - `false_version`:   stamps its groups with a policy version the learner has not made;
 - `bad_signature`:   sends every other group unsigned, the rest with a corrupted signature;
-- `stale_prober`:    honest through probation, then forges stale groups the way a draw shared by
-                     a version could be beaten: one forged group (noisy log-probs, claiming the
-                     version it held before), and when the update log shows it used, every group
-                     forged and claiming that version while it is within the max delay.
+- `stale_prober`:    honest through probation, then forges every group (noisy log-probs) claiming
+                     a stale version, the way a draw shared by a version could be beaten: the
+                     version it held before (the first group claiming it is a probe), and once
+                     the update log shows a group of a version used, that version again while it
+                     is within the max delay. It floods a version before it learns the probe's
+                     fate (which takes longer than a young version lives), so under a draw per
+                     version an undrawn version's groups would all be used.
 
 Attackers run as threads of `heterorl attack`:
 
@@ -127,7 +130,7 @@ class BadSignature(Sampler):
 
 
 class StaleProber(Sampler):
-    """Probes which stale groups go unchecked, then floods there (the module's docstring). It
+    """Probes which stale groups go unchecked and floods there (the module's docstring). It
     learns a probe's fate from the run's update log, which the local stack's broker lets any
     client read (a deployment's Kafka ACLs do not: docs/security.md); its forged rollout ids go
     into its stats at the end, for the audit to count how many were used."""
@@ -161,14 +164,15 @@ class StaleProber(Sampler):
         newest = self.view.version_at_use or self.policy.version
         if self.flood is not None and newest - self.flood >= self.cfg.learner.max_delay_steps:
             self.flood = None  # too old to be used now: find another
+        forged = rollouts
         if self.flood is not None:
-            forged, version = rollouts, self.flood
-            self.flooded += len(forged)
+            version = self.flood
         elif self.probe is None:
-            forged, version = rollouts[:1], max(earlier)
+            version = max(earlier)
             self.probe, self.probes = (forged[0].rollout_id, version), self.probes + 1
         else:
-            return rollouts  # honest while it waits to learn what its probe tells
+            version = self.probe[1]  # flooded before its fate is known: the version would age meanwhile
+        self.flooded += len(forged) - (self.probe is not None and forged[0].rollout_id == self.probe[0])
         rng = np.random.default_rng(self.seed + len(self.forged_ids))
         for r in forged:
             r.policy_version = version

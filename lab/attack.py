@@ -156,10 +156,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         keys = _adversary_keys(cfg, handles.state.client, adversary_ids, grant.grant_id)
         for kind, held in keys.items():  # beside what each did: the key it did it with
             audit["adversaries"][kind].update(held)
-        audit["adversary_keys_local"] = sorted(adversary_ids[k] for k, held in keys.items()
-                                               if any(key["local"] for key in held["keys"]))
-        audit["adversaries_not_joined"] = sorted(adversary_ids[k] for k, held in keys.items()
-                                                 if not held["joined_with_invite"])
+        audit.update(_key_findings(keys, adversary_ids))
         audit["targets_met"] = (audit["targets_met"] and audit["adversaries"]["stale_prober"]["target_met"]
                                 and not audit["adversary_keys_local"] and not audit["adversaries_not_joined"])
         if forger is not None:
@@ -176,6 +173,15 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
     (out / "attack_audit.json").write_text(json.dumps(audit, indent=2))
     print(_report(audit, out))
     return 0 if audit["targets_met"] else 1
+
+
+def _key_findings(keys: dict[str, dict], adversary_ids: dict[str, str]) -> dict[str, list[str]]:
+    """The adversaries (by sampler id) with a key marked the run's own, and those not admitted
+    under the attack's invite: both must be empty (`_adversary_keys` gives `keys`)."""
+    return {"adversary_keys_local": sorted(adversary_ids[k] for k, held in keys.items()
+                                           if any(key["local"] for key in held["keys"])),
+            "adversaries_not_joined": sorted(adversary_ids[k] for k, held in keys.items()
+                                             if not held["joined_with_invite"])}
 
 
 def _adversary_keys(cfg: HeteroConfig, client, adversary_ids: dict[str, str], invite_id: str) -> dict[str, dict]:
@@ -209,14 +215,15 @@ def _prober(report: dict, used_ids: set[str], security) -> dict:
     """The stale prober's forged groups used, against the bound its draws allow: each forged
     stale group is checked on its own with probability `stale_check_fraction`, so fewer than
     `forged_used_bound` are used but with probability 1e-4 (consumers/screening.py). Met if it
-    forged (it got past probation) and stayed within the bound."""
+    forged more groups than the bound (a flood that a draw it could learn or avoid would have
+    let through past the bound) and no more than the bound were used."""
     forged = set(report.get("forged_rollout_ids") or [])
     bound = forged_used_bound(security.stale_check_fraction, security.strikes_to_quarantine)
     used = len(forged & used_ids)
     return {"forged_sent": len(forged), "forged_used": used, "forged_used_bound": bound,
             "probes": report.get("probes"), "floods": report.get("floods"),
             "flooded_groups": report.get("flooded_groups"),
-            "target_met": bool(forged) and used <= bound}
+            "target_met": len(forged) > bound and used <= bound}
 
 
 def _wait(procs: Processes, state, seconds: float) -> None:
@@ -323,9 +330,9 @@ def _report(audit: dict, out: Path) -> str:
     p = audit["adversaries"]["stale_prober"]
     q = f"quarantined after {p['quarantined_after_groups']} groups ({p['reason']})" if p["quarantined"] else "not quarantined"
     lines.append(f"  {'stale_prober':16} produced {p['groups_produced']:4}, used {p['groups_used']} (honest through "
-                 f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes, {p.get('floods')} "
-                 f"floods of {p.get('flooded_groups')} groups), {p.get('forged_used')} used (bound "
-                 f"{p.get('forged_used_bound')}); {q}")
+                 f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes and "
+                 f"{p.get('flooded_groups')} groups claiming their versions; {p.get('floods')} versions flooded on "
+                 f"after a probe was seen used), {p.get('forged_used')} used (bound {p.get('forged_used_bound')}); {q}")
     joined = sum(1 for a in audit["adversaries"].values() if a.get("joined_with_invite"))
     lines.append(f"  {joined} adversarial samplers joined with invite {audit['invite']}, each with a key of its own")
     if audit["adversaries_not_joined"]:

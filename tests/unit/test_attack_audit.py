@@ -1,12 +1,12 @@
 """The attack audit's judgement of the stale prober (lab/attack.py), without a run: its forged
 groups used are counted by rollout id, against the bound the per-group draw allows."""
 
-from lab.attack import _prober
+from lab.attack import _key_findings, _prober, joined_as_stranger, keys_of
 from consumers.screening import forged_used_bound
 from pipeline.config import SecurityConfig
 
 
-def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_forged():
+def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_flooded_past_it():
     security = SecurityConfig(stale_check_fraction=0.25, strikes_to_quarantine=2)
     bound = forged_used_bound(0.25, 2)
     forged = [f"f{i}" for i in range(200)]
@@ -17,3 +17,25 @@ def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_forged
     over = _prober({"forged_rollout_ids": forged}, honest_used | set(forged[:bound + 1]), security)
     assert over["forged_used"] == bound + 1 and not over["target_met"]
     assert not _prober({}, honest_used, security)["target_met"]  # it never got past probation: nothing shown
+    few = _prober({"forged_rollout_ids": forged[:bound]}, honest_used | set(forged[:bound]), security)
+    assert not few["target_met"]  # a flood no larger than the bound shows nothing about the draw
+
+
+def test_an_adversary_whose_key_is_marked_local_or_did_not_join_fails_the_audit():
+    """The attack checks every key as a stranger's, so only this finding catches a registry that
+    wrongly trusts an adversary: a key marked the run's own, or one the root registered."""
+    from types import SimpleNamespace
+
+    invite = "inv1"
+    registry = SimpleNamespace(keys={
+        "k1": SimpleNamespace(key_id="k1", sampler_id="adv-a", grant=invite, local=False),
+        "k2": SimpleNamespace(key_id="k2", sampler_id="adv-b", grant=invite, local=True),   # wrongly local
+        "k3": SimpleNamespace(key_id="k3", sampler_id="adv-c", grant="", local=False),      # root-registered
+        "k4": SimpleNamespace(key_id="k4", sampler_id="honest", grant="", local=True)})
+    ids = {"a": "adv-a", "b": "adv-b", "c": "adv-c"}
+    held = {kind: {"keys": keys_of(registry, sid), "joined_with_invite": joined_as_stranger(keys_of(registry, sid), invite)}
+            for kind, sid in ids.items()}
+    assert held["a"]["joined_with_invite"] and not held["b"]["joined_with_invite"]
+    assert _key_findings(held, ids) == {"adversary_keys_local": ["adv-b"], "adversaries_not_joined": ["adv-b", "adv-c"]}
+    clean = {kind: held["a"] for kind in ids}
+    assert _key_findings(clean, ids) == {"adversary_keys_local": [], "adversaries_not_joined": []}
