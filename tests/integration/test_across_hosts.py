@@ -260,6 +260,14 @@ def test_a_run_across_hosts_as_the_docs_say(hosts, tmp_path):
             last = (tmp_path / f"{volunteer}.log").read_text().strip().splitlines()[-1]
             assert re.fullmatch(rf"{said.group(1)}: policy v\d+, groups sent [1-9]\d*, used by the learner \d+",
                                 last), last
+        # The invite revoked from the learner's host: every key that joined with it is listed so.
+        revoked = hosts.run("learner", heterorl("invite", "--revoke", invite.grant.grant_id, *common),
+                            home["learner"], learner_env, timeout=60)
+        assert revoked.returncode == 0 and f"its {len(VOLUNTEERS)} sampler(s)" in revoked.stdout, (
+            revoked.stdout + revoked.stderr)
+        relisted = hosts.run("learner", heterorl("keys", "list", *common), home["learner"], learner_env, timeout=60)
+        rows = [line for line in relisted.stdout.splitlines() if line.endswith(f"{invite.grant.grant_id} (revoked)")]
+        assert len(rows) == len(VOLUNTEERS), relisted.stdout
         read = hosts.run("learner", [sys.executable, "-c", REDIS_READ, run, *joined.values()], home["learner"],
                          learner_env, timeout=60)
         assert read.returncode == 0, read.stdout + read.stderr
@@ -289,6 +297,12 @@ def test_a_run_across_hosts_as_the_docs_say(hosts, tmp_path):
         assert redis_seen["used"].get(sampler_id, 0) > 0, (volunteer, redis_seen)
         assert checked.get(sampler_id, {}).get("groups", 0) > 0, (volunteer, checked)
         assert "released_at" in redis_seen["last"][sampler_id], (volunteer, redis_seen)
+    # What the learner counts (used, dropped, refused by reason) is where samplers cannot read it
+    # (test_invites: the sampler role is refused `learner_stats`); the `learner` hash they read for
+    # pacing holds its progress only, so a forger cannot watch its groups' fate there.
+    counters = {"groups_used", "groups_dropped", "refused_by_reason", "dropped_by_reason"}
+    assert counters <= set(redis_seen["learner_stats"]), redis_seen
+    assert not counters & set(redis_seen["learner"]) and "policy_version" in redis_seen["learner"], redis_seen
     # The run was fed from the samplers' hosts, each of which fetched the learner's weights from the
     # servers' host. Which sampler published how many groups is a race, so only the total is asserted.
     published = 0
@@ -306,5 +320,7 @@ import redis
 client = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
 prefix = f"heterorl:{sys.argv[1]}:"
 last = {s: json.loads(client.hget(prefix + "sampler_last", s) or "{}") for s in sys.argv[2:]}
-print(json.dumps({"used": {k: int(v) for k, v in client.hgetall(prefix + "used_by_sampler").items()}, "last": last}))
+print(json.dumps({"used": {k: int(v) for k, v in client.hgetall(prefix + "used_by_sampler").items()}, "last": last,
+                  "learner": sorted(client.hgetall(prefix + "learner")),
+                  "learner_stats": sorted(client.hgetall(prefix + "learner_stats"))}))
 """

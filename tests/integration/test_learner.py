@@ -151,6 +151,9 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert "exceeds sampler.max_new_tokens" in header_value(dead[-1].headers, "reason")
     assert current_pointer(handles.state)[0] == 7
     assert handles.store.read_manifest(handles.store.manifest_key(5)).parent_version == 3
+    from pipeline.weights.policy import KEYFRAME, link_of
+    # the resumed learner's first version starts a chain of its own: a keyframe, never skipped
+    assert link_of(handles.store.read_manifest(handles.store.manifest_key(5))).kind == KEYFRAME
     after = [v for v in handles.store.list_versions() if v > 5]  # v6 may have been overtaken by v7
     assert after[-1] == 7 and all(handles.store.read_manifest(handles.store.manifest_key(v)).parent_version == v - 1
                                   for v in after)
