@@ -37,6 +37,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Optional
@@ -545,34 +547,55 @@ def _check_tensors(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor
                 raise DeltaError(f"v{manifest.version}: tensor {tensor!r} does not match its manifest")
 
 
+PREFETCH_DELTAS = 2
+"""Deltas of a path downloaded ahead of the one being applied: a far link's round trips and the
+rebuild overlap the next download, and at most this many payloads wait in memory."""
+
+
 def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
              weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport):
     """Apply `deltas` in order to `weights` (read from `origin_dir`, which must hold each delta's
-    inherited files); returns the rebuilt weights."""
-    for link in deltas:
-        manifest = manifests[link.version]
-        description = weights_description(manifest)
-        if link.via_bridge:  # a keyframe taken as the delta from the version before it
-            description = description["bridge"]
-        scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
+    inherited files); returns the rebuilt weights. Each delta is downloaded by a thread up to
+    `PREFETCH_DELTAS` ahead of the one being applied."""
+    with ThreadPoolExecutor(max_workers=PREFETCH_DELTAS, thread_name_prefix="delta-fetch") as pool:
+        pending = deque()
         try:
-            delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version,
-                                       only=frozenset({DELTA_FILE}))
-            report.path.append(link.version)
-            report.bytes_downloaded += link.nbytes
-            payload = _payload_bytes(delta_dir / DELTA_FILE)
-        except SafetensorError as e:
-            raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None
+            for i, link in enumerate(deltas):
+                while len(pending) <= PREFETCH_DELTAS and i + len(pending) < len(deltas):
+                    ahead = deltas[i + len(pending)]
+                    pending.append(pool.submit(_delta_payload, store, ahead, manifests[ahead.version], work_dir))
+                payload = pending.popleft().result()
+                report.path.append(link.version)
+                report.bytes_downloaded += link.nbytes
+                manifest = manifests[link.version]
+                description = weights_description(manifest)
+                if link.via_bridge:  # a keyframe taken as the delta from the version before it
+                    description = description["bridge"]
+                files = description["files"]
+                if set(files) != set(weights):
+                    raise DeltaError(f"delta v{link.version} is for weights files {sorted(files)}, its base holds "
+                                     f"{sorted(weights)}")
+                weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
+                           for name, entries in files.items()}
+                _check_files(manifest, description["inherit"], origin_dir)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        files = description["files"]
-        if set(files) != set(weights):
-            raise DeltaError(f"delta v{link.version} is for weights files {sorted(files)}, its base holds "
-                             f"{sorted(weights)}")
-        weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
-                   for name, entries in files.items()}
-        _check_files(manifest, description["inherit"], origin_dir)
+            for future in pending:  # a refused delta: the downloads ahead of it are not wanted
+                future.cancel()
     return weights
+
+
+def _delta_payload(store, link: Link, manifest: Manifest, work_dir: Path) -> dict[str, bytes]:
+    """The payload of `link`'s delta (a delta version's, or a keyframe's bridge), downloaded and
+    checked against its sha256 in the signed manifest."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
+    try:
+        delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version,
+                                   only=frozenset({DELTA_FILE}))
+        return _payload_bytes(delta_dir / DELTA_FILE)
+    except SafetensorError as e:
+        raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _other_files_of(manifest: Manifest) -> list[dict]:

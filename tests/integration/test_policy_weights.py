@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,28 @@ def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, ver
         fetch_policy(reader, reader.manifest_key(5), tmp_path / "moved", expect_version=4)
     # A sampler left behind before the keyframe v3 crosses it by its bridge (the delta from v2 it
     # carries): the deltas after v1 cost less than v3's full copy and the deltas after it.
+    # Its deltas come down side by side with the rebuild: the next is downloading while one is
+    # applied (the first download waits, up to 5 s, for a second to start: it never would if
+    # they came one at a time).
+    fetch, second, lock, active, peak = reader.fetch, threading.Event(), threading.Lock(), [0], [0]
+
+    def side_by_side(*args, **kwargs):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            if active[0] >= 2:
+                second.set()
+        second.wait(timeout=5)
+        try:
+            return fetch(*args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    reader.fetch = side_by_side
     behind, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
+    reader.fetch = fetch
+    assert peak[0] == 2  # PREFETCH_DELTAS downloads at once, never more
     by_version = {p["version"]: p for p in publisher.published}
     assert report.path == [2, 3, 4, 5] and not report.from_keyframe and report.keyframe_bytes == 0
     assert report.bytes_downloaded == sum(by_version[v]["bytes"] for v in (2, 4, 5)) + by_version[3]["bridge_bytes"]
