@@ -142,3 +142,25 @@ def test_an_invite_never_carries_another_role_s_credentials():
                                   ("redis://sampler:pw@10.0.0.1:6379/0", "learner")):
         with pytest.raises(ConfigError, match=r"sampler role's credentials.*sampler\.env"):
             refuse_other_roles(redis_url, kafka_user)
+
+
+def test_a_joiner_s_config_file_and_set_change_its_sampler_never_the_servers_or_keys(tmp_path):
+    """`heterorl join --config FILE --set k=v`: the run's config from the invite, the joiner's
+    sampler, model and task fields on top; a file or --set that reaches for the servers, the keys
+    or the run is refused in one line, naming it."""
+    from heterorl.invites import joined_config
+
+    got = read_invite(invite(SigningKey.generate()))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("sampler:\n  max_new_tokens: 7\n  backend: hf\n")
+    cfg = joined_config(got, tmp_path / "home", str(mine), ["sampler.max_groups=3"])
+    assert cfg.sampler.max_new_tokens == 7 and cfg.sampler.backend == "hf" and cfg.sampler.max_groups == 3
+    assert cfg.run.name == RUN and cfg.services.redis_url == SERVICES["redis_url"]
+    assert cfg.security.sampler_key == str(tmp_path / "home" / "sampler.key")
+    for section in ("services", "security", "run"):
+        (tmp_path / f"{section}.yaml").write_text(f"{section}:\n  x: 1\n")
+        with pytest.raises(ConfigError, match=f"{section}: the invite sets it"):
+            joined_config(got, tmp_path / "home", str(tmp_path / f"{section}.yaml"), [])
+    for assignment in ("services.redis_url=redis://admin@x/0", "security.trust_local_samplers=true", "run.name=other"):
+        with pytest.raises(ConfigError, match="the invite sets it"):
+            joined_config(got, tmp_path / "home", None, [assignment])
