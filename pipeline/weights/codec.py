@@ -57,6 +57,8 @@ BIT_VIEWS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ENCODINGS = ("same", "sparse", "dense")
+"""What `encode_delta` writes. `apply_delta` also reads what earlier releases wrote (`xor`, and
+`sparse` with a `flips` part: new = old XOR flip), so their runs' versions still rebuild."""
 MAX_SPARSE_ELEMENTS = 2**32 - 1
 """Largest tensor whose changed elements can be sent as uint32 index gaps (larger ones: `dense`)."""
 
@@ -218,14 +220,17 @@ def _rebuild_tensor(name: str, old_t: torch.Tensor, delta: Delta) -> torch.Tenso
         if not 1 <= count <= raw.size:
             raise DeltaError(f"tensor {name!r}: the delta claims {count} changed elements of {raw.size}")
         gaps = from_byte_planes(_part(decompressor, delta, name, entry, "indices", count * 4), np.uint32)
-        moves = from_byte_planes(_part(decompressor, delta, name, entry, "steps", count * raw.itemsize),
-                                 raw.dtype)
+        flipped = isinstance(entry.get("parts"), dict) and "flips" in entry["parts"]  # an earlier release's
+        moves = from_byte_planes(_part(decompressor, delta, name, entry, "flips" if flipped else "steps",
+                                       count * raw.itemsize), raw.dtype)
         indices = np.cumsum(gaps, dtype=np.int64)
         if count and (indices[-1] >= raw.size or (count > 1 and np.any(gaps[1:] == 0))):
             raise DeltaError(f"tensor {name!r}: the delta's indices fall outside the tensor or repeat")
-        raw[indices] = apply_steps(raw[indices], moves)
+        raw[indices] = raw[indices] ^ moves if flipped else apply_steps(raw[indices], moves)
     elif encoding == "dense":
         apply_steps(raw, from_byte_planes(_part(decompressor, delta, name, entry, "steps", raw.nbytes), raw.dtype))
+    elif encoding == "xor":  # an earlier release's: old XOR new of every element
+        raw ^= from_byte_planes(_part(decompressor, delta, name, entry, "xor", raw.nbytes), raw.dtype)
     elif encoding != "same":
         raise DeltaError(f"tensor {name!r}: unknown delta encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
     digest = hashlib.sha256(raw.tobytes()).hexdigest()

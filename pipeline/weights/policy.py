@@ -548,8 +548,10 @@ def _check_tensors(manifest: Manifest, weights: dict[str, dict[str, torch.Tensor
 
 
 PREFETCH_DELTAS = 2
-"""Deltas of a path downloaded ahead of the one being applied: a far link's round trips and the
-rebuild overlap the next download, and at most this many payloads wait in memory."""
+"""Deltas of a path downloaded at once, ahead of the one being applied: a far link's round trips
+and the rebuild overlap the next downloads. At most this many payloads and one more wait in
+memory besides the one applied. A path refused midway waits for the downloads under way before
+the keyframe path is tried, and those are not counted in `bytes_downloaded`."""
 
 
 def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
@@ -577,6 +579,7 @@ def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_d
                                      f"{sorted(weights)}")
                 weights = {name: apply_delta(weights[name], Delta(entries=entries, payload=payload))
                            for name, entries in files.items()}
+                del payload  # applied: in memory now, the payloads of the downloads ahead only
                 _check_files(manifest, description["inherit"], origin_dir)
         finally:
             for future in pending:  # a refused delta: the downloads ahead of it are not wanted

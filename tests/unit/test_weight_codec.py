@@ -292,3 +292,30 @@ def test_steps_are_exact_modulo_the_word_and_small_for_either_sign(dtype):
     a = generator.integers(0, top, 10_000, dtype=dtype, endpoint=True)
     b = generator.integers(0, top, 10_000, dtype=dtype, endpoint=True)
     assert np.array_equal(apply_steps(a.copy(), steps(a, b)), b)
+
+
+def test_deltas_of_an_earlier_release_still_rebuild():
+    """Versions published before steps replaced XOR (a `sparse` delta with `flips`, an `xor` one)
+    rebuild bit for bit: archived runs, replays and `heterorl weights fetch` of them keep working."""
+    from pipeline.weights.codec import byte_planes
+
+    compressor = zstandard.ZstdCompressor(level=3)
+    base = model_weights(torch.bfloat16)
+    new = adam_like_step(base, lr=1e-2, seed=5)
+    old_form = Delta()
+    for name in base:
+        old, now = bits(base[name]), bits(new[name])
+        changed = np.flatnonzero(old != now)
+        entry = {"dtype": "bf16", "shape": list(new[name].shape), "changed": int(changed.size),
+                 "sha256": tensor_sha256(new[name])}
+        if name == "embed.weight":
+            gaps = np.diff(changed, prepend=0).astype(np.uint32)
+            parts = {"indices": byte_planes(gaps), "flips": byte_planes((old ^ now)[changed])}
+            entry["encoding"] = "sparse"
+        else:
+            parts = {"xor": byte_planes(old ^ now)}
+            entry["encoding"] = "xor"
+        entry["parts"] = {part: f"{name}.{part}" for part in parts}
+        old_form.entries[name] = entry
+        old_form.payload.update({f"{name}.{part}": compressor.compress(b) for part, b in parts.items()})
+    assert_bit_equal(apply_delta(base, old_form), new)
