@@ -90,6 +90,11 @@ VERDICT_WAIT_POLL_S = 0.02
 (`learner.poll_timeout_s` otherwise): the verdicts are read between polls, and a batch one
 verdict short should not wait a whole poll (measured: 11 % of the learner's time at 64
 samplers with a 1 s poll)."""
+STARVED_PUBLISH_S = 5.0
+"""A version the learner made but has not published (between `learner.sync_every` steps) is
+published once groups have kept coming for this long without filling a batch: its samplers may
+hold a version whose groups cannot be used (their checkpoint altered in the bucket before a
+validator read it: every verdict `unverifiable`), and only a newer version lets them go on."""
 
 VERDICT_POLLS = 16
 """Polls of the verdicts topic at most per turn of the loop (each up to 64 verdicts)."""
@@ -196,7 +201,7 @@ class Learner:
         # The version (what staleness is measured against) is the step, unless a killed learner's
         # published versions were lost: the resumed one then skips their numbers.
         self.version = self.step = 0
-        self.last_record_at = self.last_wait_log = time.monotonic()
+        self.last_record_at = self.last_wait_log = self.last_step_at = time.monotonic()
         self.stage_totals: Counter = Counter()  # seconds of each stage over the run
         # Where each step's time goes: intake (decode, signature, admission), screen (rewards, and
         # drawn stale groups' log-probs), train (the optimizer step, with the fresh groups' check),
@@ -217,6 +222,7 @@ class Learner:
                 if records:
                     self.last_record_at = time.monotonic()
                     self.take(records, self.intake.offer, self.topic)
+                    self.publish_if_starved()
                 elif self.drain_request.due(self.intake, [(self.verdict_source, "the verdicts"), (self.source, "the topic")],
                                             self.cfg.validators.verdict_wait_s, self.bootstrap, self.log):
                     self.drain()
@@ -258,7 +264,7 @@ class Learner:
                                 parent_version=None if start.manifest_key is None else start.state_version,
                                 keyframe=True)  # a new chain, never skipped (v0 is what replays start from)
             self.log.info("publishing %s as policy v%d", start.what, self.version)
-        self.last_record_at = self.last_wait_log = time.monotonic()  # the idle clock starts now
+        self.last_record_at = self.last_wait_log = self.last_step_at = time.monotonic()  # the idle clock starts now
         self.log.info("%s; learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
                       "on %s, %s, ZeRO stage %d", self.precision, self.bootstrap, self.topic, self.lcfg.loss_type,
                       self.lcfg.max_delay_steps, self.lcfg.max_steps - self.step, self.ranks.world_size,
@@ -392,6 +398,7 @@ class Learner:
                                            fresh_check=check, on_policy_version=self.version)
         self.version += 1
         self.step += 1
+        self.last_step_at = time.monotonic()
         self.intake.trained(batch, step_metrics.pop("fresh_gaps", {}), self.version)
         stages = self.take_stage_seconds()
         values = self.recorder.record(self.version, batch.groups, {**step_metrics, **stages}, step=self.step)
@@ -433,6 +440,16 @@ class Learner:
             directory = Path(tempfile.mkdtemp(prefix=f"s{self.step}-", dir=self.work_dir))
             self.publisher.submit_state(self.step, captured, directory, extra)
             self.recovery.written(self.step, time.monotonic())
+
+    def publish_if_starved(self) -> None:
+        """Publish the version made since the last one published once groups have come for
+        `STARVED_PUBLISH_S` without a step (said in the log)."""
+        if self.published_version == self.version or time.monotonic() - self.last_step_at < STARVED_PUBLISH_S:
+            return
+        self.log.warning("groups have come for %.0fs without filling a batch: publishing v%d now, before "
+                         "learner.sync_every = %d steps, so samplers can move on", time.monotonic() - self.last_step_at,
+                         self.version, self.lcfg.sync_every)
+        self.save_checkpoint(policy=True, state=False)
 
     def publish_policy(self, extra: dict, parent_version: Optional[int], keyframe: bool = False) -> None:
         """Copy the weights into a free buffer of the publisher (kept for stale checks too), hand it over."""
