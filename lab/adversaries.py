@@ -12,12 +12,13 @@ In the attack each joins with the attack's invite, as a stranger does (`heterorl
 - `false_version`:   stamps its groups with a policy version the learner has not made;
 - `bad_signature`:   sends every other group unsigned, the rest with a corrupted signature;
 - `stale_prober`:    honest through probation, then forges every group (noisy log-probs) claiming
-                     a stale version, the way a draw shared by a version could be beaten: the
-                     version it held before (the first group claiming it is a probe), and once
-                     the update log shows a group of a version used, that version again while it
-                     is within the max delay. It floods a version before it learns the probe's
-                     fate (which takes longer than a young version lives), so under a draw per
-                     version an undrawn version's groups would all be used.
+                     a stale version, the way a draw shared by a version could be beaten: each
+                     batch claims the newest version it held before its own (the first of its
+                     groups is that version's probe), and once the update log shows a probe
+                     used, every group claims that version while it is within the max delay.
+                     It does not wait for a probe's fate (a young version would age past the
+                     max delay meanwhile), so under a draw per version an undrawn version's
+                     groups would all be used.
 
 Attackers run as threads of `heterorl attack`:
 
@@ -150,6 +151,8 @@ class StaleProber(Sampler):
         self.flood: Optional[int] = None
         """The version its last used probe claimed: every group forged and claiming it."""
         self.probes = self.floods = self.flooded = 0
+        self.honest_made: Optional[int] = None
+        """Groups it made before its first forged one (all honest)."""
         self.watched_at = 0.0
         self.held: set[int] = set()
         """Versions it generated with: published ones, so a group claiming one can be checked."""
@@ -165,14 +168,15 @@ class StaleProber(Sampler):
         if self.flood is not None and newest - self.flood >= self.cfg.learner.max_delay_steps:
             self.flood = None  # too old to be used now: find another
         forged = rollouts
-        if self.flood is not None:
-            version = self.flood
-        elif self.probe is None:
-            version = max(earlier)
+        if self.honest_made is None:
+            self.honest_made = self.generated  # this batch not yet counted: every group before it was honest
+        # A version seen used is flooded while young; otherwise each batch claims the newest version
+        # it held before (as young as a stale claim gets: an older one ages past the max delay
+        # before the update log could tell its probe's fate), its first group that version's probe.
+        version = self.flood if self.flood is not None else max(earlier)
+        if self.probe is None:
             self.probe, self.probes = (forged[0].rollout_id, version), self.probes + 1
-        else:
-            version = self.probe[1]  # flooded before its fate is known: the version would age meanwhile
-        self.flooded += len(forged) - (self.probe is not None and forged[0].rollout_id == self.probe[0])
+        self.flooded += sum(r.rollout_id != self.probe[0] for r in forged)
         rng = np.random.default_rng(self.seed + len(self.forged_ids))
         for r in forged:
             r.policy_version = version
@@ -209,7 +213,8 @@ class StaleProber(Sampler):
             stats = self.state.sampler_stats().get(self.sampler_id, {})
             self.state.record_sampler_stats(self.sampler_id, {**stats, "forged_rollout_ids": self.forged_ids,
                                                               "probes": self.probes, "floods": self.floods,
-                                                              "flooded_groups": self.flooded})
+                                                              "flooded_groups": self.flooded,
+                                                              "honest_groups_made": self.honest_made})
         except Exception as e:  # noqa: BLE001 - Redis may be gone
             self.log.warning("could not record the forged rollout ids: %s", e)
 

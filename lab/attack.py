@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -152,7 +153,8 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         learner_summary = json.loads((out / "learner_summary.json").read_text())
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
                        validators)
-        audit["adversaries"]["stale_prober"].update(_prober(reports.get(prober, {}), used_ids, cfg.security))
+        probed = audit["adversaries"]["stale_prober"]
+        probed.update(_prober(reports.get(prober, {}), used_ids, cfg.security, probed["groups_read_before_quarantine"]))
         keys = _adversary_keys(cfg, handles.state.client, adversary_ids, grant.grant_id)
         for kind, held in keys.items():  # beside what each did: the key it did it with
             audit["adversaries"][kind].update(held)
@@ -211,19 +213,26 @@ def joined_as_stranger(keys: list[dict], invite_id: str) -> bool:
     return len(keys) == 1 and keys[0]["invite"] == invite_id and not keys[0]["local"]
 
 
-def _prober(report: dict, used_ids: set[str], security) -> dict:
+def _prober(report: dict, used_ids: set[str], security, read_before_quarantine: Optional[int] = None) -> dict:
     """The stale prober's forged groups used, against the bound its draws allow: each forged
     stale group is checked on its own with probability `stale_check_fraction`, so fewer than
     `forged_used_bound` are used but with probability 1e-4 (consumers/screening.py). Met if it
-    forged more groups than the bound (a flood that a draw it could learn or avoid would have
-    let through past the bound) and no more than the bound were used."""
+    forged (it got past probation) and no more than the bound were used.
+
+    `read_before_quarantine`: the groups of its key the learner read before quarantining it;
+    less the honest ones it made first, the forged groups that met the draw (the rest came after
+    the quarantine, refused whatever their draw). A quarantine cuts a flood short after a few
+    forged groups, so this audit holds the bound without showing what a draw that could be
+    learned would have let through: tests/unit/test_screening.py floods both side by side."""
     forged = set(report.get("forged_rollout_ids") or [])
     bound = forged_used_bound(security.stale_check_fraction, security.strikes_to_quarantine)
     used = len(forged & used_ids)
-    return {"forged_sent": len(forged), "forged_used": used, "forged_used_bound": bound,
-            "probes": report.get("probes"), "floods": report.get("floods"),
-            "flooded_groups": report.get("flooded_groups"),
-            "target_met": len(forged) > bound and used <= bound}
+    honest = report.get("honest_groups_made")
+    met_the_draw = (None if read_before_quarantine is None or honest is None
+                    else max(0, read_before_quarantine - honest))
+    return {"forged_sent": len(forged), "forged_read_before_quarantine": met_the_draw, "forged_used": used,
+            "forged_used_bound": bound, "probes": report.get("probes"), "floods": report.get("floods"),
+            "flooded_groups": report.get("flooded_groups"), "target_met": bool(forged) and used <= bound}
 
 
 def _wait(procs: Processes, state, seconds: float) -> None:
@@ -330,9 +339,10 @@ def _report(audit: dict, out: Path) -> str:
     p = audit["adversaries"]["stale_prober"]
     q = f"quarantined after {p['quarantined_after_groups']} groups ({p['reason']})" if p["quarantined"] else "not quarantined"
     lines.append(f"  {'stale_prober':16} produced {p['groups_produced']:4}, used {p['groups_used']} (honest through "
-                 f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes and "
-                 f"{p.get('flooded_groups')} groups claiming their versions; {p.get('floods')} versions flooded on "
-                 f"after a probe was seen used), {p.get('forged_used')} used (bound {p.get('forged_used_bound')}); {q}")
+                 f"probation); forged {p.get('forged_sent')} after it ({p.get('probes')} probes, "
+                 f"{p.get('flooded_groups')} groups more, {p.get('floods')} versions flooded after a probe was seen "
+                 f"used; {p.get('forged_read_before_quarantine')} read before its quarantine), {p.get('forged_used')} "
+                 f"used (bound {p.get('forged_used_bound')}); {q}")
     joined = sum(1 for a in audit["adversaries"].values() if a.get("joined_with_invite"))
     lines.append(f"  {joined} adversarial samplers joined with invite {audit['invite']}, each with a key of its own")
     if audit["adversaries_not_joined"]:

@@ -110,9 +110,9 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
         assert a["groups_used"] == 0 and a["quarantined"] and a["quarantined_after_groups"] <= 20, (kind, a)
     assert audit["adversaries"]["noisy_logprobs"]["quarantined_after_fresh_groups"] <= 2
     assert audit["adversaries"]["bad_signature"]["groups_used"] == 0
-    # probe-and-flood: more forged groups than the bound, used no more than a draw of its own per group allows
+    # probe-and-flood: forged past probation, used no more than a draw of its own per group allows
     prober = audit["adversaries"]["stale_prober"]
-    assert prober["forged_sent"] > prober["forged_used_bound"] >= prober["forged_used"], prober
+    assert prober["forged_sent"] > 0 and prober["forged_used"] <= prober["forged_used_bound"], prober
     assert audit["adversary_keys_local"] == []  # every adversary checked as the stranger it is
     assert audit["adversaries_not_joined"] == []  # each joined with the attack's invite, a key of its own
     assert all(audit["adversaries"][kind]["keys"][0]["invite"] == audit["invite"]

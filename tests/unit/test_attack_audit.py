@@ -6,7 +6,7 @@ from consumers.screening import forged_used_bound
 from pipeline.config import SecurityConfig
 
 
-def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_flooded_past_it():
+def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_forged():
     security = SecurityConfig(stale_check_fraction=0.25, strikes_to_quarantine=2)
     bound = forged_used_bound(0.25, 2)
     forged = [f"f{i}" for i in range(200)]
@@ -17,8 +17,11 @@ def test_the_prober_meets_its_target_only_within_the_bound_and_only_if_it_floode
     over = _prober({"forged_rollout_ids": forged}, honest_used | set(forged[:bound + 1]), security)
     assert over["forged_used"] == bound + 1 and not over["target_met"]
     assert not _prober({}, honest_used, security)["target_met"]  # it never got past probation: nothing shown
-    few = _prober({"forged_rollout_ids": forged[:bound]}, honest_used | set(forged[:bound]), security)
-    assert not few["target_met"]  # a flood no larger than the bound shows nothing about the draw
+    # the forged groups that met the draw: those its key had read before the quarantine, less the
+    # honest ones it made first (the rest came after it and were refused whatever their draw)
+    read = _prober({"forged_rollout_ids": forged, "honest_groups_made": 112}, honest_used, security, 131)
+    assert read["forged_read_before_quarantine"] == 19 and read["forged_used"] == 0 and read["target_met"]
+    assert _prober({"forged_rollout_ids": forged}, honest_used, security, 131)["forged_read_before_quarantine"] is None
 
 
 def test_an_adversary_whose_key_is_marked_local_or_did_not_join_fails_the_audit():
