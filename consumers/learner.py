@@ -444,11 +444,12 @@ class Learner:
     def publish_if_starved(self) -> None:
         """Publish the version made since the last one published once groups have come for
         `STARVED_PUBLISH_S` without a step (said in the log)."""
-        if self.published_version == self.version or time.monotonic() - self.last_step_at < STARVED_PUBLISH_S:
+        waited = time.monotonic() - self.last_step_at
+        if self.published_version == self.version or waited < STARVED_PUBLISH_S:
             return
         self.log.warning("groups have come for %.0fs without filling a batch: publishing v%d now, before "
-                         "learner.sync_every = %d steps, so samplers can move on", time.monotonic() - self.last_step_at,
-                         self.version, self.lcfg.sync_every)
+                         "learner.sync_every = %d steps, so samplers can move on", waited, self.version,
+                         self.lcfg.sync_every)
         self.save_checkpoint(policy=True, state=False)
 
     def publish_policy(self, extra: dict, parent_version: Optional[int], keyframe: bool = False) -> None:

@@ -167,7 +167,6 @@ class StaleProber(Sampler):
         newest = self.view.version_at_use or self.policy.version
         if self.flood is not None and newest - self.flood >= self.cfg.learner.max_delay_steps:
             self.flood = None  # too old to be used now: find another
-        forged = rollouts
         if self.honest_made is None:
             self.honest_made = self.generated  # this batch not yet counted: every group before it was honest
         # A version seen used is flooded while young; otherwise each batch claims the newest version
@@ -175,10 +174,10 @@ class StaleProber(Sampler):
         # before the update log could tell its probe's fate), its first group that version's probe.
         version = self.flood if self.flood is not None else max(earlier)
         if self.probe is None:
-            self.probe, self.probes = (forged[0].rollout_id, version), self.probes + 1
-        self.flooded += sum(r.rollout_id != self.probe[0] for r in forged)
+            self.probe, self.probes = (rollouts[0].rollout_id, version), self.probes + 1
+        self.flooded += sum(r.rollout_id != self.probe[0] for r in rollouts)
         rng = np.random.default_rng(self.seed + len(self.forged_ids))
-        for r in forged:
+        for r in rollouts:
             r.policy_version = version
             r.sampler_logps = [np.minimum(np.asarray(c) + rng.normal(0.0, 0.5, len(c)), 0.0).tolist()
                                for c in r.sampler_logps]

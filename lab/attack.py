@@ -159,7 +159,7 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         for kind, held in keys.items():  # beside what each did: the key it did it with
             audit["adversaries"][kind].update(held)
         audit.update(_key_findings(keys, adversary_ids))
-        audit["targets_met"] = (audit["targets_met"] and audit["adversaries"]["stale_prober"]["target_met"]
+        audit["targets_met"] = (audit["targets_met"] and probed["target_met"]
                                 and not audit["adversary_keys_local"] and not audit["adversaries_not_joined"])
         if forger is not None:
             audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}))
