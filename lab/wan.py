@@ -53,7 +53,7 @@ from pipeline.records.audit import audit_topic
 from pipeline.records.update_log import UpdateEntry, read_entries_kafka
 from pipeline.runtime import resolve_base_model, setup_logging
 from pipeline.trust.keyring import init_keys, key_paths
-from pipeline.weights.policy import link_of
+from pipeline.weights.policy import link_of, unpacked_bytes
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
 from pipeline.wire.rollout import header_value
@@ -361,7 +361,10 @@ class ArmResult:
     audit: dict
     proxies: dict = field(default_factory=dict)
     model_bytes: int = 0
-    """The policy's size as samplers get it (its first keyframe, v0)."""
+    """The policy's size as a sampler holds it (v0's tensors in the published dtype, and its other
+    files): what bytes per version are a share of."""
+    keyframe_bytes: int = 0
+    """What a keyframe costs to download (v0's, packed): what a joiner's first group is timed against."""
     volunteers_not_admitted: list[str] = field(default_factory=list)
     """Samplers that joined with the invite whose key is not one admitted under it as a stranger's (must be none)."""
 
@@ -503,11 +506,11 @@ class WanArm:
             figures[name].bytes_down = counted["bytes_down"]
         summary = json.loads((self.out / "learner_summary.json").read_text())
         learner = learner_figures(entries, run_start, run_end, summary, learner_wall_s)
-        model_bytes = link_of(store.read_manifest(store.manifest_key(0))).nbytes
+        first = store.read_manifest(store.manifest_key(0))
         volunteers_not_admitted = strangers_not_admitted(cfg, admin_redis, [self.sampler_ids[link.name] for link in self.links
                                                                     if link.join_at_s is not None], grant_id)
-        return ArmResult(self.name, self.run_name, self.links, figures, learner, audit, proxies, model_bytes,
-                         volunteers_not_admitted)
+        return ArmResult(self.name, self.run_name, self.links, figures, learner, audit, proxies, unpacked_bytes(first),
+                         link_of(first).nbytes, volunteers_not_admitted)
 
 
 def strangers_not_admitted(cfg: HeteroConfig, client, sampler_ids: list[str], grant_id: Optional[str]) -> list[str]:
@@ -528,7 +531,7 @@ def wan_report(arms: list[ArmResult], minutes: float, machine: str) -> dict:
     report = {"minutes": minutes, "machine": machine, "arms": {}}
     for arm in arms:
         report["arms"][arm.name] = {
-            "run": arm.run, "model_bytes": arm.model_bytes, "learner": arm.learner, "proxies": arm.proxies,
+            "run": arm.run, "model_bytes": arm.model_bytes, "keyframe_bytes": arm.keyframe_bytes, "learner": arm.learner, "proxies": arm.proxies,
             "links": {link.name: {**asdict(link), "describe": link.describe()} for link in arm.links},
             "samplers": {name: asdict(f) for name, f in arm.samplers.items()},
             "audit": {k: arm.audit.get(k) for k in ("produced", "used_in_updates", "dropped_stale", "dead_lettered",
@@ -559,7 +562,7 @@ def wan_targets(shaped: ArmResult, unshaped: Optional[ArmResult]) -> dict:
     for link in shaped.links:
         f = shaped.samplers[link.name]
         if link.join_at_s is not None and link.rate_mbit is not None:
-            bound = shaped.model_bytes * 8 / (link.rate_mbit * 1e6) + 60
+            bound = shaped.keyframe_bytes * 8 / (link.rate_mbit * 1e6) + 60
             targets[f"first_used_{link.name}"] = {
                 "value": f.first_used_s, "target": f"<= keyframe bytes / link rate + 60 s = {bound:.0f} s",
                 "met": f.first_used_s is not None and f.first_used_s <= bound}
@@ -572,7 +575,8 @@ def wan_targets(shaped: ArmResult, unshaped: Optional[ArmResult]) -> dict:
 def report_table(report: dict) -> str:
     lines = []
     for arm_name, arm in report["arms"].items():
-        lines.append(f"\n{arm_name} (run {arm['run']}; policy {arm['model_bytes'] / 1e6:.1f} MB): learner "
+        lines.append(f"\n{arm_name} (run {arm['run']}; policy {arm['model_bytes'] / 1e6:.1f} MB, "
+                     f"keyframe {arm['keyframe_bytes'] / 1e6:.1f} MB): learner "
                      f"{arm['learner']['steps']} steps in {arm['learner']['minutes']:g} min = "
                      f"{arm['learner']['steps_per_min']:.2f}/min, busy {arm['learner']['busy_share']}; lost "
                      f"{arm['audit']['lost']}, used twice {arm['audit']['used_twice']}")

@@ -4,9 +4,13 @@ A policy version is written through `pipeline.weights.store.CheckpointStore` (fi
 signed manifest; every download chunked, resumable and checked against its sha256) in one
 of two kinds, named in the manifest's `extra["weights"]`:
 
-- a **keyframe** holds the model directory as it is (`*.safetensors` weights, config,
-  tokenizer files) and, per weights file, the dtype, shape and sha256 of every tensor:
-  `{"kind": "keyframe", "files": {"model.safetensors": {name: {dtype, shape, sha256}}}}`;
+- a **keyframe** holds the model directory's config and tokenizer files and its weights,
+  packed (`keyframe.safetensors`: every tensor's bit patterns in byte planes, zstd-compressed
+  by `pipeline.weights.codec.encode_keyframe`, about 0.71 of a bf16 model's bytes), and, per
+  weights file, the dtype, shape and sha256 of every tensor: `{"kind": "keyframe", "files":
+  {"model.safetensors": {name: {dtype, shape, sha256}}}, "packed": {"model.safetensors":
+  {name: entry}}}`. A keyframe without `packed` (earlier releases', or weights of a dtype the
+  codec does not read) holds the `*.safetensors` files as they are;
 - a **delta** holds `delta.safetensors` (the compressed payload of `pipeline.weights.codec`
   as uint8 tensors) and names its base version, the keyframe its chain starts from, each
   tensor's encoding and sha256, and the non-weight files it takes from its base with their
@@ -33,6 +37,7 @@ it has been verified.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import tempfile
@@ -48,11 +53,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline.errors import UserError
-from pipeline.weights.codec import DTYPES, Delta, DeltaError, apply_delta, describe, encode_delta
+from pipeline.weights.codec import (DTYPES, Delta, DeltaError, apply_delta, decode_keyframe, describe, encode_delta,
+                                    encode_keyframe)
 from pipeline.weights.store import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
                                     Manifest, is_pickle_file, link_or_copy, safe_relpath, sha256_file)
 
 DELTA_FILE = "delta.safetensors"
+PACKED_FILE = "keyframe.safetensors"
+"""A keyframe's packed weights (`encode_keyframe`'s payload, as uint8 tensors like a delta's)."""
 WEIGHTS_SUFFIX = ".safetensors"
 KEYFRAME, DELTA = "keyframe", "delta"
 
@@ -255,13 +263,7 @@ class PolicyWriter:
             for f in others:
                 link_or_copy(model_dir / f["path"], staged / f["path"])
             if kind == KEYFRAME:
-                if cast or tensors is not None:
-                    _write_weights(weights, staged)
-                else:
-                    for name in weights:
-                        link_or_copy(model_dir / name, staged / name)
-                description = {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
-                                                           for name, tensors in weights.items()}}
+                description = self._stage_keyframe(weights, staged, model_dir, written=cast or tensors is not None)
                 if delta is not None:  # the samplers holding the version before take this, not the copy
                     description["bridge"] = {"base_version": self._last[0], "files": self._write_delta(delta, staged),
                                              "inherit": others}
@@ -301,9 +303,28 @@ class PolicyWriter:
         return {"kind": DELTA, "base_version": self._last[0], "keyframe_version": self._keyframe_version,
                 "files": self._write_delta(delta, staged), "inherit": others}
 
+    def _stage_keyframe(self, weights, staged: Path, model_dir: Path, written: bool) -> dict:
+        """Stage the keyframe's weights in `staged`, packed (`encode_keyframe`); returns the
+        manifest's description. Weights the codec cannot read go as they are (`written`: they
+        differ from `model_dir`'s files, so they are saved, not linked)."""
+        try:
+            packed = {name: encode_keyframe(tensors) for name, tensors in weights.items()}
+        except DeltaError:  # a dtype the codec does not read: the files as they are
+            if written:
+                _write_weights(weights, staged)
+            else:
+                for name in weights:
+                    link_or_copy(model_dir / name, staged / name)
+            return {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
+                                                for name, tensors in weights.items()}}
+        files = {name: {tensor: {k: entry[k] for k in ("dtype", "shape", "sha256")}
+                        for tensor, entry in delta.entries.items()} for name, delta in packed.items()}
+        return {"kind": KEYFRAME, "files": files, "packed": self._write_delta(packed, staged, PACKED_FILE)}
+
     @staticmethod
-    def _write_delta(delta: dict[str, Delta], staged: Path) -> dict:
-        """Write `delta.safetensors` into `staged`; returns its entries by weights file."""
+    def _write_delta(delta: dict[str, Delta], staged: Path, file_name: str = DELTA_FILE) -> dict:
+        """Write `delta` (a delta's, or a keyframe's packed weights) as `file_name` into `staged`;
+        returns its entries by weights file."""
         payload: dict[str, bytes] = {}
         files = {}
         for name, file_delta in delta.items():
@@ -313,7 +334,7 @@ class PolicyWriter:
                     payload[f"{name}::{key}"] = file_delta.payload[key]
                 entries[tensor] = {**entry, "parts": {part: f"{name}::{key}" for part, key in entry["parts"].items()}}
             files[name] = entries
-        save_file(_payload_tensors(payload), str(staged / DELTA_FILE), metadata={"format": "heterorl-delta/1"})
+        save_file(_payload_tensors(payload), str(staged / file_name), metadata={"format": "heterorl-delta/1"})
         return files
 
 
@@ -396,16 +417,32 @@ def weights_description(manifest: Manifest) -> dict:
     if weights["kind"] == DELTA:
         return {"kind": DELTA, **delta_part(weights, "a delta")}
     files = tensor_files(weights.get("files"))
-    if DELTA_FILE in files:
-        raise bad(f"a keyframe may not name {DELTA_FILE} as a weights file")
+    if DELTA_FILE in files or PACKED_FILE in files:
+        raise bad(f"a keyframe may not name {DELTA_FILE} or {PACKED_FILE} as a weights file")
     bridge = None if weights.get("bridge") is None else delta_part(weights["bridge"], "a keyframe's bridge")
-    return {"kind": KEYFRAME, "files": files, "bridge": bridge}
+    packed = None if weights.get("packed") is None else tensor_files(weights["packed"])
+    if packed is not None and {n: set(t) for n, t in packed.items()} != {n: set(t) for n, t in files.items()}:
+        raise bad("its packed weights are not the tensors its files name")
+    return {"kind": KEYFRAME, "files": files, "bridge": bridge, "packed": packed}
+
+
+def unpacked_bytes(manifest: Manifest) -> int:
+    """A version's size as a sampler holds it once rebuilt: its tensors' bytes (bf16 or as
+    published) and its other files; what a keyframe or a delta costs is `link_of(...).nbytes`."""
+    files = weights_description(manifest)["files"]
+    if files is None:  # a plain checkpoint: its files as they are
+        return sum(f["size"] for f in manifest.files if _is_policy_file(PurePosixPath(f["path"])))
+    tensors = sum(math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
+                  for entries in files.values() for entry in entries.values())
+    return tensors + sum(f["size"] for f in _other_files_of(manifest))
 
 
 def link_of(manifest: Manifest) -> Link:
     """The chain link a manifest describes."""
     description = weights_description(manifest)
     sizes = {f["path"]: f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/")}
+    if description.get("packed") is not None and PACKED_FILE not in sizes:
+        raise CorruptCheckpointError(f"manifest v{manifest.version}: packed weights without their {PACKED_FILE}")
     bridge = description.get("bridge")
     if description["kind"] == KEYFRAME and bridge is not None:
         if DELTA_FILE not in sizes:
@@ -504,13 +541,15 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
     try:
         origin_dir, _ = store.fetch(store.manifest_key(keyframe.version), origin / "model",
-                                    expect_version=keyframe.version, skip=frozenset({DELTA_FILE}))
+                                    expect_version=keyframe.version, skip=frozenset({DELTA_FILE}),
+                                    read=manifests[keyframe.version])
         report.path.append(keyframe.version)
         report.bytes_downloaded += keyframe.nbytes
         report.keyframe_bytes += keyframe.nbytes
-        weights = read_weights(origin_dir)
+        packed = weights_description(manifests[keyframe.version]).get("packed")
+        weights = read_weights(origin_dir) if packed is None else _unpack(packed, origin_dir)
         _check_tensors(manifests[keyframe.version], weights)
-        if len(path) == 1:  # the version is this keyframe: its verified files are the result
+        if len(path) == 1 and packed is None:  # the version is this keyframe: its verified files are the result
             if dest_dir.exists():
                 shutil.rmtree(dest_dir)
             shutil.move(str(origin_dir), str(dest_dir))
@@ -521,6 +560,18 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
         raise CorruptCheckpointError(f"refused policy v{target.version}: {e}") from None
     finally:
         shutil.rmtree(origin, ignore_errors=True)
+
+
+def _unpack(packed: dict, origin_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A packed keyframe's weights, by weights file, out of its `PACKED_FILE` in `origin_dir`
+    (removed: the rest of the directory is the model's other files)."""
+    payload_file = origin_dir / PACKED_FILE
+    try:
+        payload = _payload_bytes(payload_file)
+    except SafetensorError as e:
+        raise DeltaError(f"the keyframe's {PACKED_FILE} is not a safetensors file ({e})") from None
+    payload_file.unlink()
+    return {name: decode_keyframe(Delta(entries=entries, payload=payload)) for name, entries in packed.items()}
 
 
 def _read_local(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -593,7 +644,7 @@ def _delta_payload(store, link: Link, manifest: Manifest, work_dir: Path) -> dic
     scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
     try:
         delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version,
-                                   only=frozenset({DELTA_FILE}))
+                                   only=frozenset({DELTA_FILE}), read=manifest)
         return _payload_bytes(delta_dir / DELTA_FILE)
     except SafetensorError as e:
         raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None

@@ -266,10 +266,12 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
-    def read_expected(self, manifest_key: str, expect_version: Optional[int]) -> Manifest:
+    def read_expected(self, manifest_key: str, expect_version: Optional[int], read: Optional[Manifest] = None) -> Manifest:
         """The manifest at `manifest_key`, refused if it is not of `expect_version` (the version the
-        caller was told this is: the policy pointer's), when given."""
-        manifest = self.read_manifest(manifest_key)
+        caller was told this is: the policy pointer's), when given. `read`: that manifest as the
+        caller already read it with `read_manifest` (not read again: on a far link each read is
+        a round trip)."""
+        manifest = self.read_manifest(manifest_key) if read is None or read.key != manifest_key else read
         if expect_version is not None and manifest.version != expect_version:
             raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "
                                          f"s3://{self.bucket}/{manifest_key} is v{manifest.version}")
@@ -277,7 +279,7 @@ class CheckpointStore:
 
     def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
               network_retries: int = 8, expect_version: Optional[int] = None, only: Optional[frozenset] = None,
-              skip: frozenset = frozenset()) -> tuple[Path, Manifest]:
+              skip: frozenset = frozenset(), read: Optional[Manifest] = None) -> tuple[Path, Manifest]:
         """Download a checkpoint into `dest_dir`, verifying every file; only the learner
         asks for `learner_state`.
 
@@ -287,8 +289,9 @@ class CheckpointStore:
         `expect_version`: the version the caller was told this is (the policy pointer's); a
         manifest of another version is refused. `only` / `skip`: the manifest's paths to
         download (default all) / to leave out (a keyframe's bridge delta, for a whole copy).
+        `read`: the manifest as the caller already read it (`read_expected`).
         """
-        manifest = self.read_expected(manifest_key, expect_version)
+        manifest = self.read_expected(manifest_key, expect_version, read)
         dest_dir = Path(dest_dir)
         dest_dir.parent.mkdir(parents=True, exist_ok=True)
         wanted = [f for f in manifest.files

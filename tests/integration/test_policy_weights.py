@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError, connect_s3
 from pipeline.clients.services import Services
-from pipeline.weights.codec import bits
+from pipeline.weights.codec import bits, describe
 from pipeline.weights.policy import DELTA, KEYFRAME, KeyframeRule, PolicyWriter, fetch_policy, read_weights
 
 pytestmark = pytest.mark.integration
@@ -114,10 +114,14 @@ def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, ver
             with lock:
                 active[0] -= 1
 
+    # Each manifest on the way is read once (on a far link every read is a round trip).
+    read_manifest, manifests_read = reader.read_manifest, []
+    reader.read_manifest = lambda key: manifests_read.append(key) or read_manifest(key)
     reader.fetch = side_by_side
     behind, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
-    reader.fetch = fetch
+    reader.fetch, reader.read_manifest = fetch, read_manifest
     assert peak[0] == 2  # PREFETCH_DELTAS downloads at once, never more
+    assert sorted(manifests_read) == [reader.manifest_key(v) for v in (2, 3, 4, 5)]
     by_version = {p["version"]: p for p in publisher.published}
     assert report.path == [2, 3, 4, 5] and not report.from_keyframe and report.keyframe_bytes == 0
     assert report.bytes_downloaded == sum(by_version[v]["bytes"] for v in (2, 4, 5)) + by_version[3]["bridge_bytes"]
@@ -273,6 +277,30 @@ def test_what_only_a_keyframe_can_carry_and_a_copy_of_the_target_itself(local_st
     wrong = shutil.copytree(versions[4], tmp_path / "wrong")
     _, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "again", have=(1, wrong))
     assert report.refused and report.path == [0, 1]
+
+
+def test_keyframes_travel_packed_and_an_earlier_release_s_whole_files_still_load(local_stack, versions, tmp_path):
+    """A keyframe's weights go to S3 packed (well under their bf16 bytes) and come back as the
+    plain model directory; a keyframe of an earlier release, its safetensors files as they were,
+    still loads."""
+    store = _store(local_stack, "policy-packed")
+    publisher = PolicyWriter(store, KeyframeRule(10))
+    publisher.write(0, versions[0])
+    sizes = {f["path"]: f["size"] for f in store.read_manifest(store.manifest_key(0)).files}
+    assert "keyframe.safetensors" in sizes and "model.safetensors" not in sizes
+    weights = read_weights(versions[0])["model.safetensors"]
+    assert sizes["keyframe.safetensors"] < 0.85 * sum(t.numel() * t.element_size() for t in weights.values())
+    got, _, report = fetch_policy(store, store.manifest_key(0), tmp_path / "v0", expect_version=0)
+    assert report.path == [0] and report.keyframe_bytes == publisher.published[0]["bytes"] == sum(sizes.values())
+    assert_same_weights(got, versions[0])
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in versions[0].iterdir())
+
+    earlier = {"kind": KEYFRAME, "files": {"model.safetensors": {k: describe(t) for k, t in
+                                                                 read_weights(versions[1])["model.safetensors"].items()}}}
+    store.upload(1, versions[1], {"weights": earlier}, parent_version=0)
+    old, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "v1", expect_version=1)
+    assert report.path == [1] and report.from_keyframe
+    assert_same_weights(old, versions[1])
 
 
 @pytest.mark.parametrize("path", ["../../outside.json", "/etc/hostname", "learner_state/optimizer.json",

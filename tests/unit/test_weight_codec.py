@@ -11,7 +11,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.weights.codec import Delta, DeltaError, apply_delta, bits, describe, encode_delta, tensor_sha256
+from pipeline.weights.codec import (Delta, DeltaError, apply_delta, bits, decode_keyframe, describe, encode_delta,
+                                    encode_keyframe, tensor_sha256)
 
 
 def adam_like_step(weights: dict[str, torch.Tensor], lr: float, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -73,6 +74,38 @@ def test_special_bit_patterns_survive():
     rebuilt = apply_delta(base, encode_delta(base, new))
     assert_bit_equal(rebuilt, new)
     assert delta_entry_changed(base, new) == 5
+
+
+def test_a_keyframe_travels_packed_and_rebuilds_bit_for_bit():
+    """A whole model as a keyframe carries it: bf16 weights of a model's scale take well under
+    their bytes (the high byte plane is sign and exponent), every bit pattern survives, and a
+    tampered payload, a size other than its words' or another encoding is refused."""
+    weights = {**model_weights(torch.bfloat16),
+               "odd": torch.tensor([-0.0, float("nan"), float("inf"), float("-inf"), 1e-45, 4.0]),
+               "scalar": torch.tensor(2.5, dtype=torch.float16), "empty": torch.zeros(0, 3, dtype=torch.bfloat16)}
+    packed = encode_keyframe(weights)
+    assert {e["encoding"] for e in packed.entries.values()} == {"words"}
+    assert_bit_equal(decode_keyframe(packed), weights)
+    gaussian = {k: weights[k] for k in ("embed.weight", "layer.0.mlp.weight")}
+    raw = sum(t.numel() * t.element_size() for t in gaussian.values())
+    assert encode_keyframe(gaussian).nbytes < 0.8 * raw
+    assert_bit_equal(apply_delta(adam_like_step(weights, 1e-2), packed), weights)  # any base: words replace it
+
+    tampered = encode_keyframe(weights)
+    key = tampered.entries["embed.weight"]["parts"]["words"]
+    blob = bytearray(tampered.payload[key])
+    blob[len(blob) // 2] ^= 0xFF
+    tampered.payload[key] = bytes(blob)
+    with pytest.raises(DeltaError, match="does not decompress|sha256|holds"):
+        decode_keyframe(tampered)
+    resized = encode_keyframe(weights)
+    resized.entries["embed.weight"]["shape"] = [512, 65]
+    with pytest.raises(DeltaError, match="declares 65536 bytes, 66560 expected"):
+        decode_keyframe(resized)
+    other = encode_keyframe(weights)
+    other.entries["odd"]["encoding"] = "dense"
+    with pytest.raises(DeltaError, match="a keyframe holds words, not 'dense'"):
+        decode_keyframe(other)
 
 
 def delta_entry_changed(base, new) -> int:
