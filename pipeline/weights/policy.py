@@ -452,6 +452,32 @@ def link_of(manifest: Manifest) -> Link:
     return Link(manifest.version, description["kind"], description.get("base_version"), sum(sizes.values()))
 
 
+MANIFESTS_AHEAD = 8
+"""Manifests read side by side while a chain is walked back: the version needed and up to this
+many below it (a chain's links are nearly always consecutive versions, and on a far link each
+read is a round trip). A guess that is not needed costs one small read; its errors are never seen."""
+
+
+class _ManifestsAhead:
+    """The manifests of the versions a chain walk will need, read `MANIFESTS_AHEAD` at a time by
+    threads; never below `floor` (the sampler's own version is not read)."""
+
+    def __init__(self, store: CheckpointStore, floor: int):
+        self.store, self.floor = store, floor
+        self.pool = ThreadPoolExecutor(max_workers=MANIFESTS_AHEAD, thread_name_prefix="manifest-read")
+        self.reads: dict = {}
+
+    def read(self, version: int) -> Manifest:
+        lowest = min(version, max(self.floor, version - MANIFESTS_AHEAD + 1))  # the one needed, always
+        for v in range(version, lowest - 1, -1):
+            if v not in self.reads:
+                self.reads[v] = self.pool.submit(self.store.read_manifest, self.store.manifest_key(v))
+        return self.reads.pop(version).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] = None,
                max_links: int = 1000) -> tuple[list[Link], dict[int, Manifest]]:
     """The links from the keyframe `manifest`'s version rests on, or from the version after
@@ -464,7 +490,16 @@ def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] =
     down to `have` cost fewer bytes than the newest keyframe's path (that keyframe and the
     deltas after it); where they would not, or a version on the way is gone, or a keyframe has
     no bridge, the chain from the newest keyframe is returned. Raises CheckpointNotFound when a
-    version on that chain is gone."""
+    version on that chain is gone. The manifests below are read ahead (`MANIFESTS_AHEAD`)."""
+    ahead = _ManifestsAhead(store, floor=0 if have is None else have + 1)
+    try:
+        return _walk_chain(ahead, manifest, have, max_links)
+    finally:
+        ahead.close()
+
+
+def _walk_chain(ahead: _ManifestsAhead, manifest: Manifest, have: Optional[int],
+                max_links: int) -> tuple[list[Link], dict[int, Manifest]]:
     manifests = {manifest.version: manifest}
     links = [link_of(manifest)]
     newest_keyframe: Optional[tuple[list[Link], dict[int, Manifest]]] = None
@@ -489,7 +524,7 @@ def read_chain(store: CheckpointStore, manifest: Manifest, have: Optional[int] =
         if len(links) > max_links:
             raise CorruptCheckpointError(f"the chain of v{manifest.version} is longer than {max_links} versions")
         try:
-            base = store.read_manifest(store.manifest_key(first.base_version))
+            base = ahead.read(first.base_version)
         except CheckpointNotFound:
             if newest_keyframe is not None:  # pruned below the keyframe: take the keyframe
                 return newest_keyframe

@@ -114,14 +114,33 @@ def test_keyframes_and_deltas_rebuild_every_version_bit_for_bit(local_stack, ver
             with lock:
                 active[0] -= 1
 
-    # Each manifest on the way is read once (on a far link every read is a round trip).
-    read_manifest, manifests_read = reader.read_manifest, []
-    reader.read_manifest = lambda key: manifests_read.append(key) or read_manifest(key)
+    # Each manifest on the way is read once, and those below the target side by side (on a far
+    # link every read is a round trip): a read by a thread waits, up to 5 s, for a second.
+    read_manifest, manifests_read, reads_at_once = reader.read_manifest, [], [0, 0]
+    read_second = threading.Event()
+
+    def counted_read(key):
+        manifests_read.append(key)
+        if threading.current_thread() is threading.main_thread():
+            return read_manifest(key)
+        with lock:
+            reads_at_once[0] += 1
+            reads_at_once[1] = max(reads_at_once)
+            if reads_at_once[0] >= 2:
+                read_second.set()
+        read_second.wait(timeout=5)
+        try:
+            return read_manifest(key)
+        finally:
+            with lock:
+                reads_at_once[0] -= 1
+
+    reader.read_manifest = counted_read
     reader.fetch = side_by_side
     behind, _, report = fetch_policy(reader, reader.manifest_key(5), tmp_path / "behind", have=(1, versions[1]))
     reader.fetch, reader.read_manifest = fetch, read_manifest
     assert peak[0] == 2  # PREFETCH_DELTAS downloads at once, never more
-    assert sorted(manifests_read) == [reader.manifest_key(v) for v in (2, 3, 4, 5)]
+    assert sorted(manifests_read) == [reader.manifest_key(v) for v in (2, 3, 4, 5)] and reads_at_once[1] >= 2
     by_version = {p["version"]: p for p in publisher.published}
     assert report.path == [2, 3, 4, 5] and not report.from_keyframe and report.keyframe_bytes == 0
     assert report.bytes_downloaded == sum(by_version[v]["bytes"] for v in (2, 4, 5)) + by_version[3]["bridge_bytes"]
