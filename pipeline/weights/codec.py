@@ -166,10 +166,11 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
 def encode_keyframe(tensors: Mapping[str, torch.Tensor], level: int = ZSTD_LEVEL, workers: int = 0) -> Delta:
     """A whole model as it travels in a keyframe: per tensor the `words` encoding, its raw bit
     patterns in byte planes, zstd-compressed. The high plane of bf16 weights (sign and most of
-    the exponent) takes a fraction of its size and the low plane (the mantissa) next to none:
-    SmolLM2-135M travels as 0.71 of its bf16 bytes (docs/weights.md). It is the delta from an
-    all-zero model, so `decode_keyframe` rebuilds it through `apply_delta` with every check a
-    delta gets. Raises DeltaError for a dtype the codec does not read."""
+    the exponent: few values are common) shrinks to under half, the low plane (mostly mantissa)
+    hardly at all: a trained model travels as about 0.7 of its bf16 bytes (docs/weights.md).
+    It is the delta from an all-zero model, so `decode_keyframe` rebuilds it through
+    `apply_delta` with every check a delta gets. Raises DeltaError for a dtype the codec does
+    not read."""
     names = sorted(tensors)
     with ThreadPoolExecutor(max_workers=workers or codec_workers()) as pool:
         encoded = list(pool.map(lambda name: _encode_words(tensors[name], level), names))
@@ -300,6 +301,8 @@ def _entry_dtype_shape(name: str, entry: dict) -> tuple[torch.dtype, list[int]]:
         shape = [int(n) for n in entry["shape"]]
     except (KeyError, TypeError, ValueError):
         raise DeltaError(f"tensor {name!r}: the delta entry has no valid dtype and shape") from None
+    if any(n < 0 for n in shape):
+        raise DeltaError(f"tensor {name!r}: the delta entry's shape {shape} has a negative size")
     return dtype, shape
 
 

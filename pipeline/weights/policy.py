@@ -6,11 +6,12 @@ of two kinds, named in the manifest's `extra["weights"]`:
 
 - a **keyframe** holds the model directory's config and tokenizer files and its weights,
   packed (`keyframe.safetensors`: every tensor's bit patterns in byte planes, zstd-compressed
-  by `pipeline.weights.codec.encode_keyframe`, about 0.71 of a bf16 model's bytes), and, per
-  weights file, the dtype, shape and sha256 of every tensor: `{"kind": "keyframe", "files":
-  {"model.safetensors": {name: {dtype, shape, sha256}}}, "packed": {"model.safetensors":
-  {name: entry}}}`. A keyframe without `packed` (earlier releases', or weights of a dtype the
-  codec does not read) holds the `*.safetensors` files as they are;
+  by `pipeline.weights.codec.encode_keyframe`, about 0.7 of a bf16 model's bytes), and, per
+  weights file, the dtype, shape and sha256 of every tensor and the payload that holds it:
+  `{"kind": "keyframe", "files": {"model.safetensors": {name: {dtype, shape, sha256}}},
+  "packed": {"model.safetensors": {name: payload key}}}`. A keyframe without `packed`
+  (earlier releases', or weights that would unpack to more than `MAX_UNPACK_RATIO` times
+  their payload) holds the `*.safetensors` files as they are;
 - a **delta** holds `delta.safetensors` (the compressed payload of `pipeline.weights.codec`
   as uint8 tensors) and names its base version, the keyframe its chain starts from, each
   tensor's encoding and sha256, and the non-weight files it takes from its base with their
@@ -61,6 +62,11 @@ from pipeline.weights.store import (LEARNER_STATE_DIR, CheckpointNotFound, Check
 DELTA_FILE = "delta.safetensors"
 PACKED_FILE = "keyframe.safetensors"
 """A keyframe's packed weights (`encode_keyframe`'s payload, as uint8 tensors like a delta's)."""
+MAX_UNPACK_RATIO = 64
+"""A packed keyframe may declare at most this many bytes of weights per byte of its payload
+(trained weights: about 1.4): zstd rebuilds whatever size a manifest declares, so a forged one
+could otherwise make a few MB ask for a machine's memory. The learner publishes weights that
+would pack tighter (nearly all one value) as they are."""
 WEIGHTS_SUFFIX = ".safetensors"
 KEYFRAME, DELTA = "keyframe", "delta"
 
@@ -205,7 +211,11 @@ def _payload_tensors(payload: dict[str, bytes]) -> dict[str, torch.Tensor]:
 
 
 def _payload_bytes(path: Path) -> dict[str, bytes]:
-    return {key: t.numpy().tobytes() for key, t in load_file(str(path)).items()}
+    """A payload file's parts, read one at a time (a keyframe's is most of a model: never twice in memory)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {key: f.get_tensor(key).numpy().tobytes() for key in f.keys()}
 
 
 # --- the learner's side -----------------------------------------------------------------------
@@ -231,6 +241,8 @@ class PolicyWriter:
         self._keyframe_version: Optional[int] = None
         self._since_keyframe = 0
         self._chain_bytes = 0
+        self._keyframe_bytes = 0
+        """What the last keyframe cost a sampler (packed): what the deltas after it are weighed against."""
         self.published: list[dict] = []
         """Per version: version, kind, bytes a sampler downloads (a keyframe's full copy), a keyframe's
         bridge bytes (0: none), full bytes, and when it was published (time.time())."""
@@ -256,7 +268,8 @@ class PolicyWriter:
         full_bytes = sum(t.numel() * t.element_size() for tensors in weights.values() for t in tensors.values())
         delta = self._delta_against_last(version, weights, others)
         kind = KEYFRAME if delta is None or keyframe else self.rule.choose(
-            self._since_keyframe, self._chain_bytes, sum(d.nbytes for d in delta.values()), full_bytes)
+            self._since_keyframe, self._chain_bytes, sum(d.nbytes for d in delta.values()),
+            self._keyframe_bytes or full_bytes)
         bridge_bytes = 0
         with tempfile.TemporaryDirectory(prefix=f".policy-v{version}-", dir=self.work_dir or model_dir.parent) as tmp:
             staged = Path(tmp)
@@ -269,6 +282,7 @@ class PolicyWriter:
                                              "inherit": others}
                     bridge_bytes = (staged / DELTA_FILE).stat().st_size
                 self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
+                self._keyframe_bytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file()) - bridge_bytes
             else:
                 description = self._stage_delta(delta, staged, others)
             key = self.store.upload(version, staged, {**(extra or {}), "weights": description}, parent_version)
@@ -305,21 +319,23 @@ class PolicyWriter:
 
     def _stage_keyframe(self, weights, staged: Path, model_dir: Path, written: bool) -> dict:
         """Stage the keyframe's weights in `staged`, packed (`encode_keyframe`); returns the
-        manifest's description. Weights the codec cannot read go as they are (`written`: they
-        differ from `model_dir`'s files, so they are saved, not linked)."""
-        try:
-            packed = {name: encode_keyframe(tensors) for name, tensors in weights.items()}
-        except DeltaError:  # a dtype the codec does not read: the files as they are
-            if written:
-                _write_weights(weights, staged)
-            else:
-                for name in weights:
-                    link_or_copy(model_dir / name, staged / name)
-            return {"kind": KEYFRAME, "files": {name: {k: describe(t) for k, t in tensors.items()}
-                                                for name, tensors in weights.items()}}
+        manifest's description. Weights that pack tighter than `MAX_UNPACK_RATIO` allows a
+        reader go as they are (`written`: they differ from `model_dir`'s files, so they are
+        saved, not linked)."""
+        packed = {name: encode_keyframe(tensors) for name, tensors in weights.items()}
         files = {name: {tensor: {k: entry[k] for k in ("dtype", "shape", "sha256")}
                         for tensor, entry in delta.entries.items()} for name, delta in packed.items()}
-        return {"kind": KEYFRAME, "files": files, "packed": self._write_delta(packed, staged, PACKED_FILE)}
+        if _unpacked_weight_bytes(files) <= MAX_UNPACK_RATIO * max(1, sum(d.nbytes for d in packed.values())):
+            entries = self._write_delta(packed, staged, PACKED_FILE)
+            return {"kind": KEYFRAME, "files": files, "packed": {
+                name: {tensor: entry["parts"]["words"] for tensor, entry in tensors.items()}
+                for name, tensors in entries.items()}}
+        if written:
+            _write_weights(weights, staged)
+        else:
+            for name in weights:
+                link_or_copy(model_dir / name, staged / name)
+        return {"kind": KEYFRAME, "files": files}
 
     @staticmethod
     def _write_delta(delta: dict[str, Delta], staged: Path, file_name: str = DELTA_FILE) -> dict:
@@ -389,9 +405,15 @@ def weights_description(manifest: Manifest) -> dict:
         if not isinstance(files, dict) or not all(
                 isinstance(name, str) and isinstance(entries, dict)
                 and all(isinstance(t, str) and isinstance(e, dict) and e.get("dtype") in DTYPES
+                        and isinstance(e.get("shape"), list)
+                        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in e["shape"])
                         for t, e in entries.items())
                 for name, entries in files.items()):
             raise bad("its weights files are not described tensor by tensor")
+        for name in files:  # tensors are written under these names: inside the model directory only
+            if safe_relpath(name) != name or not name.endswith(WEIGHTS_SUFFIX) or not _is_policy_file(
+                    PurePosixPath(name)) or name in (DELTA_FILE, PACKED_FILE):
+                raise bad(f"{name!r} is not a weights file of a model directory")
         return files
 
     def delta_part(part, what: str) -> dict:
@@ -417,13 +439,22 @@ def weights_description(manifest: Manifest) -> dict:
     if weights["kind"] == DELTA:
         return {"kind": DELTA, **delta_part(weights, "a delta")}
     files = tensor_files(weights.get("files"))
-    if DELTA_FILE in files or PACKED_FILE in files:
-        raise bad(f"a keyframe may not name {DELTA_FILE} or {PACKED_FILE} as a weights file")
     bridge = None if weights.get("bridge") is None else delta_part(weights["bridge"], "a keyframe's bridge")
-    packed = None if weights.get("packed") is None else tensor_files(weights["packed"])
-    if packed is not None and {n: set(t) for n, t in packed.items()} != {n: set(t) for n, t in files.items()}:
-        raise bad("its packed weights are not the tensors its files name")
+    packed = weights.get("packed")
+    if packed is not None:
+        if not isinstance(packed, dict) or {n: set(t) for n, t in packed.items() if isinstance(t, dict)} != {
+                n: set(t) for n, t in files.items()} or not all(
+                isinstance(key, str) for tensors in packed.values() for key in tensors.values()):
+            raise bad("its packed weights are not the tensors its files name, each by its payload")
+        packed = {name: {tensor: {**files[name][tensor], "encoding": "words", "parts": {"words": key}}
+                         for tensor, key in tensors.items()} for name, tensors in packed.items()}
     return {"kind": KEYFRAME, "files": files, "bridge": bridge, "packed": packed}
+
+
+def _unpacked_weight_bytes(files: dict) -> int:
+    """The bytes of the tensors a keyframe's `files` describe."""
+    return sum(math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
+               for entries in files.values() for entry in entries.values())
 
 
 def unpacked_bytes(manifest: Manifest) -> int:
@@ -432,17 +463,19 @@ def unpacked_bytes(manifest: Manifest) -> int:
     files = weights_description(manifest)["files"]
     if files is None:  # a plain checkpoint: its files as they are
         return sum(f["size"] for f in manifest.files if _is_policy_file(PurePosixPath(f["path"])))
-    tensors = sum(math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
-                  for entries in files.values() for entry in entries.values())
-    return tensors + sum(f["size"] for f in _other_files_of(manifest))
+    return _unpacked_weight_bytes(files) + sum(f["size"] for f in _other_files_of(manifest))
 
 
 def link_of(manifest: Manifest) -> Link:
     """The chain link a manifest describes."""
     description = weights_description(manifest)
     sizes = {f["path"]: f["size"] for f in manifest.files if not f["path"].startswith(LEARNER_STATE_DIR + "/")}
-    if description.get("packed") is not None and PACKED_FILE not in sizes:
-        raise CorruptCheckpointError(f"manifest v{manifest.version}: packed weights without their {PACKED_FILE}")
+    if description.get("packed") is not None:
+        if PACKED_FILE not in sizes:
+            raise CorruptCheckpointError(f"manifest v{manifest.version}: packed weights without their {PACKED_FILE}")
+        if _unpacked_weight_bytes(description["files"]) > MAX_UNPACK_RATIO * max(1, sizes[PACKED_FILE]):
+            raise CorruptCheckpointError(f"manifest v{manifest.version}: its weights would unpack to more than "
+                                         f"{MAX_UNPACK_RATIO} times its {PACKED_FILE} (refused unread)")
     bridge = description.get("bridge")
     if description["kind"] == KEYFRAME and bridge is not None:
         if DELTA_FILE not in sizes:
@@ -453,14 +486,16 @@ def link_of(manifest: Manifest) -> Link:
 
 
 MANIFESTS_AHEAD = 8
-"""Manifests read side by side while a chain is walked back: the version needed and up to this
-many below it (a chain's links are nearly always consecutive versions, and on a far link each
-read is a round trip). A guess that is not needed costs one small read; its errors are never seen."""
+"""Manifests read side by side while a chain is walked back: the version needed and the ones
+below it, this many in all (a chain's links are nearly always consecutive versions, and on a far
+link each read is a round trip). A guess that is not needed costs one small read; its errors are
+never seen."""
 
 
 class _ManifestsAhead:
     """The manifests of the versions a chain walk will need, read `MANIFESTS_AHEAD` at a time by
-    threads; never below `floor` (the sampler's own version is not read)."""
+    threads; guesses never below `floor` (the sampler's own version is read only if the walk
+    itself needs it)."""
 
     def __init__(self, store: CheckpointStore, floor: int):
         self.store, self.floor = store, floor
@@ -582,9 +617,12 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
         report.bytes_downloaded += keyframe.nbytes
         report.keyframe_bytes += keyframe.nbytes
         packed = weights_description(manifests[keyframe.version]).get("packed")
-        weights = read_weights(origin_dir) if packed is None else _unpack(packed, origin_dir)
-        _check_tensors(manifests[keyframe.version], weights)
-        if len(path) == 1 and packed is None:  # the version is this keyframe: its verified files are the result
+        if packed is None:
+            weights = read_weights(origin_dir)
+            _check_tensors(manifests[keyframe.version], weights)
+        else:  # every tensor unpacked was checked against the sha256 of its `files` entry
+            weights = _unpack(packed, origin_dir)
+        if len(path) == 1 and packed is None:  # this keyframe's verified files are the result (a packed one is written out)
             if dest_dir.exists():
                 shutil.rmtree(dest_dir)
             shutil.move(str(origin_dir), str(dest_dir))

@@ -269,8 +269,8 @@ class CheckpointStore:
     def read_expected(self, manifest_key: str, expect_version: Optional[int], read: Optional[Manifest] = None) -> Manifest:
         """The manifest at `manifest_key`, refused if it is not of `expect_version` (the version the
         caller was told this is: the policy pointer's), when given. `read`: that manifest as the
-        caller already read it with `read_manifest` (not read again: on a far link each read is
-        a round trip)."""
+        caller already read it with this store's `read_manifest` (so checked against the same
+        trusted key; not read again: on a far link each read is a round trip)."""
         manifest = self.read_manifest(manifest_key) if read is None or read.key != manifest_key else read
         if expect_version is not None and manifest.version != expect_version:
             raise CorruptCheckpointError(f"refused: the policy pointer says v{expect_version} but its manifest "

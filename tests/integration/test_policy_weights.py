@@ -340,6 +340,63 @@ def test_a_delta_may_only_inherit_files_inside_its_directory(local_stack, versio
     assert not (tmp_path / "v1").exists() and not (tmp_path.parent / "outside.json").exists()
 
 
+def _forged_keyframe(store, change) -> str:
+    """v0's manifest, rewritten by `change(weights description)` (unsigned: nothing vouches for it)."""
+    key = store.manifest_key(0)
+    raw = json.loads(store.client.get_object(store.bucket, key).read())
+    change(raw["extra"]["weights"])
+    body = json.dumps(raw).encode()
+    store.client.put_object(store.bucket, key, io.BytesIO(body), len(body))
+    return key
+
+
+@pytest.mark.parametrize("forgery", ["outside", "payload", "renamed", "huge", "negative"])
+def test_a_packed_keyframe_that_names_other_files_or_sizes_is_refused_before_it_is_read(local_stack, versions,
+                                                                                         tmp_path, forgery):
+    """Its tensors are written under the names its manifest gives, and unpacked to the sizes it
+    declares: a name outside the model directory, names its payload does not hold, more bytes
+    than `MAX_UNPACK_RATIO` times the payload, or a negative size is refused before any download."""
+    store = _store(local_stack, f"policy-forged-{forgery}")
+    PolicyWriter(store, KeyframeRule(10)).write(0, versions[0])
+
+    def change(weights):
+        files, packed = weights["files"], weights["packed"]
+        entries, keys = files.pop("model.safetensors"), packed.pop("model.safetensors")
+        name = {"outside": "../../outside.safetensors", "payload": "keyframe.safetensors"}.get(forgery,
+                                                                                               "model.safetensors")
+        files[name], packed[name] = entries, keys
+        if forgery == "renamed":  # the payload of a tensor the files do not name
+            keys["extra.weight"] = keys.pop(next(iter(keys)))
+        first = next(iter(entries.values()))
+        if forgery == "huge":
+            first["shape"] = [1 << 20, 1 << 20]
+        if forgery == "negative":
+            first["shape"] = [-1] + first["shape"][1:]
+
+    key = _forged_keyframe(store, change)
+    fetch = store.fetch
+    store.fetch = lambda *a, **k: pytest.fail("a forged keyframe must be refused before its download")
+    with pytest.raises(CorruptCheckpointError, match="unsafe path|not a weights file|packed weights are not|more than 64 "
+                                                     "times|not described tensor by tensor"):
+        fetch_policy(store, key, tmp_path / "v0")
+    store.fetch = fetch
+    assert not (tmp_path / "v0").exists() and not (tmp_path.parent / "outside.safetensors").exists()
+
+
+def test_weights_of_nearly_one_value_go_as_they_are(local_stack, versions, tmp_path):
+    """Packed past `MAX_UNPACK_RATIO`, a reader would refuse them: the learner publishes them unpacked."""
+    constant = shutil.copytree(versions[0], tmp_path / "constant")
+    weights = load_file(str(constant / "model.safetensors"))
+    save_file({k: torch.zeros_like(t) for k, t in weights.items()}, str(constant / "model.safetensors"),
+              metadata={"format": "pt"})
+    store = _store(local_stack, "policy-constant")
+    PolicyWriter(store, KeyframeRule(10)).write(0, constant)
+    manifest = store.read_manifest(store.manifest_key(0))
+    assert "packed" not in manifest.extra["weights"] and "model.safetensors" in {f["path"] for f in manifest.files}
+    got, _, _ = fetch_policy(store, store.manifest_key(0), tmp_path / "v0")
+    assert_same_weights(got, constant)
+
+
 def test_an_unsigned_chain_is_refused_where_signatures_are_required(local_stack, versions, tmp_path):
     from pipeline.wire.signing import SigningKey
     from pipeline.weights.policy import fetch_published

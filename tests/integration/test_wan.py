@@ -44,7 +44,8 @@ def test_a_volunteer_behind_a_slow_far_flaky_link_joins_and_its_groups_are_used(
     # Its first policy came from a keyframe (packed: less than the model as held); after it, each
     # version cost a fraction of one (the cheaper of the deltas and bridges after what it held and
     # the newest keyframe's path).
-    assert v["first_policy_bytes"] >= arm["keyframe_bytes"] and v["keyframe_bytes"] >= arm["keyframe_bytes"]
+    # (a later keyframe packs to a few bytes more or less than v0's)
+    assert min(v["first_policy_bytes"], v["keyframe_bytes"]) >= 0.9 * arm["keyframe_bytes"]
     assert 0 < arm["keyframe_bytes"] < arm["model_bytes"]
     assert v["versions_followed"] > 0 and 0 < v["bytes_per_version"] < arm["model_bytes"] / 2
     assert a["versions_followed"] > 0 and 0 < a["bytes_per_version"] < arm["model_bytes"] / 2

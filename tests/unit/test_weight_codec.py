@@ -102,6 +102,10 @@ def test_a_keyframe_travels_packed_and_rebuilds_bit_for_bit():
     resized.entries["embed.weight"]["shape"] = [512, 65]
     with pytest.raises(DeltaError, match="declares 65536 bytes, 66560 expected"):
         decode_keyframe(resized)
+    negative = encode_keyframe(weights)
+    negative.entries["embed.weight"]["shape"] = [-512, 64]
+    with pytest.raises(DeltaError, match="negative size"):
+        decode_keyframe(negative)
     other = encode_keyframe(weights)
     other.entries["odd"]["encoding"] = "dense"
     with pytest.raises(DeltaError, match="a keyframe holds words, not 'dense'"):
