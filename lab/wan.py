@@ -531,7 +531,8 @@ def wan_report(arms: list[ArmResult], minutes: float, machine: str) -> dict:
     report = {"minutes": minutes, "machine": machine, "arms": {}}
     for arm in arms:
         report["arms"][arm.name] = {
-            "run": arm.run, "model_bytes": arm.model_bytes, "keyframe_bytes": arm.keyframe_bytes, "learner": arm.learner, "proxies": arm.proxies,
+            "run": arm.run, "model_bytes": arm.model_bytes, "keyframe_bytes": arm.keyframe_bytes,
+            "learner": arm.learner, "proxies": arm.proxies,
             "links": {link.name: {**asdict(link), "describe": link.describe()} for link in arm.links},
             "samplers": {name: asdict(f) for name, f in arm.samplers.items()},
             "audit": {k: arm.audit.get(k) for k in ("produced", "used_in_updates", "dropped_stale", "dead_lettered",

@@ -62,8 +62,9 @@ BIT_VIEWS = {torch.bfloat16: (torch.int16, np.uint16), torch.float16: (torch.int
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ENCODINGS = ("same", "sparse", "dense", "words")
-"""What `encode_delta` writes (and `words`, what `encode_keyframe` writes). `apply_delta` also reads what earlier releases wrote (`xor`, and
-`sparse` with a `flips` part: new = old XOR flip), so their runs' versions still rebuild."""
+"""What `encode_delta` writes (and `words`, what `encode_keyframe` writes). `apply_delta` also
+reads what earlier releases wrote (`xor`, and `sparse` with a `flips` part: new = old XOR flip),
+so their runs' versions still rebuild."""
 MAX_SPARSE_ELEMENTS = 2**32 - 1
 """Largest tensor whose changed elements can be sent as uint32 index gaps (larger ones: `dense`)."""
 
@@ -150,9 +151,14 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         missing, extra = sorted(set(new) - set(base)), sorted(set(base) - set(new))
         raise DeltaError(f"cannot encode a delta between models with different tensors "
                          f"(only in the new one: {missing[:3]}; only in the base: {extra[:3]})")
-    names = sorted(new)
+    return _encoded(sorted(new), lambda name: _encode_tensor(name, base[name], new[name], level), workers)
+
+
+def _encoded(names: list[str], encode, workers: int) -> Delta:
+    """The Delta of `encode(name)` -> (entry, {part: compressed bytes}) for each name, the
+    tensors encoded side by side by `workers` threads (0: `codec_workers()`)."""
     with ThreadPoolExecutor(max_workers=workers or codec_workers()) as pool:
-        encoded = list(pool.map(lambda name: _encode_tensor(name, base[name], new[name], level), names))
+        encoded = list(pool.map(encode, names))
     delta = Delta()
     for name, (entry, parts) in zip(names, encoded):
         delta.entries[name] = {**entry, "parts": {}}
@@ -171,14 +177,7 @@ def encode_keyframe(tensors: Mapping[str, torch.Tensor], level: int = ZSTD_LEVEL
     It is the delta from an all-zero model, so `decode_keyframe` rebuilds it through
     `apply_delta` with every check a delta gets. Raises DeltaError for a dtype the codec does
     not read."""
-    names = sorted(tensors)
-    with ThreadPoolExecutor(max_workers=workers or codec_workers()) as pool:
-        encoded = list(pool.map(lambda name: _encode_words(tensors[name], level), names))
-    delta = Delta()
-    for name, (entry, blob) in zip(names, encoded):
-        delta.entries[name] = {**entry, "parts": {"words": f"{name}.words"}}
-        delta.payload[f"{name}.words"] = blob
-    return delta
+    return _encoded(sorted(tensors), lambda name: _encode_words(tensors[name], level), workers)
 
 
 def decode_keyframe(delta: Delta, workers: int = 0) -> dict[str, torch.Tensor]:
@@ -195,11 +194,11 @@ def decode_keyframe(delta: Delta, workers: int = 0) -> dict[str, torch.Tensor]:
     return apply_delta(base, delta, workers)
 
 
-def _encode_words(tensor: torch.Tensor, level: int) -> tuple[dict, bytes]:
+def _encode_words(tensor: torch.Tensor, level: int) -> tuple[dict, dict]:
     words = bits(tensor)
     entry = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
              "sha256": hashlib.sha256(words.tobytes()).hexdigest(), "encoding": "words"}
-    return entry, zstandard.ZstdCompressor(level=level).compress(byte_planes(words))
+    return entry, {"words": zstandard.ZstdCompressor(level=level).compress(byte_planes(words))}
 
 
 def codec_workers() -> int:

@@ -50,7 +50,7 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.errors import UserError
@@ -177,8 +177,6 @@ def lay_out(tensors: dict[str, torch.Tensor], model_dir: Path) -> dict[str, dict
     model (only its files' headers are read). A tensor the files do not name must be one they
     store under another name (tied weights, stored once); anything else is a ValueError, as is
     a named tensor missing from `tensors`."""
-    from safetensors import safe_open
-
     layout = {}
     for name in weights_files(model_dir):
         with safe_open(str(Path(model_dir) / name), framework="pt") as f:
@@ -212,8 +210,6 @@ def _payload_tensors(payload: dict[str, bytes]) -> dict[str, torch.Tensor]:
 
 def _payload_bytes(path: Path) -> dict[str, bytes]:
     """A payload file's parts, read one at a time (a keyframe's is most of a model: never twice in memory)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return {key: f.get_tensor(key).numpy().tobytes() for key in f.keys()}
 
@@ -282,7 +278,6 @@ class PolicyWriter:
                                              "inherit": others}
                     bridge_bytes = (staged / DELTA_FILE).stat().st_size
                 self._keyframe_version, self._since_keyframe, self._chain_bytes = version, 0, 0
-                self._keyframe_bytes = sum(p.stat().st_size for p in staged.rglob("*") if p.is_file()) - bridge_bytes
             else:
                 description = self._stage_delta(delta, staged, others)
             key = self.store.upload(version, staged, {**(extra or {}), "weights": description}, parent_version)
@@ -290,6 +285,8 @@ class PolicyWriter:
         if kind == DELTA:
             self._since_keyframe += 1
             self._chain_bytes += nbytes
+        else:
+            self._keyframe_bytes = nbytes
         self._last = (version, weights, others)
         self.published.append({"version": version, "kind": kind, "bytes": nbytes, "bridge_bytes": bridge_bytes,
                                "full_bytes": full_bytes + sum(f["size"] for f in others), "at": time.time()})
@@ -325,7 +322,7 @@ class PolicyWriter:
         packed = {name: encode_keyframe(tensors) for name, tensors in weights.items()}
         files = {name: {tensor: {k: entry[k] for k in ("dtype", "shape", "sha256")}
                         for tensor, entry in delta.entries.items()} for name, delta in packed.items()}
-        if _unpacked_weight_bytes(files) <= MAX_UNPACK_RATIO * max(1, sum(d.nbytes for d in packed.values())):
+        if unpacks_within_bound(files, sum(d.nbytes for d in packed.values())):
             entries = self._write_delta(packed, staged, PACKED_FILE)
             return {"kind": KEYFRAME, "files": files, "packed": {
                 name: {tensor: entry["parts"]["words"] for tensor, entry in tensors.items()}
@@ -457,6 +454,11 @@ def _unpacked_weight_bytes(files: dict) -> int:
                for entries in files.values() for entry in entries.values())
 
 
+def unpacks_within_bound(files: dict, packed_bytes: int) -> bool:
+    """Whether the tensors `files` describe fit `MAX_UNPACK_RATIO` times `packed_bytes`."""
+    return _unpacked_weight_bytes(files) <= MAX_UNPACK_RATIO * max(1, packed_bytes)
+
+
 def unpacked_bytes(manifest: Manifest) -> int:
     """A version's size as a sampler holds it once rebuilt: its tensors' bytes (bf16 or as
     published) and its other files; what a keyframe or a delta costs is `link_of(...).nbytes`."""
@@ -473,7 +475,7 @@ def link_of(manifest: Manifest) -> Link:
     if description.get("packed") is not None:
         if PACKED_FILE not in sizes:
             raise CorruptCheckpointError(f"manifest v{manifest.version}: packed weights without their {PACKED_FILE}")
-        if _unpacked_weight_bytes(description["files"]) > MAX_UNPACK_RATIO * max(1, sizes[PACKED_FILE]):
+        if not unpacks_within_bound(description["files"], sizes[PACKED_FILE]):
             raise CorruptCheckpointError(f"manifest v{manifest.version}: its weights would unpack to more than "
                                          f"{MAX_UNPACK_RATIO} times its {PACKED_FILE} (refused unread)")
     bridge = description.get("bridge")
@@ -622,7 +624,7 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
             _check_tensors(manifests[keyframe.version], weights)
         else:  # every tensor unpacked was checked against the sha256 of its `files` entry
             weights = _unpack(packed, origin_dir)
-        if len(path) == 1 and packed is None:  # this keyframe's verified files are the result (a packed one is written out)
+        if len(path) == 1 and packed is None:  # its verified files are the result (a packed one is written out)
             if dest_dir.exists():
                 shutil.rmtree(dest_dir)
             shutil.move(str(origin_dir), str(dest_dir))

@@ -266,7 +266,8 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"manifest s3://{self.bucket}/{key} is malformed: {e}") from None
 
-    def read_expected(self, manifest_key: str, expect_version: Optional[int], read: Optional[Manifest] = None) -> Manifest:
+    def read_expected(self, manifest_key: str, expect_version: Optional[int],
+                      read: Optional[Manifest] = None) -> Manifest:
         """The manifest at `manifest_key`, refused if it is not of `expect_version` (the version the
         caller was told this is: the policy pointer's), when given. `read`: that manifest as the
         caller already read it with this store's `read_manifest` (so checked against the same

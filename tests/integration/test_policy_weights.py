@@ -314,8 +314,8 @@ def test_keyframes_travel_packed_and_an_earlier_release_s_whole_files_still_load
     assert_same_weights(got, versions[0])
     assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in versions[0].iterdir())
 
-    earlier = {"kind": KEYFRAME, "files": {"model.safetensors": {k: describe(t) for k, t in
-                                                                 read_weights(versions[1])["model.safetensors"].items()}}}
+    tensors = read_weights(versions[1])["model.safetensors"]
+    earlier = {"kind": KEYFRAME, "files": {"model.safetensors": {k: describe(t) for k, t in tensors.items()}}}
     store.upload(1, versions[1], {"weights": earlier}, parent_version=0)
     old, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "v1", expect_version=1)
     assert report.path == [1] and report.from_keyframe
@@ -376,8 +376,8 @@ def test_a_packed_keyframe_that_names_other_files_or_sizes_is_refused_before_it_
     key = _forged_keyframe(store, change)
     fetch = store.fetch
     store.fetch = lambda *a, **k: pytest.fail("a forged keyframe must be refused before its download")
-    with pytest.raises(CorruptCheckpointError, match="unsafe path|not a weights file|packed weights are not|more than 64 "
-                                                     "times|not described tensor by tensor"):
+    refused = "unsafe path|not a weights file|packed weights are not|more than 64 times|not described tensor by tensor"
+    with pytest.raises(CorruptCheckpointError, match=refused):
         fetch_policy(store, key, tmp_path / "v0")
     store.fetch = fetch
     assert not (tmp_path / "v0").exists() and not (tmp_path.parent / "outside.safetensors").exists()
