@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -265,9 +266,11 @@ class Admitted:
 
 
 def be_admitted(text: str, *, base: Path, config_file: Optional[str], overrides: list[str],
-                sampler_id: Optional[str], wait_s: float = ADMIT_WAIT_S) -> Admitted:
+                sampler_id: Optional[str], wait_s: float = ADMIT_WAIT_S,
+                while_waiting: Optional[Callable[[HeteroConfig, str], None]] = None) -> Admitted:
     """Read the invite, make (or reuse) this host's key and wait until the learner admits it:
-    what `heterorl join` does before it samples, and `heterorl adversary --invite` before it lies."""
+    what `heterorl join` does before it samples, and `heterorl adversary --invite` before it lies.
+    `while_waiting(cfg, sampler_id)` is called once the servers answer, before asking to join."""
     invite = read_invite(text)
     home, key, sampler_id, again = open_home(invite, base, sampler_id)
     if not again:
@@ -277,6 +280,8 @@ def be_admitted(text: str, *, base: Path, config_file: Optional[str], overrides:
     check_reachable(services, cfg.services.connect_timeout_s)
     client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s,
                            security=services.security)
+    if while_waiting is not None:
+        while_waiting(cfg, sampler_id)
     try:
         ask_to_join(client, invite, key, sampler_id, wait_s)
     except redis.RedisError as e:
@@ -289,10 +294,17 @@ def be_admitted(text: str, *, base: Path, config_file: Optional[str], overrides:
 
 
 def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[str], sampler_id: Optional[str],
-         run_sampler: Optional[Callable[[HeteroConfig, str], int]] = None, wait_s: float = ADMIT_WAIT_S) -> int:
-    """`heterorl join`: read the invite, make (or reuse) this host's key, be admitted, sample."""
-    admitted = be_admitted(text, base=base, config_file=config_file, overrides=overrides, sampler_id=sampler_id,
-                           wait_s=wait_s)
+         run_sampler: Optional[Callable[..., int]] = None, wait_s: float = ADMIT_WAIT_S) -> int:
+    """`heterorl join`: read the invite, make (or reuse) this host's key, be admitted, sample.
+    The newest policy downloads from when the servers answer, beside the admission
+    (`FirstPolicy`); `run_sampler(cfg, sampler_id, policy)` is handed the follower fetching it."""
+    first = FirstPolicy()
+    try:
+        admitted = be_admitted(text, base=base, config_file=config_file, overrides=overrides,
+                               sampler_id=sampler_id, wait_s=wait_s, while_waiting=first.start)
+    except Exception:  # refused, or no answer: nothing of it stays (Ctrl-C: the next start cleans up)
+        first.discard()
+        raise
     invite, sampler_id = admitted.invite, admitted.sampler_id
     print(f"joined run {invite.run} as {sampler_id} (key {admitted.key.key_id}, invite {invite.grant.grant_id}); "
           f"{'resuming' if admitted.again else 'fetching the newest policy'}; Ctrl-C leaves (groups not sent stay "
@@ -302,11 +314,48 @@ def join(text: str, *, base: Path, config_file: Optional[str], overrides: list[s
     progress = JoinProgress(RunState(admitted.client, invite.run), sampler_id)
     progress.start()
     try:
-        return run_sampler(admitted.cfg, sampler_id)
+        return run_sampler(admitted.cfg, sampler_id, first.follower())
     finally:
         progress.stop.set()
         progress.join(timeout=5)
         print(progress.line(), file=sys.stderr, flush=True)
+
+
+class FirstPolicy:
+    """A volunteer's first policy, downloading on a thread of its own while the learner admits
+    the host and the sampler starts (`producers.sampler.fetch_first_policy`, which imports torch:
+    not on the admission's way). A host refused leaves nothing behind (`discard`)."""
+
+    def __init__(self):
+        self.thread: Optional[threading.Thread] = None
+        self.fetched = None
+        self.work_dir: Optional[Path] = None
+
+    def start(self, cfg: HeteroConfig, sampler_id: str) -> None:
+        self.thread = threading.Thread(target=self._fetch, args=(cfg, sampler_id), name="first-policy", daemon=True)
+        self.thread.start()
+
+    def follower(self):
+        """The follower fetching it (None: the sampler fetches its own), once it has started."""
+        if self.thread is not None:
+            self.thread.join()
+        return self.fetched
+
+    def _fetch(self, cfg: HeteroConfig, sampler_id: str) -> None:
+        from producers.sampler import fetch_first_policy, sampler_work_dir
+
+        self.work_dir = sampler_work_dir(cfg, sampler_id)
+        shutil.rmtree(self.work_dir, ignore_errors=True)  # what an earlier start left half-downloaded
+        self.fetched = fetch_first_policy(cfg, sampler_id)
+
+    def discard(self, wait_s: float = 5.0) -> None:
+        """The host was not admitted: the download goes. One still running after `wait_s` is left to
+        die with the process (its part is removed at the next start from this home)."""
+        follower = self.follower()
+        if follower is not None and not follower.wait_written(wait_s):
+            return
+        if self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
 class JoinProgress(threading.Thread):

@@ -274,6 +274,7 @@ class SamplerFigures:
     first_used_s: Optional[float] = None
     """Seconds from its start (or join) to the learner's step that first used one of its groups."""
     first_policy_s: Optional[float] = None
+    """Seconds from its start (or join) to its first policy loaded."""
     first_policy_bytes: int = 0
     """Bytes of its first policy (a keyframe, and the deltas after it)."""
     keyframe_bytes: int = 0
@@ -327,9 +328,9 @@ def sampler_figures(links: dict[str, WanLink], sampler_ids: dict[str, str], star
         if report.get("first_policy_version") is not None and report.get("policy_version") is not None:
             figures.versions_followed = int(report["policy_version"]) - int(report["first_policy_version"])
         figures.bytes_per_version = report.get("per_version_bytes")
-        figures.first_policy_s = report.get("first_policy_s")
-        if figures.first_policy_s is not None:
-            figures.weights_wait_s = round(float(figures.first_policy_s) + float(report.get("stalled_behind_s") or 0), 1)
+        if report.get("first_policy_at") is not None:  # a joiner's download starts before its sampler does
+            figures.first_policy_s = round(float(report["first_policy_at"]) - started_at[name], 1)
+            figures.weights_wait_s = round(figures.first_policy_s + float(report.get("stalled_behind_s") or 0), 1)
         figures.weights_download_s = float(report.get("weights_download_s") or 0.0)
         figures.refused_checkpoints = int(report.get("refused_checkpoints") or 0)
         figures.refused_delta_paths = int(report.get("refused_delta_paths") or 0)

@@ -62,7 +62,8 @@ from pipeline.runtime import (connect_run, make_task_from_config, setup_logging,
                               with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.wire.signing import KeyFileError, SignatureError, SigningKey
-from pipeline.weights.store import verify_pointer
+from pipeline.clients.run_state import MalformedPointer
+from pipeline.weights.store import PolicyPointer, verify_pointer
 from pipeline.clients.spool import RolloutSpool
 
 
@@ -283,6 +284,40 @@ class SamplerParts:
     """What `run()` checks to stop (`.requested`; default: SIGTERM/SIGINT)."""
     on_connect: Optional[Callable[[Any], None]] = None
     """Called with the run's handles once connected (the rig counts the Redis commands sent)."""
+    policy: Optional[PolicyFollower] = None
+    """A follower already fetching the first policy (`fetch_first_policy`); default: a new one."""
+
+
+def sampler_log_role(sampler_id: str) -> str:
+    return f"sampler {sampler_id}"
+
+
+def sampler_work_dir(cfg: HeteroConfig, sampler_id: str) -> Path:
+    """Where a sampler's policies are downloaded to (removed when it stops)."""
+    return Path(cfg.services.data_dir) / "samplers" / sampler_id
+
+
+def fetch_first_policy(cfg: HeteroConfig, sampler_id: str) -> Optional[PolicyFollower]:
+    """A follower already downloading the run's newest policy (its pointer checked as every
+    sampler checks it), for a sampler not started yet: `heterorl join` starts it while the
+    learner admits the host. On a slow link the first keyframe is most of a volunteer's wait
+    (docs/deployment.md); the admission, loading the engine and connecting had put 16 s before
+    it in `heterorl wan`. None (the sampler starts its own) where nothing is published, the
+    pointer is refused, or the servers do not answer."""
+    log = setup_logging(sampler_log_role(sampler_id))
+    try:
+        handles = connect_run(cfg)
+        pointer = PolicyPointer(handles.state).read_verified(handles.store.trusted)
+    except (ServiceUnavailable, redis.RedisError, SignatureError, MalformedPointer) as e:
+        log.warning("not fetching a policy before the sampler starts: %s", getattr(e, "reason", e))
+        return None
+    if pointer is None:
+        return None
+    work_dir = sampler_work_dir(cfg, sampler_id)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    follower = PolicyFollower(handles.store, work_dir, log)
+    follower.request(pointer.version, pointer.manifest_key)
+    return follower
 
 
 class Sampler:
@@ -293,7 +328,7 @@ class Sampler:
         self.precision = f"precision: sampling {self.scfg.precision}"
         """What `make_sampler_engine` chose for `sampler.precision` and why (logged at the start)."""
         self.sampler_id = sampler_id or new_sampler_id()
-        self.log = setup_logging(f"sampler {self.sampler_id}")
+        self.log = setup_logging(sampler_log_role(self.sampler_id))
         self.seed = sampler_seed(cfg.run.seed, self.sampler_id)
         self.sampling = {"temperature": self.scfg.temperature, "top_p": self.scfg.top_p, "top_k": self.scfg.top_k,
                          "max_new_tokens": self.scfg.max_new_tokens}
@@ -388,9 +423,10 @@ class Sampler:
         self.spool_dir = Path(self.scfg.spool_dir or Path(self.cfg.services.data_dir) / "spool" / self.sampler_id)
         self.outbox = Outbox.open(self.cfg, self.sampler_id, self.spool_dir, self.handles.services, self.signer,
                                   self.stamp, self.log)
-        self.work_dir = Path(self.cfg.services.data_dir) / "samplers" / self.sampler_id
+        self.work_dir = sampler_work_dir(self.cfg, self.sampler_id)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = PolicyFollower(self.handles.store, self.work_dir, self.log, engine)
+        self.policy = self.parts.policy or PolicyFollower(self.handles.store, self.work_dir, self.log)
+        self.policy.attach(engine)
         self.stop = self.parts.stop or StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
@@ -584,5 +620,6 @@ class Sampler:
                       ", ".join(f"{k} {v}" for k, v in self.totals().items()))
 
 
-def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None) -> int:
-    return Sampler(cfg, sampler_id).run()
+def run_sampler(cfg: HeteroConfig, sampler_id: Optional[str] = None, policy: Optional[PolicyFollower] = None) -> int:
+    """`policy`: a follower already fetching the first policy (`fetch_first_policy`)."""
+    return Sampler(cfg, sampler_id, SamplerParts(policy=policy)).run()

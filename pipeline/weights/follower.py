@@ -40,11 +40,17 @@ class PolicyFollower:
     stalls generation: the loop keeps sampling with the weights it has and swaps the new
     ones in between batches (`swap_if_ready`). `update` is the blocking form, for the
     first load.
+
+    A follower may start before its engine exists (`engine` None): it downloads meanwhile, and
+    what it downloaded is prepared for the engine once `attach` gives one. `heterorl join`
+    fetches a volunteer's first policy so while the learner admits the host and its engine is
+    built (`producers.sampler.fetch_first_policy`).
     """
 
-    def __init__(self, store, work_dir: Path, log, engine: Any):
+    def __init__(self, store, work_dir: Path, log, engine: Any = None):
         self.store = store
-        self.engine = engine
+        self.engine = None
+        self._attached = threading.Event()
         self.work_dir = work_dir
         self.log = log
         self.version: Optional[int] = None
@@ -66,6 +72,15 @@ class PolicyFollower:
         self._ready: Optional[tuple] = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._written = threading.Event()
+        self._written.set()
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: Any) -> None:
+        """The engine that loads the versions downloaded (one waiting for it is prepared now)."""
+        self.engine = engine
+        self._attached.set()
 
     def request(self, version: Optional[int], manifest_key: Optional[str], forced: bool = False) -> None:
         """Start downloading `version` in the background if it is newer than ours and nothing is in flight."""
@@ -74,6 +89,7 @@ class PolicyFollower:
         if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
             return
         self.downloading = version
+        self._written.clear()
         have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
@@ -85,6 +101,7 @@ class PolicyFollower:
             # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
             path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
                                            expect_version=version, work_dir=self.work_dir)
+            self._written.set()
             self.bytes_downloaded += report.bytes_downloaded
             self.keyframe_bytes += report.keyframe_bytes
             self.download_s += time.perf_counter() - started
@@ -94,6 +111,7 @@ class PolicyFollower:
             self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
                           "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
                           time.perf_counter() - started)
+            self._attached.wait()  # a follower started before its engine: prepared once there is one
             started = time.perf_counter()
             prepared = self.engine.prepare(path)
             with self._lock:
@@ -115,6 +133,7 @@ class PolicyFollower:
             self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
                            str(e).splitlines()[0][:160] if str(e) else "", self.version)
         finally:
+            self._written.set()
             self.downloading = None
 
     def swap_if_ready(self) -> Optional[bool]:
@@ -146,6 +165,7 @@ class PolicyFollower:
                 "weights_bytes_downloaded": self.bytes_downloaded, "keyframe_bytes": self.keyframe_bytes,
                 "first_policy_version": first_version, "first_policy_bytes": first_bytes,
                 "first_policy_s": None if first_at is None else round(first_at - started, 1),
+                "first_policy_at": first_at,
                 "per_version_bytes": None if per_version is None else round(per_version),
                 "weights_download_s": round(self.download_s, 1)}
 
@@ -159,6 +179,11 @@ class PolicyFollower:
     @property
     def loaded(self) -> bool:
         return self.version is not None
+
+    def wait_written(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until the download in flight, if any, has written its files (or failed): whether
+        nothing is being written into `work_dir` now."""
+        return self._written.wait(timeout_s)
 
     def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
         """Blocking: load `version` if it is newer than ours; False (keep current weights) on failure."""

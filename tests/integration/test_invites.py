@@ -11,9 +11,11 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from heterorl import invites
 from heterorl.cli import main
@@ -72,7 +74,7 @@ def make(run, joins=2, hours=1.0) -> str:
 def join(run, text, home, sampled, **kw) -> int:
     return invites.join(text, base=run.tmp / home, config_file=None, overrides=["sampler.max_groups=3"],
                         sampler_id=kw.get("sampler_id"), wait_s=kw.get("wait_s", 20),
-                        run_sampler=lambda cfg, sampler_id: sampled.append((cfg, sampler_id)) or 0)
+                        run_sampler=lambda cfg, sampler_id, policy: sampled.append((cfg, sampler_id)) or 0)
 
 
 def cli_join(run, text, home, capsys) -> tuple[int, str]:
@@ -233,3 +235,86 @@ def test_an_invite_s_count_holds_across_learner_restarts(local_stack, tmp_path):
     assert set(admissions.admissions.keys) == {first.key_id, second.key_id}
     assert admissions.admissions.joins == {grant.grant_id: 2}
     assert "used up" in admissions.admissions.refused[third.key_id]
+
+
+class Loads:
+    """An engine that records what it was given."""
+
+    backend = "hf"
+
+    def __init__(self):
+        self.installed = []
+
+    def prepare(self, path):
+        return path
+
+    def install(self, prepared):
+        self.installed.append(prepared)
+
+
+def publish(run, local_stack, tmp_path, version: int) -> Path:
+    """A tiny model published as `version` of the run, signed, as its learner publishes it."""
+    from pipeline.models.tiny import ModelSize, build_tiny_model, build_tokenizer
+    from pipeline.weights.policy import KeyframeRule, PolicyWriter
+    from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
+
+    tokenizer = build_tokenizer()
+    model_dir = tmp_path / f"v{version}"
+    build_tiny_model(tokenizer, ModelSize(hidden_size=32, num_layers=2, num_heads=2,
+                                          intermediate_size=64)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    learner = load_learner_key(key_paths(run.cfg))
+    services = stack_services(local_stack, "admin")
+    store = CheckpointStore(connect_s3(services), services.bucket, run.name, signer=learner)
+    manifest_key = PolicyWriter(store, KeyframeRule(10)).write(version, model_dir)
+    PolicyPointer(RunState(run.admin, run.name)).set(version, manifest_key, signer=learner)
+    return model_dir
+
+
+def test_a_volunteer_downloads_the_newest_policy_while_the_learner_admits_it(run, local_stack, tmp_path):
+    """On a slow link the keyframe is most of a volunteer's wait: `heterorl join` downloads it from
+    when the servers answer, beside the admission, and hands the sampler what it fetched (verified
+    against the learner's key, as every download is), so nothing is downloaded twice."""
+    from pipeline.weights.policy import read_weights
+
+    model_dir = publish(run, local_stack, tmp_path, 3)
+    run.paused.set()  # the learner is busy training: the admission waits
+    handed, done = {}, threading.Event()
+
+    def sampler(cfg, sampler_id, policy):
+        handed.update(policy=policy, work_dir=Path(cfg.services.data_dir) / "samplers" / sampler_id)
+        return 0
+
+    thread = threading.Thread(target=lambda: handed.update(code=invites.join(
+        make(run, joins=1), base=run.tmp / "far", config_file=None, overrides=[], sampler_id=None, wait_s=30,
+        run_sampler=sampler)) or done.set(), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not list((run.tmp / "far").glob("*/samplers/*/v3/model.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list((run.tmp / "far").glob("*/samplers/*/v3/model.safetensors")), "nothing downloaded while waiting"
+    assert not run.follower.admissions.keys and not done.is_set()  # nobody admitted it yet
+    run.paused.clear()
+    assert done.wait(30) and handed["code"] == 0
+    policy = handed["policy"]
+    assert policy is not None and policy.bytes_downloaded > 0 and policy.work_dir == handed["work_dir"]
+    engine = Loads()
+    policy.attach(engine)  # the sampler's engine, built after the admission
+    deadline = time.monotonic() + 10
+    while policy.swap_if_ready() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert policy.version == 3 and engine.installed == [handed["work_dir"] / "v3"]
+    got, want = read_weights(engine.installed[0]), read_weights(model_dir)
+    assert {n: sorted(t) for n, t in got.items()} == {n: sorted(t) for n, t in want.items()}
+    assert all(torch.equal(got[n][k], want[n][k]) for n in want for k in want[n])
+
+
+def test_a_volunteer_the_learner_refuses_keeps_nothing_it_downloaded(run, local_stack, tmp_path, capsys):
+    """What the first download fetched goes with a refusal (the invite used up here)."""
+    publish(run, local_stack, tmp_path, 0)
+    text = make(run, joins=1)
+    assert join(run, text, "first", []) == 0
+    assert list((run.tmp / "first").glob("*/samplers/*/v0/model.safetensors"))  # the sampler (stubbed) removes it
+    code, said = cli_join(run, text, "second", capsys)
+    assert code == 2 and "used up" in said
+    assert (run.tmp / "second").is_dir() and not list((run.tmp / "second").glob("*/samplers/*"))
