@@ -348,12 +348,12 @@ class FirstPolicy:
         shutil.rmtree(self.work_dir, ignore_errors=True)  # what an earlier start left half-downloaded
         self.fetched = fetch_first_policy(cfg, sampler_id)
 
-    def discard(self, wait_s: float = 5.0) -> None:
-        """The host was not admitted: the download goes. One still running after `wait_s` is left to
-        die with the process (its part is removed at the next start from this home)."""
-        follower = self.follower()
-        if follower is not None and not follower.wait_written(wait_s):
-            return
+    def discard(self) -> None:
+        """The host was not admitted: what was downloaded goes. A download still running writes
+        into a directory that is gone (its next chunk fails) until the process exits, which it
+        does now; a start from the same home removes anything left."""
+        if self.thread is not None:
+            self.thread.join()
         if self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 

@@ -301,20 +301,21 @@ def fetch_first_policy(cfg: HeteroConfig, sampler_id: str) -> Optional[PolicyFol
     """A follower already downloading the run's newest policy (its pointer checked as every
     sampler checks it), for a sampler not started yet: `heterorl join` starts it while the
     learner admits the host. On a slow link the first keyframe is most of a volunteer's wait
-    (docs/deployment.md); the admission, loading the engine and connecting had put 16 s before
-    it in `heterorl wan`. None (the sampler starts its own) where nothing is published, the
-    pointer is refused, or the servers do not answer."""
+    (docs/deployment.md); the admission, the sampler's imports, its engine and its connections
+    had put 15 s before it in `heterorl wan`. None (the sampler starts its own) where nothing
+    is published, the pointer is refused, or the servers do not answer."""
     log = setup_logging(sampler_log_role(sampler_id))
     try:
         handles = connect_run(cfg)
-        pointer = PolicyPointer(handles.state).read_verified(handles.store.trusted)
-    except (ServiceUnavailable, redis.RedisError, SignatureError, MalformedPointer) as e:
+        with handles.state.client:  # the pointer is all this reads from Redis
+            pointer = PolicyPointer(handles.state).read_verified(handles.store.trusted)
+        if pointer is None:
+            return None
+        work_dir = sampler_work_dir(cfg, sampler_id)
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except (ServiceUnavailable, redis.RedisError, SignatureError, MalformedPointer, OSError) as e:
         log.warning("not fetching a policy before the sampler starts: %s", getattr(e, "reason", e))
         return None
-    if pointer is None:
-        return None
-    work_dir = sampler_work_dir(cfg, sampler_id)
-    work_dir.mkdir(parents=True, exist_ok=True)
     follower = PolicyFollower(handles.store, work_dir, log)
     follower.request(pointer.version, pointer.manifest_key)
     return follower

@@ -72,8 +72,6 @@ class PolicyFollower:
         self._ready: Optional[tuple] = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
-        self._written = threading.Event()
-        self._written.set()
         if engine is not None:
             self.attach(engine)
 
@@ -89,7 +87,6 @@ class PolicyFollower:
         if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
             return
         self.downloading = version
-        self._written.clear()
         have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
@@ -101,7 +98,6 @@ class PolicyFollower:
             # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
             path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
                                            expect_version=version, work_dir=self.work_dir)
-            self._written.set()
             self.bytes_downloaded += report.bytes_downloaded
             self.keyframe_bytes += report.keyframe_bytes
             self.download_s += time.perf_counter() - started
@@ -133,7 +129,6 @@ class PolicyFollower:
             self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
                            str(e).splitlines()[0][:160] if str(e) else "", self.version)
         finally:
-            self._written.set()
             self.downloading = None
 
     def swap_if_ready(self) -> Optional[bool]:
@@ -179,11 +174,6 @@ class PolicyFollower:
     @property
     def loaded(self) -> bool:
         return self.version is not None
-
-    def wait_written(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until the download in flight, if any, has written its files (or failed): whether
-        nothing is being written into `work_dir` now."""
-        return self._written.wait(timeout_s)
 
     def update(self, version: Optional[int], manifest_key: Optional[str]) -> bool:
         """Blocking: load `version` if it is newer than ours; False (keep current weights) on failure."""

@@ -276,13 +276,14 @@ def test_a_volunteer_downloads_the_newest_policy_while_the_learner_admits_it(run
     when the servers answer, beside the admission, and hands the sampler what it fetched (verified
     against the learner's key, as every download is), so nothing is downloaded twice."""
     from pipeline.weights.policy import read_weights
+    from producers.sampler import sampler_work_dir
 
     model_dir = publish(run, local_stack, tmp_path, 3)
     run.paused.set()  # the learner is busy training: the admission waits
     handed, done = {}, threading.Event()
 
     def sampler(cfg, sampler_id, policy):
-        handed.update(policy=policy, work_dir=Path(cfg.services.data_dir) / "samplers" / sampler_id)
+        handed.update(policy=policy, work_dir=sampler_work_dir(cfg, sampler_id))
         return 0
 
     thread = threading.Thread(target=lambda: handed.update(code=invites.join(
@@ -309,12 +310,28 @@ def test_a_volunteer_downloads_the_newest_policy_while_the_learner_admits_it(run
     assert all(torch.equal(got[n][k], want[n][k]) for n in want for k in want[n])
 
 
-def test_a_volunteer_the_learner_refuses_keeps_nothing_it_downloaded(run, local_stack, tmp_path, capsys):
-    """What the first download fetched goes with a refusal (the invite used up here)."""
+def test_a_volunteer_the_learner_refuses_keeps_nothing_it_downloaded(run, local_stack, tmp_path):
+    """What the first download fetched while the host waited goes with a refusal (the invite
+    used up here)."""
     publish(run, local_stack, tmp_path, 0)
     text = make(run, joins=1)
     assert join(run, text, "first", []) == 0
-    assert list((run.tmp / "first").glob("*/samplers/*/v0/model.safetensors"))  # the sampler (stubbed) removes it
-    code, said = cli_join(run, text, "second", capsys)
-    assert code == 2 and "used up" in said
+    run.paused.set()  # the learner busy: the second host downloads while it waits
+    refused = {}
+
+    def second() -> None:
+        try:
+            join(run, text, "second", [])
+        except invites.InviteError as e:
+            refused["error"] = str(e)
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not list((run.tmp / "second").glob("*/samplers/*/v0/model.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list((run.tmp / "second").glob("*/samplers/*/v0/model.safetensors")), "nothing downloaded while waiting"
+    run.paused.clear()
+    thread.join(30)
+    assert "used up" in refused["error"]
     assert (run.tmp / "second").is_dir() and not list((run.tmp / "second").glob("*/samplers/*"))
