@@ -42,9 +42,9 @@ class PolicyFollower:
     first load.
 
     A follower may start before its engine exists (`engine` None): it downloads meanwhile, and
-    what it downloaded is prepared for the engine once `attach` gives one. `heterorl join`
-    fetches a volunteer's first policy so while the learner admits the host and its engine is
-    built (`producers.sampler.fetch_first_policy`).
+    what it downloaded is prepared for the engine once `attach` gives one: `heterorl join`
+    fetches a volunteer's first policy this way while the learner admits the host and the
+    sampler builds its engine (`producers.sampler.fetch_first_policy`).
     """
 
     def __init__(self, store, work_dir: Path, log, engine: Any = None):
