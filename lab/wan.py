@@ -292,6 +292,8 @@ class SamplerFigures:
     weights_download_s: float = 0.0
     refused_checkpoints: int = 0
     refused_delta_paths: int = 0
+    first_downloads_restarted: int = 0
+    """First downloads given up for a newer version fewer bytes away (a joiner's, at a keyframe)."""
     used_share: Optional[float] = None
     """used / (used + dropped stale): how much of what it sent the delay let in."""
 
@@ -334,6 +336,7 @@ def sampler_figures(links: dict[str, WanLink], sampler_ids: dict[str, str], star
         figures.weights_download_s = float(report.get("weights_download_s") or 0.0)
         figures.refused_checkpoints = int(report.get("refused_checkpoints") or 0)
         figures.refused_delta_paths = int(report.get("refused_delta_paths") or 0)
+        figures.first_downloads_restarted = int(report.get("first_downloads_restarted") or 0)
         if figures.used + figures.dropped_stale:
             figures.used_share = round(figures.used / (figures.used + figures.dropped_stale), 3)
     return out

@@ -387,7 +387,7 @@ class Sampler:
         spool_has_room = self.pump_outbox()
         self.outbox.confirm_claims(self.state, self.sampler_id)
         backlog = self.backlog(view)
-        overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
+        overtaken = self.generating_steps()
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.version_at_use, current=self.policy.version,
                                           backlog=backlog, generating_steps=overtaken,
@@ -477,7 +477,9 @@ class Sampler:
 
     def refresh_weights(self, view: RunView) -> None:
         """Start downloading a newer policy once the (simulated) refresh delay allows it; a
-        pointer the learner did not sign, or one that moved back, is refused (weights kept)."""
+        pointer the learner did not sign, or one that moved back, is refused (weights kept).
+        A sampler too far behind to generate (`Pacing.catch_up_to`; none simulating a refresh
+        delay) first takes a version near enough, and the newest once that is loaded."""
         newest, current = view.newest_version, self.policy.version
         if newest is None or (current is not None and newest <= current):
             if newest is not None and current is not None and newest < current:
@@ -492,11 +494,26 @@ class Sampler:
                 return
         # A delay counted in learner steps can only run out if the learner keeps getting
         # data; a sampler already too far behind to give it any refreshes now.
+        backlog = self.backlog(view)
         allowed = self.gate.should_load(current, newest)
         forced = (not allowed and self.scfg.delays.unit == "steps"
-                  and self.pacing.behind(newest, current, self.backlog(view)))
-        if allowed or forced:
-            self.policy.request(newest, view.manifest_key, forced=forced)
+                  and self.pacing.behind(newest, current, backlog))
+        if not (allowed or forced):
+            return
+        target, key = newest, view.manifest_key
+        if self.scfg.delays.refresh.kind == "none":  # a simulated refresh delay's model loads the newest
+            # Far behind: first a version near enough to generate at, while the rest downloads.
+            on_the_way = min(newest, self.pacing.catch_up_to(view.version_at_use, current, backlog,
+                                                             self.generating_steps()))
+            on_the_way_key = self.handles.store.manifest_key(on_the_way)
+            if (on_the_way < newest and on_the_way > max(self.policy.not_found, default=-1)
+                    and on_the_way_key not in self.policy.refused):  # else pruned or refused: the newest
+                target, key = on_the_way, on_the_way_key
+        self.policy.request(target, key, forced=forced)
+
+    def generating_steps(self) -> int:
+        """Learner steps that pass while this sampler makes a batch (a group made now is overtaken by them)."""
+        return self.step_period.steps_during(self.last_batch_s, time.monotonic())
 
     def refuse_pointer(self, view: RunView, why: str) -> None:
         """Say once per pointer why it is not followed (counted in `refused_pointers`); the current

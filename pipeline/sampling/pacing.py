@@ -120,6 +120,20 @@ class Pacing:
     def behind(self, newest: Optional[int], current: Optional[int], backlog: int, generating_steps: int = 0) -> bool:
         return too_far_behind(newest, current, backlog, self.groups_per_step, self.aim_steps, generating_steps)
 
+    def catch_up_to(self, newest: Optional[int], current: Optional[int], backlog: int,
+                    generating_steps: int = 0) -> Optional[int]:
+        """The version to download next: `newest`, unless the sampler holds one it is `behind`
+        with; then the oldest version it would generate at again with a step to spare (`aim_steps`
+        less the backlog's and the batch's steps, as `behind` counts them), so that it makes
+        groups there while it downloads the rest, instead of pausing for the whole way (a joiner's
+        first keyframe is minutes old on a slow link). `newest` where no version is near enough."""
+        if newest is None or current is None or not self.behind(newest, current, backlog, generating_steps):
+            return newest
+        versions_behind_allowed = self.aim_steps - backlog // max(1, self.groups_per_step) - generating_steps
+        if versions_behind_allowed < 1:
+            return newest
+        return newest - versions_behind_allowed + 1  # newer than `current`: that one is behind
+
     def too_stale(self, newest: Optional[int], rollout_version: int) -> bool:
         """A finished group the learner would drop already (judged with the newest version known)."""
         return newest is not None and newest - rollout_version > self.max_delay_steps

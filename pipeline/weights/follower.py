@@ -19,13 +19,14 @@ from typing import Any, Optional
 
 import torch
 import urllib3
-from minio.error import S3Error
+from minio.error import MinioException
 
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.devices import out_of_memory
 from pipeline.models import load_policy, load_weights_into
-from pipeline.weights.store import CheckpointNotFound, CheckpointStore, CorruptCheckpointError
-from pipeline.weights.policy import fetch_policy, read_weights
+from pipeline.weights.store import (CheckpointNotFound, CheckpointStore, CorruptCheckpointError, DownloadCancelled,
+                                    Transfer)
+from pipeline.weights.policy import fetch_policy, path_bytes, read_weights, restart_is_cheaper
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class PolicyFollower:
     what it downloaded is prepared for the engine once `attach` gives one: `heterorl join`
     fetches a volunteer's first policy this way while the learner admits the host and the
     sampler builds its engine (`producers.sampler.fetch_first_policy`).
+
+    A first policy's download (a keyframe: minutes on a slow link) is given up for a newer
+    version requested meanwhile whose path is fewer bytes than what is left of it
+    (`restart_is_cheaper`; weighed on a thread of its own, as it reads that version's
+    manifests): in practice, the learner's next keyframe. A download by a sampler holding a
+    version (deltas, or a keyframe path where that is fewer bytes) is always finished.
     """
 
     def __init__(self, store, work_dir: Path, log, engine: Any = None):
@@ -61,7 +68,8 @@ class PolicyFollower:
         """Delta paths refused (a tampered delta, a copy that does not fit) before the keyframe path worked."""
         self.bytes_downloaded = 0
         self.keyframe_bytes = 0
-        """Of `bytes_downloaded`, the keyframes' (the first policy's, and any taken later)."""
+        """Of `bytes_downloaded`, the keyframes' (the first policy's, and any taken later); what
+        arrived of a first download given up for a newer version is in `bytes_downloaded` only."""
         self.first_policy: Optional[tuple[int, int, float]] = None
         """(version, bytes downloaded for it, time.time() when it was swapped in) of the first version
         loaded: what follows it is what holding a version costs, per version (`per_version_bytes`)."""
@@ -69,6 +77,17 @@ class PolicyFollower:
         """Seconds spent downloading and verifying versions (the background thread's)."""
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
+        self.not_found: set[int] = set()
+        """Versions whose download found a version on its path gone (pruned): not asked for again
+        by a sampler catching up (`producers.sampler.Sampler.refresh_weights`)."""
+        self.restarts = 0
+        """First downloads given up for a newer version's shorter path."""
+        self._transfer = Transfer()
+        self._weighed: Optional[int] = None
+        """The newest version weighed against the first download in flight (each is weighed once)."""
+        self._weighing: Optional[threading.Thread] = None
+        self._restart_with: Optional[tuple[int, str, int]] = None
+        """(version, manifest key, its path's bytes) the download in flight gives way to."""
         self._ready: Optional[tuple] = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -81,23 +100,69 @@ class PolicyFollower:
         self._attached.set()
 
     def request(self, version: Optional[int], manifest_key: Optional[str], forced: bool = False) -> None:
-        """Start downloading `version` in the background if it is newer than ours and nothing is in flight."""
+        """Start downloading `version` in the background if it is newer than ours; while a first
+        policy downloads, weigh giving it up for `version` instead (`_weigh_restart`)."""
         if version is None or manifest_key is None or (self.version is not None and version <= self.version):
             return
-        if manifest_key in self.refused or self.downloading is not None or self._ready is not None:
+        if manifest_key in self.refused or self._ready is not None:
             return
-        self.downloading = version
+        if self.downloading is not None:
+            self._weigh_restart(version, manifest_key)
+            return
+        self.downloading, self._transfer = version, Transfer()
         have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
         self._thread.start()
 
+    def _weigh_restart(self, version: int, manifest_key: str) -> None:
+        """While a first policy downloads, start weighing giving it up for `version` (once per
+        version, one at a time: `_weigh`)."""
+        transfer, downloading = self._transfer, self.downloading
+        if (self.version is not None or downloading is None or self._restart_with is not None
+                or not transfer.planned or version <= max(downloading, self._weighed or -1)
+                or (self._weighing is not None and self._weighing.is_alive())):
+            return  # holding a version, a restart chosen, the path not known yet, weighed, or weighing
+        self._weighed = version
+        self._weighing = threading.Thread(target=self._weigh, args=(version, manifest_key, downloading, transfer),
+                                          name=f"weigh-v{version}", daemon=True)
+        self._weighing.start()
+
+    def _weigh(self, version: int, manifest_key: str, downloading: int, transfer: Transfer) -> None:
+        """Give the download of `downloading` up for `version` if that one's path (its manifests
+        read here: a round trip or two each) is fewer bytes than what is left of it."""
+        try:
+            newer_bytes = path_bytes(self.store, manifest_key, version)
+        except (CheckpointNotFound, CorruptCheckpointError, MinioException, urllib3.exceptions.HTTPError, OSError,
+                ServiceUnavailable) as e:
+            self.log.warning("could not weigh policy v%d against the download of v%d (%s); finishing that one",
+                             version, downloading, str(e).splitlines()[0][:160])
+            return
+        with self._lock:  # the download may have ended, or another begun, during the reads
+            if (self._transfer is transfer and self.downloading == downloading and self._restart_with is None
+                    and restart_is_cheaper(transfer.remaining, newer_bytes)):
+                self._restart_with = (version, manifest_key, newer_bytes)
+                transfer.cancel.set()
+
     def _download(self, version: int, manifest_key: str, forced: bool, have: Optional[tuple[int, Path]]) -> None:
+        """Download, verify and prepare `version` (the thread `request` starts), again on the newer
+        version `_weigh_restart` chose while it ran."""
+        try:
+            while version is not None:
+                version, manifest_key = self._download_once(version, manifest_key, forced, have)
+        finally:
+            with self._lock:
+                self.downloading, self._restart_with = None, None
+
+    def _download_once(self, version: int, manifest_key: str, forced: bool,
+                       have: Optional[tuple[int, Path]]) -> tuple[Optional[int], Optional[str]]:
+        """One version's download; returns the version to download instead, or (None, None)."""
+        transfer = self._transfer
         try:
             started = time.perf_counter()
             # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
             path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
-                                           expect_version=version, work_dir=self.work_dir)
+                                           expect_version=version, work_dir=self.work_dir, transfer=transfer)
             self.bytes_downloaded += report.bytes_downloaded
             self.keyframe_bytes += report.keyframe_bytes
             self.download_s += time.perf_counter() - started
@@ -112,24 +177,35 @@ class PolicyFollower:
             prepared = self.engine.prepare(path)
             with self._lock:
                 self._ready = (version, prepared, time.perf_counter() - started, forced)
+        except DownloadCancelled:  # overtaken: what arrived counts as downloaded, the rest is not wanted
+            self.bytes_downloaded += transfer.received
+            self.download_s += time.perf_counter() - started
+            self.restarts += 1
+            with self._lock:
+                (newer, newer_key, newer_bytes), self._restart_with = self._restart_with, None
+                self._transfer, self.downloading = Transfer(), newer
+            self.log.info("gave up the download of policy v%d at %.2f of %.2f MB: v%d takes %.2f MB, fewer than "
+                          "the %.2f MB left", version, transfer.received / 1e6, transfer.planned / 1e6, newer,
+                          newer_bytes / 1e6, transfer.remaining / 1e6)
+            return newer, newer_key
         except CorruptCheckpointError as e:
             self.refused.add(manifest_key)
             self.log.error("%s; keeping policy v%s", e, self.version)
         except CheckpointNotFound as e:  # pruned between the Redis read and the fetch
+            self.not_found.add(version)
             self.log.warning("%s; will pick up a newer version", e)
-        except (S3Error, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
+        except (MinioException, urllib3.exceptions.HTTPError, OSError, ServiceUnavailable) as e:  # the network
             self.log.warning("could not download policy v%d (%s: %s); keeping v%s and retrying",
                              version, type(e).__name__, str(e).splitlines()[0][:160], self.version)
         except Exception as e:  # noqa: BLE001 - verified bytes that do not load: never retry them
             if out_of_memory(e):  # this machine's fault, not the version's: never refuse for it
                 self.log.warning("no memory to load policy v%d (%s); keeping v%s and retrying", version,
                                  out_of_memory(e), self.version)
-                return
-            self.refused.add(manifest_key)
-            self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
-                           str(e).splitlines()[0][:160] if str(e) else "", self.version)
-        finally:
-            self.downloading = None
+            else:
+                self.refused.add(manifest_key)
+                self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
+                               str(e).splitlines()[0][:160] if str(e) else "", self.version)
+        return None, None
 
     def swap_if_ready(self) -> Optional[bool]:
         """Load a finished download; returns its `forced` flag, or None if nothing was ready."""
@@ -157,6 +233,7 @@ class PolicyFollower:
         per_version = self.per_version_bytes()
         first_version, first_bytes, first_at = self.first_policy or (None, None, None)
         return {"refused_checkpoints": len(self.refused), "refused_delta_paths": self.fallbacks,
+                "first_downloads_restarted": self.restarts,
                 "weights_bytes_downloaded": self.bytes_downloaded, "keyframe_bytes": self.keyframe_bytes,
                 "first_policy_version": first_version, "first_policy_bytes": first_bytes,
                 "first_policy_s": None if first_at is None else round(first_at - started, 1),

@@ -57,7 +57,7 @@ from pipeline.errors import UserError
 from pipeline.weights.codec import (DTYPES, Delta, DeltaError, apply_delta, decode_keyframe, describe, encode_delta,
                                     encode_keyframe)
 from pipeline.weights.store import (LEARNER_STATE_DIR, CheckpointNotFound, CheckpointStore, CorruptCheckpointError,
-                                    Manifest, is_pickle_file, link_or_copy, safe_relpath, sha256_file)
+                                    Manifest, Transfer, is_pickle_file, link_or_copy, safe_relpath, sha256_file)
 
 DELTA_FILE = "delta.safetensors"
 PACKED_FILE = "keyframe.safetensors"
@@ -144,6 +144,20 @@ def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
     if not chain or chain[0].kind != KEYFRAME:
         raise CorruptCheckpointError("a policy chain must start from a keyframe")
     return chain
+
+
+def restart_is_cheaper(remaining_bytes: int, newer_path_bytes: int) -> bool:
+    """Whether a first policy's download with `remaining_bytes` of its path still to come should
+    give way to a newer version whose own path (`path_bytes`: its keyframe and the deltas after
+    it) is fewer bytes: a version a newer one has overtaken is not worth finishing. What arrived
+    of the first path is lost either way, so only what is left of it is weighed."""
+    return newer_path_bytes < remaining_bytes
+
+
+def path_bytes(store: CheckpointStore, manifest_key: str, expect_version: int) -> int:
+    """Bytes a sampler holding nothing downloads for the version at `manifest_key` (manifests read)."""
+    links, _ = read_chain(store, store.read_expected(manifest_key, expect_version))
+    return sum(link.nbytes for link in choose_path(links, None))
 
 
 # --- reading and writing weights --------------------------------------------------------------
@@ -579,14 +593,19 @@ def _walk_chain(ahead: _ManifestsAhead, manifest: Manifest, have: Optional[int],
 
 def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
                  have: Optional[tuple[int, Path]] = None, expect_version: Optional[int] = None,
-                 work_dir: Optional[Path] = None) -> tuple[Path, Manifest, FetchReport]:
+                 work_dir: Optional[Path] = None, transfer: Optional[Transfer] = None
+                 ) -> tuple[Path, Manifest, FetchReport]:
     """Rebuild the version at `manifest_key` into `dest_dir` as a plain model directory.
 
     `have`: (version, directory) of a verified copy the caller holds, the base for its deltas.
     Every tensor is checked against the signed sha256 before `dest_dir` appears; a path from
     `have` that fails (the copy is not what the chain says, a delta does not fit or was
     tampered with) is recorded in the report, and the keyframe path is tried; if that fails
-    too, CorruptCheckpointError (or CheckpointNotFound when a version on the chain is gone)."""
+    too, CorruptCheckpointError (or CheckpointNotFound when a version on the chain is gone).
+    `transfer`: the path's bytes (`planned`) and those received, and a cancel that gives the
+    download up (DownloadCancelled; `pipeline.weights.follower.PolicyFollower` restarts a first
+    policy's download on a newer version whose path is fewer bytes than what is left of this one)."""
+    transfer = transfer or Transfer()
     target = store.read_expected(manifest_key, expect_version)
     dest_dir = Path(dest_dir)
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -595,10 +614,11 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     report = FetchReport()
     links, manifests = read_chain(store, target, have=have[0] if have else None)
     path = choose_path(links, have[0] if have else None)
+    transfer.planned = sum(link.nbytes for link in path)
     if have is not None and (not path or path[0].kind == DELTA):
         try:
             origin = Path(have[1])
-            weights = _rebuild(store, path, manifests, origin, _read_local(origin), work_dir, report)
+            weights = _rebuild(store, path, manifests, origin, _read_local(origin), work_dir, report, transfer)
             if not path:  # the caller holds the target itself: check it as if it had been downloaded
                 _check_tensors(target, weights)
                 _check_files(target, _other_files_of(target), origin)
@@ -608,13 +628,14 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
             if links[0].kind != KEYFRAME:
                 links, manifests = read_chain(store, target)
             path = links
+            transfer.planned = transfer.received + sum(link.nbytes for link in path)
     report.from_keyframe = True
     keyframe = path[0]
     origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
     try:
         origin_dir, _ = store.fetch(store.manifest_key(keyframe.version), origin / "model",
                                     expect_version=keyframe.version, skip=frozenset({DELTA_FILE}),
-                                    read=manifests[keyframe.version])
+                                    read=manifests[keyframe.version], transfer=transfer)
         report.path.append(keyframe.version)
         report.bytes_downloaded += keyframe.nbytes
         report.keyframe_bytes += keyframe.nbytes
@@ -629,7 +650,7 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
                 shutil.rmtree(dest_dir)
             shutil.move(str(origin_dir), str(dest_dir))
             return dest_dir, target, report
-        weights = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report)
+        weights = _rebuild(store, path[1:], manifests, origin_dir, weights, work_dir, report, transfer)
         return _finish(weights, origin_dir, dest_dir, target), target, report
     except DeltaError as e:
         raise CorruptCheckpointError(f"refused policy v{target.version}: {e}") from None
@@ -681,7 +702,8 @@ the keyframe path is tried, and those are not counted in `bytes_downloaded`."""
 
 
 def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_dir: Path,
-             weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport):
+             weights: dict[str, dict[str, torch.Tensor]], work_dir: Path, report: FetchReport,
+             transfer: Transfer):
     """Apply `deltas` in order to `weights` (read from `origin_dir`, which must hold each delta's
     inherited files); returns the rebuilt weights. Each delta is downloaded by a thread up to
     `PREFETCH_DELTAS` ahead of the one being applied."""
@@ -691,7 +713,8 @@ def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_d
             for i, link in enumerate(deltas):
                 while len(pending) <= PREFETCH_DELTAS and i + len(pending) < len(deltas):
                     ahead = deltas[i + len(pending)]
-                    pending.append(pool.submit(_delta_payload, store, ahead, manifests[ahead.version], work_dir))
+                    pending.append(pool.submit(_delta_payload, store, ahead, manifests[ahead.version], work_dir,
+                                               transfer))
                 payload = pending.popleft().result()
                 report.path.append(link.version)
                 report.bytes_downloaded += link.nbytes
@@ -713,13 +736,13 @@ def _rebuild(store, deltas: list[Link], manifests: dict[int, Manifest], origin_d
     return weights
 
 
-def _delta_payload(store, link: Link, manifest: Manifest, work_dir: Path) -> dict[str, bytes]:
+def _delta_payload(store, link: Link, manifest: Manifest, work_dir: Path, transfer: Transfer) -> dict[str, bytes]:
     """The payload of `link`'s delta (a delta version's, or a keyframe's bridge), downloaded and
     checked against its sha256 in the signed manifest."""
     scratch = Path(tempfile.mkdtemp(prefix=f"delta-v{link.version}-", dir=work_dir))
     try:
         delta_dir, _ = store.fetch(manifest.key, scratch / "d", expect_version=link.version,
-                                   only=frozenset({DELTA_FILE}), read=manifest)
+                                   only=frozenset({DELTA_FILE}), read=manifest, transfer=transfer)
         return _payload_bytes(delta_dir / DELTA_FILE)
     except SafetensorError as e:
         raise DeltaError(f"delta v{link.version}'s payload is not a safetensors file ({e})") from None

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -92,6 +93,39 @@ class CorruptCheckpointError(UserError, RuntimeError):
 
 class CheckpointNotFound(UserError, LookupError):
     """No manifest where one was expected (never published, or pruned)."""
+
+
+class DownloadCancelled(Exception):
+    """A download its caller gave up (`Transfer.cancel`)."""
+
+
+class Transfer:
+    """One download's progress, shared with a thread that may give it up: the bytes its path
+    was planned at (`pipeline.weights.policy.fetch_policy` sets them), the bytes received so
+    far, and `cancel`, checked at every 64 KiB block that arrives and before every chunk (a
+    16 MiB chunk takes 13 s at 10 Mbit/s; a chunk waiting out a network error's backoff sees
+    it at its next try)."""
+
+    def __init__(self):
+        self.planned = 0
+        self.received = 0
+        self.cancel = threading.Event()
+        self._lock = threading.Lock()
+
+    def received_block(self, nbytes: int) -> None:
+        """Count `nbytes` arrived (deltas arrive on several threads); DownloadCancelled once cancelled."""
+        with self._lock:
+            self.received += nbytes
+        self.raise_if_cancelled()
+
+    def raise_if_cancelled(self) -> None:
+        if self.cancel.is_set():
+            raise DownloadCancelled()
+
+    @property
+    def remaining(self) -> int:
+        """Bytes of the planned path still to come."""
+        return max(0, self.planned - self.received)
 
 
 def connect_s3(services: Services, timeout_s: float = 10.0) -> Minio:
@@ -280,7 +314,8 @@ class CheckpointStore:
 
     def fetch(self, manifest_key: str, dest_dir: Path, attempts: int = 3, *, learner_state: bool = False,
               network_retries: int = 8, expect_version: Optional[int] = None, only: Optional[frozenset] = None,
-              skip: frozenset = frozenset(), read: Optional[Manifest] = None) -> tuple[Path, Manifest]:
+              skip: frozenset = frozenset(), read: Optional[Manifest] = None,
+              transfer: Optional[Transfer] = None) -> tuple[Path, Manifest]:
         """Download a checkpoint into `dest_dir`, verifying every file; only the learner
         asks for `learner_state`.
 
@@ -290,7 +325,8 @@ class CheckpointStore:
         `expect_version`: the version the caller was told this is (the policy pointer's); a
         manifest of another version is refused. `only` / `skip`: the manifest's paths to
         download (default all) / to leave out (a keyframe's bridge delta, for a whole copy).
-        `read`: the manifest as the caller already read it (`read_expected`).
+        `read`: the manifest as the caller already read it (`read_expected`). `transfer`: where
+        the bytes received are counted, and a cancel that stops the download (DownloadCancelled).
         """
         manifest = self.read_expected(manifest_key, expect_version, read)
         dest_dir = Path(dest_dir)
@@ -309,7 +345,7 @@ class CheckpointStore:
                 for f in wanted:
                     target = partial / f["path"]
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    self._download(manifest.prefix + f["path"], target, f["size"], network_retries)
+                    self._download(manifest.prefix + f["path"], target, f["size"], network_retries, transfer)
                     digest = sha256_file(target)
                     if digest != f["sha256"]:
                         target.unlink()
@@ -324,7 +360,8 @@ class CheckpointStore:
         raise CorruptCheckpointError(
             f"refused checkpoint s3://{self.bucket}/{manifest.prefix} after {attempts} attempts: {last_error}")
 
-    def _download(self, key: str, target: Path, size: int, network_retries: int) -> None:
+    def _download(self, key: str, target: Path, size: int, network_retries: int,
+                  transfer: Optional[Transfer] = None) -> None:
         """Range-request `key` into `target` from where it stops, CHUNK_BYTES at a time; a chunk
         that fails on the network is retried (`network_retries` times in a row at most)."""
         while True:
@@ -335,7 +372,9 @@ class CheckpointStore:
             if have == size:
                 return
             try:
-                retry_call(lambda: self._append_chunk(key, target, size), retry_on=NETWORK_ERRORS, first_s=0.5,
+                if transfer is not None:
+                    transfer.raise_if_cancelled()
+                retry_call(lambda: self._append_chunk(key, target, size, transfer), retry_on=NETWORK_ERRORS, first_s=0.5,
                            max_s=8.0, attempts=network_retries + 1,
                            on_retry=lambda e, wait, _: log.warning(
                                "download of s3://%s/%s interrupted at %d/%d bytes (%s); resuming in %.1fs",
@@ -345,7 +384,7 @@ class CheckpointStore:
                 raise ServiceUnavailable(f"download of s3://{self.bucket}/{key} failed {network_retries + 1} times "
                                          f"in a row at byte {have} of {size}: {type(e).__name__}") from None
 
-    def _append_chunk(self, key: str, target: Path, size: int) -> None:
+    def _append_chunk(self, key: str, target: Path, size: int, transfer: Optional[Transfer] = None) -> None:
         """Append the next chunk of `key` (from `target`'s current size) to `target`."""
         have = target.stat().st_size if target.exists() else 0
         try:
@@ -360,6 +399,8 @@ class CheckpointStore:
             with open(target, "ab") as out:
                 for block in response.stream(64 * 1024):
                     out.write(block)
+                    if transfer is not None:
+                        transfer.received_block(len(block))
         finally:
             response.close()
             response.release_conn()

@@ -492,3 +492,96 @@ def test_a_policy_carries_no_learner_state_and_is_cast_to_its_dtype(local_stack,
         assert all(np.array_equal(bits(got[k]), bits(fp32[k].to(torch.bfloat16))) for k in fp32)
     delta = store.read_manifest(store.manifest_key(1)).extra["weights"]["files"]["model.safetensors"]
     assert {e["encoding"] for e in delta.values()} == {"same"}  # the cast absorbed the tiny change
+
+
+class _Engine:
+    """What a sampler's engine does with a verified directory, recorded (no generation here)."""
+
+    backend = "recorded"
+
+    def __init__(self):
+        self.installed = []
+
+    def prepare(self, path):
+        return read_weights(path), path
+
+    def install(self, prepared):
+        self.installed.append(prepared)
+
+
+def _first_policy_held_at_its_first_chunk(monkeypatch):
+    """Every download waits at its first chunk until the event returned second is set; the first
+    event is set once one waits there (a far link's minutes of keyframe, in a test's time)."""
+    waiting, go = threading.Event(), threading.Event()
+    append_chunk = CheckpointStore._append_chunk
+
+    def held(self, key, target, size, transfer=None):
+        waiting.set()
+        assert go.wait(30), "the test never let the download go on"
+        return append_chunk(self, key, target, size, transfer)
+
+    monkeypatch.setattr(CheckpointStore, "_append_chunk", held)
+    return waiting, go
+
+
+def test_a_first_download_gives_way_to_a_newer_version_whose_path_is_fewer_bytes(local_stack, versions, tmp_path,
+                                                                                  monkeypatch, caplog):
+    """A joiner that starts on v2 (the keyframe v0 and two deltas) when the learner publishes the
+    keyframe v3 gives v2 up and downloads v3 alone; one that starts on v1 when v2 appears (the same
+    keyframe and one delta more) finishes v1. Only what is left of the first path is weighed."""
+    import logging
+
+    from pipeline.weights.follower import PolicyFollower
+    from pipeline.weights.policy import path_bytes, restart_is_cheaper
+    from pipeline.weights.store import Transfer
+
+    publisher, _, reader = _published(local_stack, "policy-overtaken", versions)
+    sizes = {p["version"]: p["bytes"] for p in publisher.published}
+    assert path_bytes(reader, reader.manifest_key(3), 3) == sizes[3]
+    assert path_bytes(reader, reader.manifest_key(2), 2) == sizes[0] + sizes[1] + sizes[2]
+    assert restart_is_cheaper(sizes[0] + sizes[1] + sizes[2], sizes[3])
+    assert not restart_is_cheaper(sizes[0] + sizes[1], sizes[0] + sizes[1] + sizes[2])
+    # Undisturbed, a transfer's plan is what arrives, and is the report's bytes.
+    transfer = Transfer()
+    _, _, report = fetch_policy(reader, reader.manifest_key(2), tmp_path / "plain", transfer=transfer)
+    assert transfer.planned == transfer.received == report.bytes_downloaded == path_bytes(
+        reader, reader.manifest_key(2), 2)
+
+    log = logging.getLogger("test.overtaken")
+    waiting, go = _first_policy_held_at_its_first_chunk(monkeypatch)
+    engine = _Engine()
+    follower = PolicyFollower(reader, tmp_path / "joiner", log, engine)
+    follower.request(2, reader.manifest_key(2))
+    assert waiting.wait(30)
+    with caplog.at_level(logging.INFO, logger="test.overtaken"):
+        follower.request(3, reader.manifest_key(3))  # the learner's next keyframe
+        follower._weighing.join(30)  # weighed on a thread of its own while the download waits
+        go.set()
+        follower._thread.join(30)
+    assert follower.swap_if_ready() is not None and follower.version == 3 and follower.restarts == 1
+    weights, path = engine.installed[-1]
+    assert path == tmp_path / "joiner" / "v3" and sorted(p.name for p in (tmp_path / "joiner").iterdir()) == ["v3"]
+    assert_same_weights(path, versions[3])
+    assert follower.keyframe_bytes == sizes[3] and sizes[3] <= follower.bytes_downloaded < sizes[3] + sizes[0]
+    assert follower.stats(0.0)["first_downloads_restarted"] == 1
+    assert any("gave up the download of policy v2" in r.getMessage() and "v3 takes" in r.getMessage()
+               for r in caplog.records)
+
+    # The same keyframe's chain one delta longer is never fewer bytes, and a version that cannot
+    # be weighed (not there) is not taken: v1 is finished.
+    go.clear(), waiting.clear()
+    engine = _Engine()
+    follower = PolicyFollower(reader, tmp_path / "patient", log, engine)
+    follower.request(1, reader.manifest_key(1))
+    assert waiting.wait(30)
+    with caplog.at_level(logging.WARNING, logger="test.overtaken"):
+        follower.request(9, reader.manifest_key(9))
+        follower._weighing.join(30)
+    assert any("could not weigh policy v9 against the download of v1" in r.getMessage() for r in caplog.records)
+    follower.request(2, reader.manifest_key(2))
+    follower._weighing.join(30)
+    go.set()
+    follower._thread.join(30)
+    assert follower.swap_if_ready() is not None and follower.version == 1 and follower.restarts == 0
+    assert follower.bytes_downloaded == sizes[0] + sizes[1]
+    assert_same_weights(engine.installed[-1][1], versions[1])

@@ -144,3 +144,54 @@ def test_pauses_back_off_per_kind_count_stall_episodes_and_reset_on_generating()
     assert totals["waited_for_next_version_s"] == round(0.02 + 0.04 + 0.08 + 0.1, 1)
     assert totals["yielded_to_learner_s"] == 1.5 and p.yielded_s == 1.5
     assert totals["paused_s"] == round(2.65 + 0.24 + 1.5, 1)
+
+
+def test_a_sampler_far_behind_catches_up_first_to_a_version_it_can_generate_at():
+    """A joiner whose first keyframe took minutes holds v9 while the learner is at v22 (max delay
+    8): it downloads v15 first, generates there while v15 -> v22 downloads, and a group it makes
+    at v15 is still within the max delay after one more learner step."""
+    pacing = Pacing(groups_per_step=4, max_delay_steps=8, max_backlog_groups=None)
+    assert pacing.catch_up_to(22, 9, backlog=0) == 15
+    assert pacing.behind(22, 9, 0) and not pacing.behind(23, 15, 0) and pacing.behind(24, 15, 0)
+    # The groups queued ahead and the steps a batch takes count as `behind` counts them.
+    assert pacing.catch_up_to(22, 9, backlog=8, generating_steps=1) == 18
+    assert not pacing.behind(23, 18, 8, 1) and pacing.behind(24, 18, 8, 1)
+    # Not behind, or nothing held, or no version near enough to generate at: the newest.
+    assert pacing.catch_up_to(22, 15, backlog=0) == 22
+    assert pacing.catch_up_to(22, None, backlog=0) == 22
+    assert pacing.catch_up_to(None, 9, backlog=0) is None
+    assert pacing.catch_up_to(22, 9, backlog=32) == 22
+    # A pacing margin is aimed at as `behind` aims at it.
+    assert Pacing(4, 8, None, margin_steps=2).catch_up_to(22, 9, backlog=0) == 17
+
+
+def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_newest():
+    """`Sampler.refresh_weights` with the pacing above: the version asked for and its manifest's key."""
+    from types import SimpleNamespace
+
+    from pipeline.clients.run_state import RunView
+    from pipeline.config import HeteroConfig
+    from pipeline.weights.store import CheckpointStore
+    from producers.sampler import Sampler
+
+    def asked(current: int, not_found=(), refused=(), **sampler) -> tuple[int, str]:
+        cfg = HeteroConfig.model_validate({"run": {"name": "far"}, "learner": {"max_delay_steps": 8},
+                                           "sampler": sampler})
+        s = Sampler(cfg, sampler_id="far-1")
+        requests = []
+        s.handles = SimpleNamespace(store=CheckpointStore(None, "bucket", "far"))
+        s.policy = SimpleNamespace(version=current, not_found=set(not_found), refused=set(refused),
+                                   request=lambda version, key, forced: requests.append((version, key)))
+        s.backlog = lambda view: 0
+        s.refresh_weights(RunView(22, "far/v22/manifest.json", {}, learner_version=22))
+        return requests[-1]
+
+    assert asked(9) == (15, "far/v15/manifest.json")  # groups at v15 while v15 -> v22 downloads
+    assert asked(15) == (22, "far/v22/manifest.json")  # near enough: the newest
+    assert asked(9, not_found={15}) == (22, "far/v22/manifest.json")  # pruned on the way: the newest
+    assert asked(9, not_found={16}) == (22, "far/v22/manifest.json")  # and so, likely, what came before it
+    assert asked(9, not_found={12}) == (15, "far/v15/manifest.json")  # an older one gone says nothing of v15
+    assert asked(9, refused={"far/v15/manifest.json"}) == (22, "far/v22/manifest.json")  # never asked again
+    # A simulated refresh delay loads the newest version once it says so (a study's model of a refresh).
+    delayed = {"delays": {"unit": "steps", "refresh": {"kind": "fixed", "value": 1}}}
+    assert asked(9, **delayed) == (22, "far/v22/manifest.json")

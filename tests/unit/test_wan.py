@@ -62,7 +62,7 @@ def test_each_samplers_groups_and_weights_are_counted_from_the_log_and_its_stats
                _entry(3, 1170.0, used=[3, 6], dropped=[(7, "failed_check:logprobs"), (8, "too_old_seconds")])]
     reports = {"run-D": {"keyframe_bytes": 270_000_000, "first_policy_bytes": 272_000_000, "first_policy_version": 7,
                          "policy_version": 10, "per_version_bytes": 3_000_000, "first_policy_at": 1130.0,
-                         "stalled_behind_s": 4.0, "weights_download_s": 250.0},
+                         "stalled_behind_s": 4.0, "weights_download_s": 250.0, "first_downloads_restarted": 1},
                "run-A": {"keyframe_bytes": 270_000_000}}
     figures = sampler_figures(links, ids, {"A": 1000.0, "D": 1100.0}, 1000.0, entries, sender, reports)
     a, d = figures["A"], figures["D"]
@@ -70,6 +70,7 @@ def test_each_samplers_groups_and_weights_are_counted_from_the_log_and_its_stats
     assert (d.sent, d.used, d.dropped_stale, d.refused, d.first_used_s, d.started_s) == (5, 2, 2, 1, 50.0, 100.0)
     assert d.bytes_per_version == 3_000_000 and d.versions_followed == 3 and d.first_policy_bytes == 272_000_000
     assert d.first_policy_s == 30.0 and d.weights_wait_s == 34.0 and d.used_share == 0.5
+    assert d.first_downloads_restarted == 1 and a.first_downloads_restarted == 0
     assert a.bytes_per_version is None and a.weights_wait_s is None  # it took no delta; no stats of its wait
 
 
