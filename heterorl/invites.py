@@ -349,11 +349,11 @@ class FirstPolicy:
         self.fetched = fetch_first_policy(cfg, sampler_id)
 
     def discard(self) -> None:
-        """The host was not admitted: what was downloaded goes. A download still running writes
-        into a directory that is gone (its next chunk fails) until the process exits, which it
-        does now; a start from the same home removes anything left."""
+        """The host was not admitted: the download is stopped, and what was downloaded goes."""
         if self.thread is not None:
             self.thread.join()
+        if self.fetched is not None:
+            self.fetched.stop()
         if self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 

@@ -297,6 +297,19 @@ def sampler_work_dir(cfg: HeteroConfig, sampler_id: str) -> Path:
     return Path(cfg.services.data_dir) / "samplers" / sampler_id
 
 
+def pointer_problem(run: str, view: RunView, current: Optional[int], trusted) -> Optional[str]:
+    """Why a policy pointer newer or older than `current` must not be followed: it moved back (a
+    rollback), or the learner key `trusted` did not sign it; None: follow it."""
+    if current is not None and view.newest_version < current:
+        return f"it moved back from v{current} to v{view.newest_version} (a rollback)"
+    if trusted is not None:
+        try:
+            verify_pointer(run, view.newest_version, view.manifest_key, view.updated_at, view.signature, trusted)
+        except SignatureError as e:
+            return e.reason
+    return None
+
+
 def fetch_first_policy(cfg: HeteroConfig, sampler_id: str) -> Optional[PolicyFollower]:
     """A follower already downloading the run's newest policy (its pointer checked as every
     sampler checks it), for a sampler not started yet: `heterorl join` starts it while the
@@ -387,7 +400,7 @@ class Sampler:
         spool_has_room = self.pump_outbox()
         self.outbox.confirm_claims(self.state, self.sampler_id)
         backlog = self.backlog(view)
-        overtaken = self.generating_steps()
+        overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())  # steps a batch takes
         reason = self.pacing.pause_reason(has_policy=self.policy.loaded, spool_has_room=spool_has_room,
                                           newest=view.version_at_use, current=self.policy.version,
                                           backlog=backlog, generating_steps=overtaken,
@@ -476,44 +489,29 @@ class Sampler:
         return view, polled
 
     def refresh_weights(self, view: RunView) -> None:
-        """Start downloading a newer policy once the (simulated) refresh delay allows it; a
-        pointer the learner did not sign, or one that moved back, is refused (weights kept).
-        A sampler too far behind to generate (`Pacing.catch_up_to`; none simulating a refresh
-        delay) first takes a version near enough, and the newest once that is loaded."""
+        """Start downloading a newer policy once the (simulated) refresh delay allows it (a pointer
+        refused keeps the weights: `pointer_problem`); one too far behind to generate first takes
+        a version near enough (`Pacing.catch_up_to`; not with a simulated delay), then the newest."""
         newest, current = view.newest_version, self.policy.version
-        if newest is None or (current is not None and newest <= current):
-            if newest is not None and current is not None and newest < current:
-                self.refuse_pointer(view, f"it moved back from v{current} to v{newest} (a rollback)")
+        if newest is None or (current is not None and newest == current):
             return
-        if self.handles.store.trusted is not None:
-            try:
-                verify_pointer(self.cfg.run.name, newest, view.manifest_key, view.updated_at, view.signature,
-                               self.handles.store.trusted)
-            except SignatureError as e:
-                self.refuse_pointer(view, e.reason)
-                return
+        problem = pointer_problem(self.cfg.run.name, view, current, self.handles.store.trusted)
+        if problem is not None:
+            self.refuse_pointer(view, problem)
+            return
         # A delay counted in learner steps can only run out if the learner keeps getting
         # data; a sampler already too far behind to give it any refreshes now.
         backlog = self.backlog(view)
         allowed = self.gate.should_load(current, newest)
-        forced = (not allowed and self.scfg.delays.unit == "steps"
-                  and self.pacing.behind(newest, current, backlog))
+        forced = not allowed and self.scfg.delays.unit == "steps" and self.pacing.behind(newest, current, backlog)
         if not (allowed or forced):
             return
         target, key = newest, view.manifest_key
         if self.scfg.delays.refresh.kind == "none":  # a simulated refresh delay's model loads the newest
-            # Far behind: first a version near enough to generate at, while the rest downloads.
-            on_the_way = min(newest, self.pacing.catch_up_to(view.version_at_use, current, backlog,
-                                                             self.generating_steps()))
-            on_the_way_key = self.handles.store.manifest_key(on_the_way)
-            if (on_the_way < newest and on_the_way > max(self.policy.not_found, default=-1)
-                    and on_the_way_key not in self.policy.refused):  # else pruned or refused: the newest
-                target, key = on_the_way, on_the_way_key
+            overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
+            on_the_way = self.pacing.catch_up_to(view.version_at_use, current, backlog, overtaken)
+            target, key = self.policy.on_the_way(on_the_way, newest, view.manifest_key)
         self.policy.request(target, key, forced=forced)
-
-    def generating_steps(self) -> int:
-        """Learner steps that pass while this sampler makes a batch (a group made now is overtaken by them)."""
-        return self.step_period.steps_during(self.last_batch_s, time.monotonic())
 
     def refuse_pointer(self, view: RunView, why: str) -> None:
         """Say once per pointer why it is not followed (counted in `refused_pointers`); the current

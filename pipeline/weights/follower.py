@@ -86,6 +86,8 @@ class PolicyFollower:
         self._weighed: Optional[int] = None
         """The newest version weighed against the first download in flight (each is weighed once)."""
         self._weighing: Optional[threading.Thread] = None
+        self._stopped = False
+        """`stop` was called: nothing more is downloaded."""
         self._restart_with: Optional[tuple[int, str, int]] = None
         """(version, manifest key, its path's bytes) the download in flight gives way to."""
         self._ready: Optional[tuple] = None
@@ -104,7 +106,7 @@ class PolicyFollower:
         policy downloads, weigh giving it up for `version` instead (`_weigh_restart`)."""
         if version is None or manifest_key is None or (self.version is not None and version <= self.version):
             return
-        if manifest_key in self.refused or self._ready is not None:
+        if manifest_key in self.refused or self._ready is not None or self._stopped:
             return
         if self.downloading is not None:
             self._weigh_restart(version, manifest_key)
@@ -114,6 +116,15 @@ class PolicyFollower:
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
         self._thread.start()
+
+    def on_the_way(self, version: int, newest: int, newest_key: str) -> tuple[int, str]:
+        """(version, manifest key) to ask for on the way to `newest` (`Pacing.catch_up_to`'s
+        `version`), or `newest`'s where that one was refused, or found pruned, or a newer one was
+        (so, likely, it is too)."""
+        key = self.store.manifest_key(version)
+        if version >= newest or version <= max(self.not_found, default=-1) or key in self.refused:
+            return newest, newest_key
+        return version, key
 
     def _weigh_restart(self, version: int, manifest_key: str) -> None:
         """While a first policy downloads, start weighing giving it up for `version` (once per
@@ -140,7 +151,7 @@ class PolicyFollower:
             return
         with self._lock:  # the download may have ended, or another begun, during the reads
             if (self._transfer is transfer and self.downloading == downloading and self._restart_with is None
-                    and restart_is_cheaper(transfer.remaining, newer_bytes)):
+                    and not self._stopped and restart_is_cheaper(transfer.remaining, newer_bytes)):
                 self._restart_with = (version, manifest_key, newer_bytes)
                 transfer.cancel.set()
 
@@ -173,17 +184,21 @@ class PolicyFollower:
                           "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
                           time.perf_counter() - started)
             self._attached.wait()  # a follower started before its engine: prepared once there is one
+            if self._stopped:
+                return None, None
             started = time.perf_counter()
             prepared = self.engine.prepare(path)
             with self._lock:
                 self._ready = (version, prepared, time.perf_counter() - started, forced)
-        except DownloadCancelled:  # overtaken: what arrived counts as downloaded, the rest is not wanted
+        except DownloadCancelled:  # overtaken or stopped: what arrived counts as downloaded
             self.bytes_downloaded += transfer.received
             self.download_s += time.perf_counter() - started
-            self.restarts += 1
             with self._lock:
+                if self._stopped:
+                    return None, None
                 (newer, newer_key, newer_bytes), self._restart_with = self._restart_with, None
                 self._transfer, self.downloading = Transfer(), newer
+            self.restarts += 1
             self.log.info("gave up the download of policy v%d at %.2f of %.2f MB: v%d takes %.2f MB, fewer than "
                           "the %.2f MB left", version, transfer.received / 1e6, transfer.planned / 1e6, newer,
                           newer_bytes / 1e6, transfer.remaining / 1e6)
@@ -206,6 +221,17 @@ class PolicyFollower:
                 self.log.error("policy v%d does not load (%s: %s); keeping v%s", version, type(e).__name__,
                                str(e).splitlines()[0][:160] if str(e) else "", self.version)
         return None, None
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Give up the download in flight, if any, and wait for it to end (within its next 64 KiB
+        block; reading manifests, within their reads): its directory may be removed then."""
+        with self._lock:
+            self._stopped = True
+            self._transfer.cancel.set()
+        self._attached.set()  # a download that finished waits for an engine no longer coming
+        for thread in (self._thread, self._weighing):
+            if thread is not None:
+                thread.join(timeout_s)
 
     def swap_if_ready(self) -> Optional[bool]:
         """Load a finished download; returns its `forced` flag, or None if nothing was ready."""

@@ -585,3 +585,29 @@ def test_a_first_download_gives_way_to_a_newer_version_whose_path_is_fewer_bytes
     assert follower.swap_if_ready() is not None and follower.version == 1 and follower.restarts == 0
     assert follower.bytes_downloaded == sizes[0] + sizes[1]
     assert_same_weights(engine.installed[-1][1], versions[1])
+
+    # A host the learner refused (`heterorl join`) stops its first download before its home goes:
+    # the thread ends at its next block, or, finished, no longer waits for an engine.
+    go.clear(), waiting.clear()
+    follower = PolicyFollower(reader, tmp_path / "refused", log)  # no engine yet, as in `heterorl join`
+    follower.request(2, reader.manifest_key(2))
+    assert waiting.wait(30)
+    stopping = threading.Thread(target=follower.stop)
+    stopping.start()
+    while not follower._stopped:
+        stopping.join(0.01)
+    go.set()
+    stopping.join(30)
+    assert not stopping.is_alive() and not follower._thread.is_alive()
+    assert follower.swap_if_ready() is None and follower.version is None
+    follower.request(3, reader.manifest_key(3))  # stopped: nothing more is downloaded
+    assert follower.downloading is None and not (tmp_path / "refused" / "v3").exists()
+    finished = PolicyFollower(reader, tmp_path / "finished", log)
+    finished.request(1, reader.manifest_key(1))
+    for _ in range(3000):
+        if (tmp_path / "finished" / "v1").exists():
+            break
+        finished._thread.join(0.01)
+    assert finished._thread.is_alive()  # downloaded, waiting for an engine
+    finished.stop(timeout_s=30)
+    assert not finished._thread.is_alive() and finished.swap_if_ready() is None

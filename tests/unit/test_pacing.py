@@ -165,12 +165,15 @@ def test_a_sampler_far_behind_catches_up_first_to_a_version_it_can_generate_at()
     assert Pacing(4, 8, None, margin_steps=2).catch_up_to(22, 9, backlog=0) == 17
 
 
-def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_newest():
-    """`Sampler.refresh_weights` with the pacing above: the version asked for and its manifest's key."""
+def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_newest(tmp_path):
+    """`Sampler.refresh_weights` with the pacing above and `PolicyFollower.on_the_way`: the version
+    asked for and its manifest's key (the download itself recorded, not run)."""
+    import logging
     from types import SimpleNamespace
 
     from pipeline.clients.run_state import RunView
     from pipeline.config import HeteroConfig
+    from pipeline.weights.follower import PolicyFollower
     from pipeline.weights.store import CheckpointStore
     from producers.sampler import Sampler
 
@@ -179,9 +182,11 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
                                            "sampler": sampler})
         s = Sampler(cfg, sampler_id="far-1")
         requests = []
-        s.handles = SimpleNamespace(store=CheckpointStore(None, "bucket", "far"))
-        s.policy = SimpleNamespace(version=current, not_found=set(not_found), refused=set(refused),
-                                   request=lambda version, key, forced: requests.append((version, key)))
+        store = CheckpointStore(None, "bucket", "far")
+        s.handles = SimpleNamespace(store=store)
+        s.policy = PolicyFollower(store, tmp_path, logging.getLogger("test.far"))
+        s.policy.version, s.policy.not_found, s.policy.refused = current, set(not_found), set(refused)
+        s.policy.request = lambda version, key, forced: requests.append((version, key))
         s.backlog = lambda view: 0
         s.refresh_weights(RunView(22, "far/v22/manifest.json", {}, learner_version=22))
         return requests[-1]
@@ -195,3 +200,16 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     # A simulated refresh delay loads the newest version once it says so (a study's model of a refresh).
     delayed = {"delays": {"unit": "steps", "refresh": {"kind": "fixed", "value": 1}}}
     assert asked(9, **delayed) == (22, "far/v22/manifest.json")
+
+
+def test_a_pointer_that_moved_back_or_is_not_the_learners_is_not_followed():
+    from pipeline.clients.run_state import RunView
+    from pipeline.wire.signing import SigningKey
+    from producers.sampler import pointer_problem
+
+    assert pointer_problem("far", RunView(7, "far/v7/manifest.json", {}), 9, None) == (
+        "it moved back from v9 to v7 (a rollback)")
+    assert pointer_problem("far", RunView(12, "far/v12/manifest.json", {}), 9, None) is None
+    assert pointer_problem("far", RunView(12, "far/v12/manifest.json", {}), None, None) is None
+    unsigned = pointer_problem("far", RunView(12, "far/v12/manifest.json", {}), 9, SigningKey.generate().public)
+    assert unsigned is not None and "sign" in unsigned
