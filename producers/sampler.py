@@ -508,8 +508,8 @@ class Sampler:
             return
         target, key = newest, view.manifest_key
         if self.scfg.delays.refresh.kind == "none":  # a simulated refresh delay's model loads the newest
-            overtaken = self.step_period.steps_during(self.last_batch_s, time.monotonic())
-            on_the_way = self.pacing.catch_up_to(view.version_at_use, current, backlog, overtaken)
+            seen, overtaken = self.step_period, self.step_period.steps_during(self.last_batch_s, time.monotonic())
+            on_the_way = self.pacing.catch_up_to(view.version_at_use, current, backlog, overtaken, seen.versions())
             target, key = self.policy.on_the_way(on_the_way, newest, view.manifest_key)
         self.policy.request(target, key, forced=forced)
 

@@ -22,7 +22,7 @@ each pause lasts and where it is counted (`Pauses`) is here too; the sampler doe
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 PauseReason = Literal["no_policy", "spool_full", "behind", "backlog", "next_version"]
 
@@ -57,6 +57,10 @@ class StepPeriod:
     def observe(self, version: Optional[int], now: float) -> None:
         if version is not None and (not self.seen or version > self.seen[-1][0]):
             self.seen = (self.seen + [(version, now)])[-self.window:]
+
+    def versions(self) -> list[int]:
+        """The last `window` versions seen published, oldest first."""
+        return [version for version, _ in self.seen]
 
     def seconds_per_step(self, now: Optional[float] = None) -> Optional[float]:
         """Seconds per version over the window; at least the time since the newest version was
@@ -121,18 +125,20 @@ class Pacing:
         return too_far_behind(newest, current, backlog, self.groups_per_step, self.aim_steps, generating_steps)
 
     def catch_up_to(self, newest: Optional[int], current: Optional[int], backlog: int,
-                    generating_steps: int = 0) -> Optional[int]:
+                    generating_steps: int = 0, published: Sequence[int] = ()) -> Optional[int]:
         """The version to download next: `newest`, unless the sampler holds one it is `behind`
-        with; then the oldest version it would generate at again with a step to spare (`aim_steps`
-        less the backlog's and the batch's steps, as `behind` counts them), so that it makes
-        groups there while it downloads the rest, instead of pausing for the whole way (a joiner's
-        first keyframe is minutes old on a slow link). `newest` where no version is near enough."""
+        with; then the oldest of `published` (the versions it has seen published) it would
+        generate at again with a step to spare (`aim_steps` less the backlog's and the batch's
+        steps, as `behind` counts them), so that it makes groups there while it downloads the
+        rest, instead of pausing for the whole way (a joiner's first keyframe is minutes old on a
+        slow link). Only a version seen published is named: a learner publishes every
+        `learner.sync_every` steps, and the steps between have no version. `newest` where no
+        version is near enough."""
         if newest is None or current is None or not self.behind(newest, current, backlog, generating_steps):
             return newest
         versions_behind_allowed = self.aim_steps - backlog // max(1, self.groups_per_step) - generating_steps
-        if versions_behind_allowed < 1:
-            return newest
-        return newest - versions_behind_allowed + 1  # newer than `current`: that one is behind
+        oldest_near_enough = newest - versions_behind_allowed + 1  # newer than `current`: that one is behind
+        return min((v for v in published if v >= oldest_near_enough), default=newest)
 
     def too_stale(self, newest: Optional[int], rollout_version: int) -> bool:
         """A finished group the learner would drop already (judged with the newest version known)."""

@@ -151,18 +151,35 @@ def test_a_sampler_far_behind_catches_up_first_to_a_version_it_can_generate_at()
     8): it downloads v15 first, generates there while v15 -> v22 downloads, and a group it makes
     at v15 is still within the max delay after one more learner step."""
     pacing = Pacing(groups_per_step=4, max_delay_steps=8, max_backlog_groups=None)
-    assert pacing.catch_up_to(22, 9, backlog=0) == 15
+    every_step = range(23)
+    assert pacing.catch_up_to(22, 9, 0, 0, every_step) == 15
     assert pacing.behind(22, 9, 0) and not pacing.behind(23, 15, 0) and pacing.behind(24, 15, 0)
     # The groups queued ahead and the steps a batch takes count as `behind` counts them.
-    assert pacing.catch_up_to(22, 9, backlog=8, generating_steps=1) == 18
+    assert pacing.catch_up_to(22, 9, 8, 1, every_step) == 18
     assert not pacing.behind(23, 18, 8, 1) and pacing.behind(24, 18, 8, 1)
     # Not behind, or nothing held, or no version near enough to generate at: the newest.
-    assert pacing.catch_up_to(22, 15, backlog=0) == 22
-    assert pacing.catch_up_to(22, None, backlog=0) == 22
-    assert pacing.catch_up_to(None, 9, backlog=0) is None
-    assert pacing.catch_up_to(22, 9, backlog=32) == 22
+    assert pacing.catch_up_to(22, 15, 0, 0, every_step) == 22
+    assert pacing.catch_up_to(22, None, 0, 0, every_step) == 22
+    assert pacing.catch_up_to(None, 9, 0, 0, every_step) is None
+    assert pacing.catch_up_to(22, 9, 32, 0, every_step) == 22
     # A pacing margin is aimed at as `behind` aims at it.
-    assert Pacing(4, 8, None, margin_steps=2).catch_up_to(22, 9, backlog=0) == 17
+    assert Pacing(4, 8, None, margin_steps=2).catch_up_to(22, 9, 0, 0, every_step) == 17
+
+
+def test_a_sampler_catching_up_names_only_a_version_it_has_seen_published():
+    """A learner publishing every 4 steps (`learner.sync_every`) has no v15: the sampler takes the
+    oldest version it saw published at or past it (v16), and the newest where it saw none there
+    (as the steps of a test's tiny learner outran its polls, or a joiner has seen one pointer)."""
+    pacing = Pacing(groups_per_step=4, max_delay_steps=8, max_backlog_groups=None)
+    assert pacing.catch_up_to(22, 9, 0, 0, published=[8, 12, 16, 20]) == 16
+    assert not pacing.behind(22, 16, 0)
+    assert pacing.catch_up_to(22, 9, 0, 0, published=[4, 8, 12]) == 22
+    assert pacing.catch_up_to(22, 9, 0, 0, published=[20]) == 20
+    assert pacing.catch_up_to(22, 9, 0) == 22  # nothing seen published: the newest
+    period = StepPeriod(window=3)
+    for version, t in [(8, 0.0), (12, 1.0), (12, 1.5), (16, 2.0), (20, 3.0)]:
+        period.observe(version, t)
+    assert period.versions() == [12, 16, 20]
 
 
 def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_newest(tmp_path):
@@ -177,7 +194,8 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     from pipeline.weights.store import CheckpointStore
     from producers.sampler import Sampler
 
-    def asked(current: int, not_found=(), refused=(), **sampler) -> tuple[int, str]:
+    def asked(current: int, not_found=(), refused=(), every: int = 1, newest: int = 22,
+              **sampler) -> tuple[int, str]:
         cfg = HeteroConfig.model_validate({"run": {"name": "far"}, "learner": {"max_delay_steps": 8},
                                            "sampler": sampler})
         s = Sampler(cfg, sampler_id="far-1")
@@ -188,7 +206,9 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
         s.policy.version, s.policy.not_found, s.policy.refused = current, set(not_found), set(refused)
         s.policy.request = lambda version, key, forced: requests.append((version, key))
         s.backlog = lambda view: 0
-        s.refresh_weights(RunView(22, "far/v22/manifest.json", {}, learner_version=22))
+        for version in range(0, 23, every):  # the pointers it read
+            s.step_period.observe(version, float(version))
+        s.refresh_weights(RunView(newest, f"far/v{newest}/manifest.json", {}, learner_version=22))
         return requests[-1]
 
     assert asked(9) == (15, "far/v15/manifest.json")  # groups at v15 while v15 -> v22 downloads
@@ -197,6 +217,8 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     assert asked(9, not_found={16}) == (22, "far/v22/manifest.json")  # and so, likely, what came before it
     assert asked(9, not_found={12}) == (15, "far/v15/manifest.json")  # an older one gone says nothing of v15
     assert asked(9, refused={"far/v15/manifest.json"}) == (22, "far/v22/manifest.json")  # never asked again
+    # Published every 4 steps: v16, the oldest near enough that exists (the learner is at step 22).
+    assert asked(9, every=4, newest=20) == (16, "far/v16/manifest.json")
     # A simulated refresh delay loads the newest version once it says so (a study's model of a refresh).
     delayed = {"delays": {"unit": "steps", "refresh": {"kind": "fixed", "value": 1}}}
     assert asked(9, **delayed) == (22, "far/v22/manifest.json")
