@@ -490,8 +490,8 @@ class Sampler:
 
     def refresh_weights(self, view: RunView) -> None:
         """Start downloading a newer policy once the (simulated) refresh delay allows it (a pointer
-        refused keeps the weights: `pointer_problem`); one too far behind to generate first takes
-        a version near enough (`Pacing.catch_up_to`; not with a simulated delay), then the newest."""
+        refused keeps the weights: `pointer_problem`); one too far behind first takes a version near
+        enough (`Pacing.catch_up_to`; not with a simulated delay, nor before a batch is timed)."""
         newest, current = view.newest_version, self.policy.version
         if newest is None or (current is not None and newest == current):
             return
@@ -507,7 +507,7 @@ class Sampler:
         if not (allowed or forced):
             return
         target, key = newest, view.manifest_key
-        if self.scfg.delays.refresh.kind == "none":  # a simulated refresh delay's model loads the newest
+        if self.scfg.delays.refresh.kind == "none" and self.last_batch_s is not None:  # docs/weights.md
             seen, overtaken = self.step_period, self.step_period.steps_during(self.last_batch_s, time.monotonic())
             on_the_way = self.pacing.catch_up_to(view.version_at_use, current, backlog, overtaken, seen.versions())
             target, key = self.policy.on_the_way(on_the_way, newest, view.manifest_key)

@@ -194,7 +194,7 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     from pipeline.weights.store import CheckpointStore
     from producers.sampler import Sampler
 
-    def asked(current: int, not_found=(), refused=(), every: int = 1, newest: int = 22,
+    def asked(current: int, not_found=(), refused=(), every: int = 1, newest: int = 22, first_batch_s=1.0,
               **sampler) -> tuple[int, str]:
         cfg = HeteroConfig.model_validate({"run": {"name": "far"}, "learner": {"max_delay_steps": 8},
                                            "sampler": sampler})
@@ -206,6 +206,7 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
         s.policy.version, s.policy.not_found, s.policy.refused = current, set(not_found), set(refused)
         s.policy.request = lambda version, key, forced: requests.append((version, key))
         s.backlog = lambda view: 0
+        s.last_batch_s = first_batch_s
         for version in range(0, 23, every):  # the pointers it read
             s.step_period.observe(version, float(version))
         s.refresh_weights(RunView(newest, f"far/v{newest}/manifest.json", {}, learner_version=22))
@@ -213,6 +214,8 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
 
     assert asked(9) == (15, "far/v15/manifest.json")  # groups at v15 while v15 -> v22 downloads
     assert asked(15) == (22, "far/v22/manifest.json")  # near enough: the newest
+    # Before a first batch is timed (a joiner), the newest: how stale its groups come is unknown.
+    assert asked(9, first_batch_s=None) == (22, "far/v22/manifest.json")
     assert asked(9, not_found={15}) == (22, "far/v22/manifest.json")  # pruned on the way: the newest
     assert asked(9, not_found={16}) == (22, "far/v22/manifest.json")  # and so, likely, what came before it
     assert asked(9, not_found={12}) == (15, "far/v15/manifest.json")  # an older one gone says nothing of v15
