@@ -146,6 +146,11 @@ def choose_path(chain: list[Link], have: Optional[int]) -> list[Link]:
     return chain
 
 
+def nbytes_of(path: list[Link]) -> int:
+    """Bytes a sampler downloads for the links of `path`."""
+    return sum(link.nbytes for link in path)
+
+
 def restart_is_cheaper(remaining_bytes: int, newer_path_bytes: int) -> bool:
     """Whether a first policy's download with `remaining_bytes` of its path still to come should
     give way to a newer version whose own path (`path_bytes`: its keyframe and the deltas after
@@ -157,7 +162,7 @@ def restart_is_cheaper(remaining_bytes: int, newer_path_bytes: int) -> bool:
 def path_bytes(store: CheckpointStore, manifest_key: str, expect_version: int) -> int:
     """Bytes a sampler holding nothing downloads for the version at `manifest_key` (manifests read)."""
     links, _ = read_chain(store, store.read_expected(manifest_key, expect_version))
-    return sum(link.nbytes for link in choose_path(links, None))
+    return nbytes_of(choose_path(links, None))
 
 
 # --- reading and writing weights --------------------------------------------------------------
@@ -560,7 +565,7 @@ def _walk_chain(ahead: _ManifestsAhead, manifest: Manifest, have: Optional[int],
         return have is not None and have in (link.version, link.base_version)
 
     def costs_more(candidate: list[Link]) -> bool:
-        return sum(link.nbytes for link in candidate) >= sum(link.nbytes for link in newest_keyframe[0])
+        return nbytes_of(candidate) >= nbytes_of(newest_keyframe[0])
 
     while not reached(links[0]):
         first = links[0]
@@ -614,7 +619,7 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
     report = FetchReport()
     links, manifests = read_chain(store, target, have=have[0] if have else None)
     path = choose_path(links, have[0] if have else None)
-    transfer.planned = sum(link.nbytes for link in path)
+    transfer.planned = nbytes_of(path)
     if have is not None and (not path or path[0].kind == DELTA):
         try:
             origin = Path(have[1])
@@ -628,7 +633,7 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
             if links[0].kind != KEYFRAME:
                 links, manifests = read_chain(store, target)
             path = links
-            transfer.planned = transfer.received + sum(link.nbytes for link in path)
+            transfer.planned = transfer.received + nbytes_of(path)
     report.from_keyframe = True
     keyframe = path[0]
     origin = Path(tempfile.mkdtemp(prefix=f"keyframe-v{keyframe.version}-", dir=work_dir))
