@@ -508,14 +508,14 @@ class Sampler:
             return
         target, key = newest, view.manifest_key
         if self.scfg.delays.refresh.kind == "none" and self.last_batch_s is not None:  # docs/weights.md
-            seen, overtaken = self.step_period, self.step_period.steps_during(self.last_batch_s, time.monotonic())
+            seen, ahead_s = self.step_period, self.last_batch_s + (self.policy.last_download_s or 0.0)
+            overtaken = seen.steps_during(ahead_s, time.monotonic())  # while it downloads, then generates
             on_the_way = self.pacing.catch_up_to(view.version_at_use, current, backlog, overtaken, seen.versions())
             target, key = self.policy.on_the_way(on_the_way, newest, view.manifest_key)
         self.policy.request(target, key, forced=forced)
 
     def refuse_pointer(self, view: RunView, why: str) -> None:
-        """Say once per pointer why it is not followed (counted in `refused_pointers`); the current
-        weights stay."""
+        """Say once per pointer why it is not followed (`refused_pointers`); the weights stay."""
         seen = (view.newest_version, view.manifest_key, view.signature, why)
         if seen != self.refused_pointer:
             self.refused_pointer = seen

@@ -75,6 +75,9 @@ class PolicyFollower:
         loaded: what follows it is what holding a version costs, per version (`per_version_bytes`)."""
         self.download_s = 0.0
         """Seconds spent downloading and verifying versions (the background thread's)."""
+        self.last_download_s: Optional[float] = None
+        """Seconds the last finished download took (a sampler catching up counts the steps a
+        download takes from it: `producers.sampler.Sampler.refresh_weights`)."""
         self.downloading: Optional[int] = None
         """Version being downloaded, if any."""
         self.not_found: set[int] = set()
@@ -176,7 +179,8 @@ class PolicyFollower:
                                            expect_version=version, work_dir=self.work_dir, transfer=transfer)
             self.bytes_downloaded += report.bytes_downloaded
             self.keyframe_bytes += report.keyframe_bytes
-            self.download_s += time.perf_counter() - started
+            self.last_download_s = time.perf_counter() - started
+            self.download_s += self.last_download_s
             for reason in report.refused:
                 self.fallbacks += 1
                 self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)

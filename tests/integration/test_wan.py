@@ -20,10 +20,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 RUN = {"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.head_dim": 32,
        "model.intermediate_size": 64, "model.warmup_steps": 20, "task.eval_size": 20, "sampler.group_size": 4,
        "sampler.prompts_per_batch": 2, "sampler.max_new_tokens": 4, "learner.groups_per_step": 4,
-       "learner.max_delay_steps": 64, "learner.sync_every": 8, "learner.keyframe_every": 4}
-"""A tiny model trains hundreds of steps a minute here: a version every 8 steps and a max delay of
-8 versions give a far volunteer time to make groups that are used, and a keyframe every 4 versions
-gives it keyframes to cross."""
+       "learner.max_delay_steps": 128, "learner.sync_every": 8, "learner.keyframe_every": 4,
+       "sampler.max_backlog_groups": 32}
+"""A tiny model trains about 900 steps a minute here, and each round trip of the volunteer's link
+(pointer, manifests, deltas, claims) costs 100 ms or more: a version every 8 steps, a max delay of
+16 versions (about 8 s) and a backlog of at most 8 steps' groups (the near sampler would otherwise
+queue up to the max delay, and every group the volunteer makes waits behind them) leave it time
+to make groups that are used (with a max delay of 8 versions and no backlog cap it made none in
+about half the runs); a keyframe every 4 versions gives it keyframes to cross."""
 
 
 def test_a_volunteer_behind_a_slow_far_flaky_link_joins_and_its_groups_are_used(tmp_path, capsys):

@@ -1,5 +1,7 @@
 """A sampler's pause rules, without servers: each named reason, in order, and the backlog."""
 
+import time
+
 from pipeline.sampling.pacing import Pacing, StepPeriod, too_far_behind
 
 
@@ -195,7 +197,7 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     from producers.sampler import Sampler
 
     def asked(current: int, not_found=(), refused=(), every: int = 1, newest: int = 22, first_batch_s=1.0,
-              **sampler) -> tuple[int, str]:
+              step_s=None, download_s=None, **sampler) -> tuple[int, str]:
         cfg = HeteroConfig.model_validate({"run": {"name": "far"}, "learner": {"max_delay_steps": 8},
                                            "sampler": sampler})
         s = Sampler(cfg, sampler_id="far-1")
@@ -206,9 +208,10 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
         s.policy.version, s.policy.not_found, s.policy.refused = current, set(not_found), set(refused)
         s.policy.request = lambda version, key, forced: requests.append((version, key))
         s.backlog = lambda view: 0
-        s.last_batch_s = first_batch_s
-        for version in range(0, 23, every):  # the pointers it read
-            s.step_period.observe(version, float(version))
+        s.last_batch_s, s.policy.last_download_s = first_batch_s, download_s
+        now = time.monotonic()
+        for version in range(0, 23, every):  # the pointers it read (long ago: no step's length known)
+            s.step_period.observe(version, now - (22 - version) * step_s if step_s else float(version))
         s.refresh_weights(RunView(newest, f"far/v{newest}/manifest.json", {}, learner_version=22))
         return requests[-1]
 
@@ -220,6 +223,10 @@ def test_a_sampler_far_behind_asks_for_the_version_it_can_generate_at_then_the_n
     assert asked(9, not_found={16}) == (22, "far/v22/manifest.json")  # and so, likely, what came before it
     assert asked(9, not_found={12}) == (15, "far/v15/manifest.json")  # an older one gone says nothing of v15
     assert asked(9, refused={"far/v15/manifest.json"}) == (22, "far/v22/manifest.json")  # never asked again
+    # A step a second: the steps its last batch (1.5 s) and its last download (2 s) took are spared.
+    assert asked(9, first_batch_s=1.5, step_s=1.0) == (16, "far/v16/manifest.json")
+    assert asked(9, first_batch_s=1.5, step_s=1.0, download_s=2.0) == (18, "far/v18/manifest.json")
+    assert asked(9, first_batch_s=1.5, step_s=1.0, download_s=8.0) == (22, "far/v22/manifest.json")
     # Published every 4 steps: v16, the oldest near enough that exists (the learner is at step 22).
     assert asked(9, every=4, newest=20) == (16, "far/v16/manifest.json")
     # A simulated refresh delay loads the newest version once it says so (a study's model of a refresh).
