@@ -128,8 +128,8 @@ class Pacing:
                     generating_steps: int = 0, published: Sequence[int] = ()) -> Optional[int]:
         """The version to download next: `newest`, unless the sampler holds one it is `behind`
         with; then the oldest of `published` (the versions it has seen published) it would
-        generate at again with a step to spare (`aim_steps` less the backlog's and the batch's
-        steps, as `behind` counts them), so that it makes groups there while it downloads the
+        generate at again with a step to spare (`aim_steps` less the backlog's steps and
+        `generating_steps`: the caller's count of a download's and a batch's), so that it makes groups there while it downloads the
         rest, instead of pausing for the whole way (a joiner's first keyframe is minutes old on a
         slow link). Only a version seen published is named: a learner publishes every
         `learner.sync_every` steps, and the steps between have no version. `newest` where no
