@@ -47,7 +47,7 @@ import redis
 import torch
 
 from pipeline.config import HeteroConfig, strip_password
-from pipeline.sampling.delays import RefreshGate, transit_stream
+from pipeline.sampling.delays import RefreshGate, stream_key, transit_stream
 from pipeline.devices import resolve_device
 from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.trust.keyring import key_paths, load_sampler_key
@@ -137,7 +137,8 @@ class Outbox:
         return cls(spool, lambda: TopicWriter(bootstrap, cfg.run.topic, send_timeout_s=scfg.send_timeout_s,
                                               connect_timeout_s=scfg.send_timeout_s, signer=signer, stamp=stamp,
                                               security=services.security),
-                   transit_stream(scfg.delays, sampler_id), scfg.retry_max_backoff_s, log, bootstrap)
+                   transit_stream(scfg.delays, stream_key(cfg.run.name, sampler_id)), scfg.retry_max_backoff_s, log,
+                   bootstrap)
 
     def add(self, rollouts: list[Rollout], claims: list[int]) -> None:
         """Groups made for the prompts claimed as `claims` (one index each, in order)."""
@@ -349,7 +350,7 @@ class Sampler:
         self.pacing = Pacing(cfg.learner.groups_per_step, cfg.learner.max_delay_steps, self.scfg.max_backlog_groups,
                              wait_for_next_version=self.scfg.wait_for_next_version,
                              margin_steps=self.scfg.pacing_margin_steps)
-        self.gate = RefreshGate(self.scfg.delays, self.sampler_id)
+        self.gate = RefreshGate(self.scfg.delays, stream_key(cfg.run.name, self.sampler_id))
         self.redis_backoff = Backoff(self.scfg.retry_max_backoff_s)
         self.view = RunView(None, None, {})
         self.policy_read_at = self.last_heartbeat = 0.0

@@ -70,7 +70,8 @@ class DelayModelConfig(BaseModel):
     """Rollout transit delay, always in seconds: each finished group is held this long
     before it is published (one-way WAN latency)."""
     seed: int = 0
-    """Combined with the sampler id (and the purpose) so that each sampler has its own streams."""
+    """Combined with the sampler id within its run (and the purpose) so that each sampler has its
+    own streams, the same in every run of the config."""
 
 
 def lognormal_params(lower: float, upper: float, confidence: float) -> tuple[float, float]:

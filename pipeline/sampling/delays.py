@@ -111,6 +111,13 @@ class DelayStream:
         return max(0, int(math.floor(self.draw() + 0.5)))
 
 
+def stream_key(run_name: str, sampler_id: str) -> str:
+    """What a sampler's delay streams are keyed on: its id without its run's name (`s0` for
+    `smoke-20261205-035649-s0`, an id `heterorl train` gives), so one `seed` draws the same delays
+    in every run of a config, whatever its start time; any other id is kept whole."""
+    return sampler_id.removeprefix(f"{run_name}-") or sampler_id
+
+
 def refresh_stream(model: DelayModelConfig, sampler_id: str) -> DelayStream:
     """The weight-refresh stream of `sampler_id` (the one `RefreshGate` uses)."""
     return DelayStream(model.refresh, model.seed, sampler_id, REFRESH_PURPOSE)

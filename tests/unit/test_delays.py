@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pipeline.config.delays import DelayDistributionConfig, DelayModelConfig, lognormal_params
-from pipeline.sampling.delays import DelayStream, RefreshGate, refresh_stream, transit_stream
+from pipeline.sampling.delays import DelayStream, RefreshGate, refresh_stream, stream_key, transit_stream
 
 # The paper's refresh delay: 60..1920 s hold 99.5 % of the mass. These numbers were
 # computed outside the code under test, with scipy 1.17:
@@ -140,6 +140,17 @@ def test_model_helpers_use_their_purposes():
     assert _draws(refresh_stream(model, "x")) == _draws(DelayStream(PAPER, 3, "x", "refresh"))
     assert _draws(transit_stream(model, "x")) == _draws(DelayStream(PAPER, 3, "x", "transit"))
     assert _draws(refresh_stream(model, "x")) != _draws(transit_stream(model, "x"))
+
+
+def test_a_train_samplers_delays_are_the_same_in_every_run_of_its_config():
+    # `heterorl train` names its samplers <run>-<start time>-s<i>: the start time must not change the draws.
+    model = DelayModelConfig(transit=DelayDistributionConfig(kind="weibull"), seed=5)
+    first, second = (stream_key(run, f"{run}-s0") for run in ("demo-20261205-035649", "demo-20261205-101500"))
+    assert first == second == "s0"
+    assert _draws(transit_stream(model, first)) == _draws(transit_stream(model, second))
+    assert stream_key("demo-1", "demo-1-s0") != stream_key("demo-1", "demo-1-s1")
+    assert stream_key("demo-1", "volunteer-7") == "volunteer-7"      # an id of its own is kept whole
+    assert stream_key("demo-1", "demo-1-") == "demo-1-"              # never an empty key
 
 
 def test_negative_and_huge_seeds_work():
