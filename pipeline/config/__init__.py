@@ -455,7 +455,8 @@ class LearnerConfig(Strict):
     keyframe_keep_s: float = Field(600.0, ge=0)
     """A keyframe stays in S3, with the deltas after it, this many seconds after the next
     keyframe is published: what a joiner on a slow link has to download it (SmolLM2-135M's
-    270 MB in bf16 take 216 s at 10 Mbit/s). Two at most are held besides the newest. Costs
+    270 MB in bf16 are 216 s of a 10 Mbit/s link by division; a joiner behind a shaped 10 Mbit/s
+    link took its 196 MB packed keyframe in 186 s, docs/results/wan/). Two at most are held besides the newest. Costs
     storage only: S3 holds up to 1 + min(2, keyframe_keep_s / seconds between keyframes)
     copies of the model, with their deltas."""
     state_every_steps: int = Field(10, ge=0)
