@@ -67,6 +67,25 @@ FORGED_VERDICT_REFUSALS = {"unsigned": "unsigned_verdict", "sampler_key": "wrong
                            "other_group": "bad_signature", "replayed": "replayed_verdict"}
 
 
+def message_digest(value: bytes) -> str:
+    """A message's name by its bytes (what `VerdictForger.acknowledged` keeps of each it sent)."""
+    return hashlib.sha256(value).hexdigest()
+
+
+def forgeries_in_topic(acknowledged: dict[str, Counter], in_topic: Counter) -> dict[str, int]:
+    """How many of the forger's acknowledged messages, by kind, a reader of the verdicts topic
+    finds (`in_topic`: every message's `message_digest`, counted). A forgery is new bytes, so each
+    copy found counts; a replay repeats a genuine verdict's bytes, so only the copies past the
+    original do. A message the broker acknowledged may be one no reader finds (the local stack's
+    Tansu 0.6 can store one under an offset another holds, docs/faults.md): the learner cannot
+    refuse what it never reads."""
+    found = {}
+    for kind, sent in acknowledged.items():
+        originals = 1 if kind == "replayed" else 0
+        found[kind] = sum(min(n, max(0, in_topic.get(digest, 0) - originals)) for digest, n in sent.items())
+    return found
+
+
 class ForgedRewards(Sampler):
     def make_rollouts(self, problems, groups) -> list[Rollout]:
         rollouts = super().make_rollouts(problems, groups)
@@ -395,6 +414,8 @@ class VerdictForger(threading.Thread):
         self.adversary_ids, self.sampler_key_file = adversary_ids, sampler_key_file
         self.sampler_key: Optional[SigningKey] = None
         self.sent: dict[str, int] = {kind: 0 for kind in FORGED_VERDICT_KINDS}
+        self.acknowledged: dict[str, Counter] = {kind: Counter() for kind in FORGED_VERDICT_KINDS}
+        """By kind, the `message_digest` of each message the broker acknowledged, counted."""
         self.stopped = threading.Event()
         self.errors: Counter = Counter()
         self.read_to: dict[str, dict[int, int]] = {}
@@ -470,6 +491,7 @@ class VerdictForger(threading.Thread):
             sink.send_raw_many([self.genuine[ref][0] for ref in again])
             self.replayed.update(again)
             self.sent["replayed"] += len(again)
+            self.acknowledged["replayed"].update(message_digest(self.genuine[ref][0]) for ref in again)
 
     def forge(self, sink: TopicWriter) -> None:
         """Three forged passing verdicts for each adversary's group published since the last pass,
@@ -511,6 +533,7 @@ class VerdictForger(threading.Thread):
                 kinds.append("other_group")
         if messages:
             sink.send_raw_many(messages)
-        for kind in kinds:
+        for kind, message in zip(kinds, messages):
             self.sent[kind] += 1
+            self.acknowledged[kind][message_digest(message)] += 1
         self.read_to[self.topic] = positions

@@ -30,23 +30,26 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
 
-from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer,
-                                  VerdictForger)
+from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer, VerdictForger,
+                             forgeries_in_topic, message_digest)
 from heterorl.invites import join_home, make_run_invite, write_invite_file
 from heterorl.keys import provision_local, run_registry
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run, with_services
 from consumers.screening import forged_used_bound
+from pipeline.clients.topics import read_topic
 from pipeline.records.audit import audit_topic
 from pipeline.records.update_log import read_entries_kafka
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.trust.invites import read_invite
 from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.trust.verdicts import verdicts_topic
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
 from pipeline.weights.store import PolicyPointer, current as current_pointer
@@ -162,7 +165,10 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         audit["targets_met"] = (audit["targets_met"] and probed["target_met"]
                                 and not audit["adversary_keys_local"] and not audit["adversaries_not_joined"])
         if forger is not None:
-            audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}))
+            in_topic = Counter(message_digest(r.value)
+                               for r in read_topic(services.kafka_bootstrap, verdicts_topic(cfg.run.topic), timeout_s=30.0))
+            audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}),
+                                                                       in_topic)
             audit["targets_met"] = audit["targets_met"] and audit["adversaries"]["forged_verdicts"]["target_met"]
         audit.update(run=run_name, minutes=minutes, honest_samplers=honest, validators=validators,
                      invite=grant.grant_id,
@@ -308,16 +314,21 @@ def _audit(data: dict, quarantines: dict, honest_ids: list[str], adversary_ids: 
             "quarantines": quarantines}
 
 
-def _forged_verdicts(forger: VerdictForger, learner_verdicts: dict) -> dict:
-    """What the forger sent by kind, and the learner's refusals under the code each should get:
-    met if it sent every kind and the learner refused at least as many under each code (a
-    refusal it had not read before draining would be missing; a validator that re-sends a
-    verdict after a broker error adds `replayed_verdict` refusals of its own) and let none in.
+def _forged_verdicts(forger: VerdictForger, learner_verdicts: dict, in_topic: Counter) -> dict:
+    """What the forger sent by kind, how many of those a reader of the verdicts topic finds
+    (`in_topic`: its messages' digests; `forgeries_in_topic`), and the learner's refusals under
+    the code each should get: met if every kind was sent and found in the topic, and the learner
+    refused at least as many as were found under each code (a refusal it had not read before
+    draining would be missing; a validator that re-sends a verdict after a broker error adds
+    `replayed_verdict` refusals of its own). That none was let in is `forged_used_in_updates`.
     `errors`: the forger's failed steps by error type (a send the broker failed, a topic not
     created yet)."""
     refused = {kind: int(learner_verdicts.get(f"refused:{code}", 0)) for kind, code in FORGED_VERDICT_REFUSALS.items()}
-    return {"sent": dict(forger.sent), "refused_by_the_learner": refused, "errors": dict(forger.errors),
-            "target_met": all(forger.sent[k] > 0 and refused[k] >= forger.sent[k] for k in FORGED_VERDICT_REFUSALS)}
+    found = forgeries_in_topic(forger.acknowledged, in_topic)
+    return {"sent": dict(forger.sent), "in_topic": found, "refused_by_the_learner": refused,
+            "errors": dict(forger.errors),
+            "target_met": all(forger.sent[k] > 0 and found[k] > 0 and refused[k] >= found[k]
+                              for k in FORGED_VERDICT_REFUSALS)}
 
 
 def _report(audit: dict, out: Path) -> str:
@@ -351,7 +362,8 @@ def _report(audit: dict, out: Path) -> str:
         lines.append(f"  adversary keys registered as the run's own: {', '.join(audit['adversary_keys_local'])}")
     v = audit["adversaries"].get("forged_verdicts")
     if v is not None:
-        lines.append(f"  {'forged_verdicts':16} sent {v['sent']}, refused by the learner {v['refused_by_the_learner']}")
+        lines.append(f"  {'forged_verdicts':16} sent {v['sent']}, in the topic {v['in_topic']}, refused by the learner "
+                     f"{v['refused_by_the_learner']}")
     lines.append(f"audit: {out}/attack_audit.json")
     return "\n".join(lines)
 

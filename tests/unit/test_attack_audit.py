@@ -42,3 +42,23 @@ def test_an_adversary_whose_key_is_marked_local_or_did_not_join_fails_the_audit(
     assert _key_findings(held, ids) == {"adversary_keys_local": ["adv-b"], "adversaries_not_joined": ["adv-b", "adv-c"]}
     clean = {kind: held["a"] for kind in ids}
     assert _key_findings(clean, ids) == {"adversary_keys_local": [], "adversaries_not_joined": []}
+
+
+def test_forged_verdicts_are_counted_by_what_a_reader_of_the_topic_finds():
+    """The learner is held to refusing the forgeries it could read: a forgery is counted once per
+    copy found, a replay only for the copies past the genuine verdict it repeats, and one the
+    broker acknowledged but no reader sees (a collided offset) is not counted."""
+    from collections import Counter
+
+    from lab.adversaries import forgeries_in_topic, message_digest
+
+    unsigned = [message_digest(f"u{i}".encode()) for i in range(3)]
+    genuine = message_digest(b"a validator's verdict")
+    acknowledged = {"unsigned": Counter(unsigned), "replayed": Counter({genuine: 2})}
+    # u2 hidden by the broker; the genuine verdict once, then one of its two replays
+    in_topic = Counter({unsigned[0]: 1, unsigned[1]: 1, genuine: 2, message_digest(b"other"): 5})
+    assert forgeries_in_topic(acknowledged, in_topic) == {"unsigned": 2, "replayed": 1}
+    # a message the broker stored twice counts once: no more copies count than were acknowledged
+    assert forgeries_in_topic(acknowledged, in_topic + Counter({unsigned[0]: 1, genuine: 5})) == \
+        {"unsigned": 2, "replayed": 2}
+    assert forgeries_in_topic(acknowledged, Counter()) == {"unsigned": 0, "replayed": 0}
