@@ -126,8 +126,8 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
     assert all(forged["sent"][k] > 0 for k in ("unsigned", "sampler_key", "other_group", "replayed")), forged
     # at least as many refusals as a reader finds in the verdicts topic, by kind: more come from
     # copies the broker stored twice (a validator's verdict resent after a broker error is refused
-    # as a replay too); fewer are found than sent where Tansu hid a message at a collided offset,
-    # which happens to a few at most
+    # as a replay too); fewer are found than sent where the broker hid a message at a collided
+    # offset, a few at most (the 95 % bound)
     refused, found = forged["refused_by_the_learner"], forged["in_topic"]
     assert all(refused[k] >= found[k] > 0 for k in refused) and forged["target_met"], (forged, audit["learner_verdicts"])
     assert sum(found.values()) >= 0.95 * sum(forged["sent"].values()), forged
