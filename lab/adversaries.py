@@ -74,9 +74,9 @@ def message_digest(value: bytes) -> str:
 
 def forgeries_in_topic(acknowledged: dict[str, Counter], in_topic: Counter) -> dict[str, int]:
     """How many of the forger's acknowledged messages, by kind, a reader of the verdicts topic
-    finds (`in_topic`: every message's `message_digest`, counted). A forgery is new bytes, so each
-    copy found counts; a replay repeats a genuine verdict's bytes, so only the copies past the
-    original do. A message the broker acknowledged may be one no reader finds (the local stack's
+    finds (`in_topic`: every message's `message_digest`, counted), each counted at most as often
+    as it was acknowledged. A forgery is new bytes, so every copy found counts; a replay repeats a
+    genuine verdict's bytes, so only the copies past the original do. A message the broker acknowledged may be one no reader finds (the local stack's
     Tansu 0.6 can store one under an offset another holds, docs/faults.md): the learner cannot
     refuse what it never reads."""
     found = {}
@@ -413,7 +413,6 @@ class VerdictForger(threading.Thread):
         self.bootstrap, self.topic, self.run_name, self.every_s = bootstrap, topic, run, every_s
         self.adversary_ids, self.sampler_key_file = adversary_ids, sampler_key_file
         self.sampler_key: Optional[SigningKey] = None
-        self.sent: dict[str, int] = {kind: 0 for kind in FORGED_VERDICT_KINDS}
         self.acknowledged: dict[str, Counter] = {kind: Counter() for kind in FORGED_VERDICT_KINDS}
         """By kind, the `message_digest` of each message the broker acknowledged, counted."""
         self.stopped = threading.Event()
@@ -447,6 +446,11 @@ class VerdictForger(threading.Thread):
                 self.errors[type(e).__name__] += 1
         if sink is not None:
             sink.close()
+
+    @property
+    def sent(self) -> dict[str, int]:
+        """By kind, how many messages the broker acknowledged."""
+        return {kind: sum(digests.values()) for kind, digests in self.acknowledged.items()}
 
     def has_key(self) -> bool:
         """Whether it holds the adversary's key: read from its file once it is there, whole."""
@@ -490,7 +494,6 @@ class VerdictForger(threading.Thread):
         if again:
             sink.send_raw_many([self.genuine[ref][0] for ref in again])
             self.replayed.update(again)
-            self.sent["replayed"] += len(again)
             self.acknowledged["replayed"].update(message_digest(self.genuine[ref][0]) for ref in again)
 
     def forge(self, sink: TopicWriter) -> None:
@@ -534,6 +537,5 @@ class VerdictForger(threading.Thread):
         if messages:
             sink.send_raw_many(messages)
         for kind, message in zip(kinds, messages):
-            self.sent[kind] += 1
             self.acknowledged[kind][message_digest(message)] += 1
         self.read_to[self.topic] = positions

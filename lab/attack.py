@@ -324,10 +324,10 @@ def _forged_verdicts(forger: VerdictForger, learner_verdicts: dict, in_topic: Co
     `errors`: the forger's failed steps by error type (a send the broker failed, a topic not
     created yet)."""
     refused = {kind: int(learner_verdicts.get(f"refused:{code}", 0)) for kind, code in FORGED_VERDICT_REFUSALS.items()}
-    found = forgeries_in_topic(forger.acknowledged, in_topic)
-    return {"sent": dict(forger.sent), "in_topic": found, "refused_by_the_learner": refused,
+    sent, found = forger.sent, forgeries_in_topic(forger.acknowledged, in_topic)
+    return {"sent": sent, "in_topic": found, "refused_by_the_learner": refused,
             "errors": dict(forger.errors),
-            "target_met": all(forger.sent[k] > 0 and found[k] > 0 and refused[k] >= found[k]
+            "target_met": all(sent[k] > 0 and found[k] > 0 and refused[k] >= found[k]
                               for k in FORGED_VERDICT_REFUSALS)}
 
 
