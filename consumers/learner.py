@@ -196,7 +196,8 @@ class Learner:
         self.device = resolve_device(cfg.model.device, self.ranks.local_rank)
         self.cfg, self.precision = with_machine_precision(cfg, self.device)
         self.lcfg = self.cfg.learner
-        self.run_dir = Path(run_dir or self.cfg.train.out_dir or f"runs/{self.cfg.run.name}")
+        # absolute: the publisher process, which writes the recovery states there, runs elsewhere
+        self.run_dir = Path(run_dir or self.cfg.train.out_dir or f"runs/{self.cfg.run.name}").resolve()
         self.topic = self.cfg.run.topic
         # The version (what staleness is measured against) is the step, unless a killed learner's
         # published versions were lost: the resumed one then skips their numbers.

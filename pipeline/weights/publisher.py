@@ -310,7 +310,9 @@ class BackgroundPublisher:
                                         "parent_version": parent_version, "keyframe": keyframe}, event=event))
 
     def submit_state(self, step: int, capture: Capture, directory: Path, extra: dict) -> None:
-        """Write the recovery state of `step` from `capture` into `directory` (on a thread) and upload it."""
+        """Write the recovery state of `step` from `capture` into `directory` (on a thread) and upload it.
+        The publisher process runs in another directory: a relative `directory` is resolved here."""
+        directory = Path(directory).resolve()
         self._queue(_Pending("state", {"op": "state", "step": step, "directory": str(directory), "extra": extra},
                              capture=capture, directory=directory))
 

@@ -145,7 +145,11 @@ class RecoverySchedule:
 
 
 def save_recovery_state(store: CheckpointStore, step: int, snapshot: Path, extra: dict) -> str:
-    """Upload `snapshot` (weights + learner_state/) as the recovery state of `step`, then prune."""
+    """Upload `snapshot` (weights + learner_state/) as the recovery state of `step`, then prune.
+    Raises FileNotFoundError for a snapshot without files: an empty state would be taken for the newest
+    one and no learner could resume from it."""
+    if not Path(snapshot).is_dir() or not any(p.is_file() for p in Path(snapshot).rglob("*")):
+        raise FileNotFoundError(f"the recovery state of step {step} has no files in {snapshot}: nothing uploaded")
     key = store.upload(step, snapshot, extra)
     store.prune(KEEP_STATES, current=step)
     return key

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -165,3 +166,26 @@ def test_a_keyframe_waiting_is_never_skipped_while_newer_versions_are(child):
     skipped = [r["version"] for r in child.said() if r["op"] == "done" and r.get("skipped")]
     assert skipped == [1, 2, 3]
     assert [r["slot"] for r in child.said() if r["op"] == "slot_free"] == [0, 1, 0, 1, 0]
+
+
+def test_a_recovery_state_in_a_relative_directory_reaches_the_publisher_by_its_absolute_path(
+        fake_publisher, tmp_path, monkeypatch):
+    """`heterorl learner --out runs/x` from another directory than the publisher process's (the
+    repository root) uploaded empty recovery states, and resuming from them failed: the directory
+    the learner wrote is the one the publisher is told, whatever the two processes' directories."""
+    publisher = fake_publisher(json.dumps({"op": "done"}))
+    sent = []
+    monkeypatch.setattr(publisher, "_write", sent.append)
+    monkeypatch.chdir(tmp_path)
+
+    class Capture:
+        def write(self, directory):
+            directory.mkdir(parents=True)
+            (directory / "model.safetensors").write_bytes(b"weights")
+
+    publisher.submit_state(4, Capture(), pub.Path("runs/x/s4"), {"step": 4})
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sent and sent[0]["directory"] == str(tmp_path / "runs" / "x" / "s4")
+    assert (pub.Path(sent[0]["directory"]) / "model.safetensors").read_bytes() == b"weights"

@@ -35,3 +35,13 @@ def test_the_recovery_state_is_due_by_steps_or_seconds_whichever_first():
     assert not by_steps.due(1, 10**9) and by_steps.due(2, 0.0)
     only_at_the_end = RecoverySchedule(every_steps=0, every_s=None)
     assert not only_at_the_end.due(10**6, 10**9)
+
+
+def test_an_empty_recovery_state_is_never_uploaded(tmp_path):
+    """A state with no files would be taken for the newest one, and no learner could resume from it."""
+    from pipeline.weights.recovery import save_recovery_state
+
+    (tmp_path / "s3").mkdir()
+    for snapshot in (tmp_path / "s3", tmp_path / "missing"):
+        with pytest.raises(FileNotFoundError, match="the recovery state of step 3 has no files"):
+            save_recovery_state(None, 3, snapshot, {"step": 3})
