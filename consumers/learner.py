@@ -62,7 +62,7 @@ from pipeline.learning.rank_link import SAVE, START, STOP, TRAIN
 from pipeline.learning.update import StepRefused, optimizer_step
 from pipeline.models import generation_eos_ids, tokenizer_fingerprint
 from pipeline.records.metrics import MetricsWriter, StageClock
-from pipeline.records.update_log import dead_letter_topic, read_entries_kafka, rewind_entry, updates_topic
+from pipeline.records.update_log import dead_letter_topic, read_update_log, rewind_entry, updates_topic
 from pipeline.runtime import (connect_run, resolve_base_model, setup_logging, touch_heartbeat_file,
                               with_machine_precision)
 from pipeline.clients.topics import RawRecord, TopicReader, ensure_topic
@@ -78,11 +78,18 @@ from pipeline.wire.signing import SignatureError
 from pipeline.weights.store import MalformedPointer, PolicyPointer
 
 
-def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, security=None) -> set[str]:
+def judged_rollout_ids(bootstrap: str, topic: str, up_to_step: int, trusted, log, security=None) -> set[str]:
     """Rollout ids the update log records as judged by steps <= `up_to_step`: a resumed learner
-    starts with these, so a copy that reaches the log after the checkpoint is still a duplicate."""
-    entries = read_entries_kafka(bootstrap, topic, timeout_s=60.0, security=security) or []
-    return {g.rollout_id for e in entries if e.step <= up_to_step for g in (*e.used, *e.dropped, *e.duplicates)}
+    starts with these, so a copy that reaches the log after the checkpoint is still a duplicate.
+    Only entries `trusted` (the learner's public key) signed count; the others are said and left."""
+    update_log = read_update_log(bootstrap, topic, trusted, timeout_s=60.0, security=security)
+    if update_log is None:
+        return set()
+    if update_log.refused:
+        log.warning("the update log %s holds %d record(s) this learner did not sign or sent again, not used: %s",
+                    updates_topic(topic), len(update_log.refused), update_log.refused_by_reason())
+    return {g.rollout_id for e in update_log.entries if e.step <= up_to_step
+            for g in (*e.used, *e.dropped, *e.duplicates)}
 
 
 VERDICT_WAIT_POLL_S = 0.02
@@ -314,7 +321,7 @@ class Learner:
 
     def open_logs(self) -> None:
         self.logs = LearnerLogs(self.bootstrap, self.topic, self.run_dir, self.lcfg.network_retry_s, self.log,
-                                self.kafka_security)
+                                self.kafka_security, signer=self.handles.store.signer)
         self.attempt = uuid.uuid4().hex[:12]
         # Steps logged after the checkpoint we start from were lost with the learner that made them.
         self.logs.publish_entry(rewind_entry(self.step, self.lcfg.loss_type, self.attempt, self.topic, self.version))
@@ -322,7 +329,9 @@ class Learner:
 
     def open_intake(self, offsets: dict[int, int]) -> None:
         """The rollout topic from `offsets`, and the intake with its checks (`consumers.intake`)."""
-        judged = judged_rollout_ids(self.bootstrap, self.topic, self.step, self.kafka_security) if self.step else set()
+        signer = self.handles.store.signer
+        judged = judged_rollout_ids(self.bootstrap, self.topic, self.step, None if signer is None else signer.public,
+                                    self.log, self.kafka_security) if self.step else set()
         self.admission = Admission(self.lcfg, self.limits, judged)
         self.ranks_share_weights = self.ranks.world_size > 1 and self.lcfg.zero_stage == 3
         # Groups of staleness 0 are checked by the step's own forward passes, unless the engine
@@ -336,7 +345,7 @@ class Learner:
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.topic, vocab_size=self.limits.vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer), attempt=self.attempt,
-                                     publish=self.logs.send_entry)
+                                     publish=self.logs.send_entry, signer=self.handles.store.signer)
         self.source = open_source(self.bootstrap, self.topic, offsets, self.kafka_security, self.lcfg.idle_timeout_s,
                                   self.log)
         self.intake.read_to = self.source.positions()

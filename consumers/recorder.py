@@ -16,8 +16,10 @@ from typing import Callable, Optional
 
 from pipeline.learning.admission import Admission, PendingGroup
 from pipeline.records.metrics import MetricsWriter
+from pipeline.records.dead_letters import DeadLetter
 from pipeline.records.update_log import UpdateEntry, append_entry, dead_letter_topic, updates_topic
 from pipeline.clients.topics import RawRecord, TopicWriter
+from pipeline.wire.signing import SigningKey
 
 PROGRESS_KEYS = ("groups_used", "groups_dropped", "groups_reweighted", "groups_consumed", "malformed",
                  "duplicates_ignored")
@@ -28,11 +30,12 @@ class StepRecorder:
 
     def __init__(self, run_dir: Path, metrics: MetricsWriter, admission: Admission, *, loss_type: str, topic: str,
                  vocab_size: int, tokenizer_sha: Optional[str], attempt: str = "",
-                 publish: Optional[Callable[[UpdateEntry], None]] = None):
-        """`publish`: where else the entry goes before the file (the learner's Kafka update log)."""
+                 publish: Optional[Callable[[UpdateEntry], None]] = None, signer: Optional[SigningKey] = None):
+        """`publish`: where else the entry goes before the file (the learner's Kafka update log);
+        `signer`: the key that signs the file's entries (the learner's)."""
         self.run_dir, self.metrics, self.admission = Path(run_dir), metrics, admission
         self.loss_type, self.topic, self.vocab_size, self.tokenizer_sha = loss_type, topic, vocab_size, tokenizer_sha
-        self.attempt, self.publish = attempt, publish
+        self.attempt, self.publish, self.signer = attempt, publish, signer
         self._consumed_at_last_step = 0
         self._step_started = time.monotonic()
 
@@ -49,7 +52,7 @@ class StepRecorder:
                             tokenizer_sha=self.tokenizer_sha, attempt=self.attempt, topic=self.topic)
         if self.publish is not None:
             self.publish(entry)
-        append_entry(self.run_dir, entry)
+        append_entry(self.run_dir, entry, self.signer)
         counters = self.admission.counters
         progress = counters.as_dict()
         staleness = [g.staleness for g in batch]
@@ -68,31 +71,33 @@ class StepRecorder:
 
 class LearnerLogs:
     """The learner's writes to Kafka: the update log (`<run>.updates`, also RUN_DIR/updates.jsonl)
-    and messages set aside (`<run>.dead`, with their reason), each retried through a broker
-    outage for up to `network_retry_s`, saying so each time."""
+    and the messages it set aside (`<run>.dead`: a reference to each, with its reason), both signed
+    by `signer` (the learner's key; None only where signatures are off), each retried through a
+    broker outage for up to `network_retry_s`, saying so each time."""
 
-    def __init__(self, bootstrap: str, topic: str, run_dir: Path, network_retry_s: float, log, security=None):
+    def __init__(self, bootstrap: str, topic: str, run_dir: Path, network_retry_s: float, log, security=None,
+                 signer: Optional[SigningKey] = None):
         self.topic, self.run_dir, self.network_retry_s, self.log = topic, Path(run_dir), network_retry_s, log
+        self.signer = signer
         self.update_log = TopicWriter(bootstrap, updates_topic(topic), security=security)
         self.dead_letters = TopicWriter(bootstrap, dead_letter_topic(topic), security=security)
 
     def send_entry(self, entry: UpdateEntry) -> None:
         """The update log must hold a step before anything builds on it."""
-        self._send(self.update_log, entry.to_json().encode(), key=str(entry.step).encode())
+        self._send(self.update_log, entry.to_json(self.signer).encode(), key=str(entry.step).encode())
 
     def publish_entry(self, entry: UpdateEntry) -> None:
         """An update-log entry of the learner's own (the rewind marker): Kafka, then the file."""
         self.send_entry(entry)
-        append_entry(self.run_dir, entry)
+        append_entry(self.run_dir, entry, self.signer)
 
     def dead_letter(self, record: RawRecord, reason: str) -> None:
-        """Set a message of the rollout topic aside, with its reason and where it was."""
-        self._send(self.dead_letters, record.value, headers=[
-            ("reason", reason.encode()), ("source_topic", self.topic.encode()),
-            ("source_partition", str(record.partition).encode()), ("source_offset", str(record.offset).encode()),
-            *[(k, v) for k, v in record.headers if k != "reason"]])
-        self.log.warning("dead-lettered message at %s[%d]@%d to %s: %s", self.topic, record.partition, record.offset,
-                         dead_letter_topic(self.topic), reason)
+        """Set a message of the rollout topic aside: where it is, its size and hash, and why (never a
+        copy, which could fail where the message did not: one too large for this producer)."""
+        letter = DeadLetter.of(record, self.topic, reason)
+        self._send(self.dead_letters, letter.to_bytes(self.signer), headers=[("reason", reason.encode()[:256])])
+        self.log.warning("dead-lettered message at %s[%d]@%d (%d bytes) to %s: %s", self.topic, record.partition,
+                         record.offset, letter.size, dead_letter_topic(self.topic), reason)
 
     def _send(self, sink: TopicWriter, value: bytes, **kwargs) -> None:
         sink.retrying(lambda: sink.send_raw(value, **kwargs), self.network_retry_s, self.log)

@@ -56,7 +56,9 @@ from pipeline.runtime import (evaluate_model, learner_attention, make_task_from_
                               with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
-from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_entries_kafka, updates_topic
+from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_update_log, updates_topic
+from pipeline.trust.keyring import trusted_learner
+from pipeline.wire.signing import PublicKey
 from pipeline.weights.policy import CheckpointUrlError, fetch_published, parse_checkpoint_url
 from pipeline.weights.publisher import copy_weights_into, start_publisher
 
@@ -78,6 +80,8 @@ class RecordedRun:
     """Payloads by (partition, offset): usually one, two where the broker gave one offset to
     two messages (Tansu can, see pipeline/records/audit.py); the log's rollout id tells them apart."""
     update_log: list[UpdateEntry]
+    refused_update_records: dict[str, int] = field(default_factory=dict)
+    """Records of the update log the original learner did not sign (or sent again), by reason: not used."""
     decoded: dict[tuple[int, int], list[Rollout]] = field(default_factory=dict, repr=False)
     """Messages decoded so far: the filter check and the plan both ask for the logged groups."""
 
@@ -94,8 +98,10 @@ class RecordedRun:
         return next((r for r in cache[key] if r.rollout_id == rollout_id), None)
 
 
-def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
-    """`kafka://BOOTSTRAP/TOPIC` or an exported `.parquet` file."""
+def load_record(source: str, trusted: Optional[PublicKey], timeout_s: float = 15.0) -> RecordedRun:
+    """`kafka://BOOTSTRAP/TOPIC` or an exported `.parquet` file; of its update log, only the
+    entries `trusted` (the original learner's public key; None where signatures are off) signed."""
+    refused: dict[str, int] = {}
     if source.startswith("kafka://"):
         bootstrap, _, topic = source[len("kafka://"):].partition("/")
         if not bootstrap or not topic:
@@ -104,25 +110,29 @@ def load_record(source: str, timeout_s: float = 15.0) -> RecordedRun:
             if not topic_partitions(bootstrap, topic):
                 raise ReplayError(f"topic {topic} does not exist on Kafka at {bootstrap}")
             records = read_topic(bootstrap, topic, timeout_s=timeout_s)
-            log = read_entries_kafka(bootstrap, topic, timeout_s=timeout_s)
+            update_log = read_update_log(bootstrap, topic, trusted, timeout_s=timeout_s)
         except ServiceUnavailable as e:
             raise ReplayError(str(e)) from None
+        log = None if update_log is None else update_log.entries
+        refused = {} if update_log is None else update_log.refused_by_reason()
         where = f"Kafka at {bootstrap}"
     else:
         try:
-            archive = read_archive(Path(source))
+            archive = read_archive(Path(source), trusted)
         except ArchiveError as e:
             raise ReplayError(str(e)) from None
         topic, records, log, where = archive.topic, archive.records, archive.update_log, source
     if not records:
         raise ReplayError(f"topic {topic} on {where} is empty: nothing to replay")
     if not log:
-        raise ReplayError(f"topic {topic} on {where} has no update log ({updates_topic(topic)}): replay takes each "
-                          "group's staleness from the original learner's log")
+        unsigned = f" (its records were refused: {refused}; a run recorded before signing is replayed with " \
+                   "--set security.require_signatures=false)" if refused else ""
+        raise ReplayError(f"topic {topic} on {where} has no update log ({updates_topic(topic)}){unsigned}: replay "
+                          "takes each group's staleness from the original learner's log")
     messages: dict[tuple[int, int], list[bytes]] = {}
     for r in records:
         messages.setdefault((r.partition, r.offset), []).append(r.value)
-    return RecordedRun(f"{topic} on {where}", topic, messages, log)
+    return RecordedRun(f"{topic} on {where}", topic, messages, log, refused)
 
 
 # ----------------------------------------------------------------------------------
@@ -373,7 +383,10 @@ class Replay:
 
     def prepare(self) -> None:
         """The record, the base model (checked against it), the engine, the plan and the outputs."""
-        self.record = load_record(self.source)
+        self.record = load_record(self.source, trusted_learner(self.cfg))
+        if self.record.refused_update_records:
+            self.log.warning("update log %s: records not signed by the original learner's key, not used: %s",
+                             updates_topic(self.record.topic), self.record.refused_update_records)
         _check_filter_keeps_data(self.record, self.filter)
         if (self.out_dir / "metrics.jsonl").exists():
             raise ReplayError(f"--out {self.out_dir} already holds a run (metrics.jsonl): choose a new directory")

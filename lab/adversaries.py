@@ -53,7 +53,7 @@ import torch
 from pipeline.weights.store import CheckpointStore, PolicyPointer, current as current_pointer
 from pipeline.config import HeteroConfig
 from pipeline.clients.topics import TopicWriter, read_topic
-from pipeline.records.update_log import read_entries_kafka
+from pipeline.records.update_log import read_update_log
 from pipeline.wire.rollout import Rollout, encode_rollout, header_value, seal_rollout
 from pipeline.wire.signing import KeyFileError, SigningKey, read_key_file, sign_document
 from producers.sampler import Sampler
@@ -213,10 +213,10 @@ class StaleProber(Sampler):
             self.probe = None  # too stale to be used by now (or discarded at the source): probe again
             return
         try:
-            entries = read_entries_kafka(self.handles.services.kafka_bootstrap, self.cfg.run.topic, timeout_s=5.0)
+            update_log = read_update_log(self.handles.services.kafka_bootstrap, self.cfg.run.topic, None, timeout_s=5.0)
         except Exception:  # noqa: BLE001 - an attacker keeps trying
             return
-        for entry in entries or []:
+        for entry in update_log.entries if update_log else []:
             if any(g.rollout_id == probe_id for g in entry.used):
                 self.probe, self.flood, self.floods = None, version, self.floods + 1
                 self.log.info("probe %s claiming v%d was used: flooding v%d", probe_id, version, version)
@@ -489,7 +489,8 @@ class VerdictForger(threading.Thread):
 
     def replay(self, sink: TopicWriter) -> None:
         """Re-sends up to 4 genuine verdicts that the update log says let a group in."""
-        used = {g.verdict for e in read_entries_kafka(self.bootstrap, self.topic) or () for g in e.used if g.verdict}
+        update_log = read_update_log(self.bootstrap, self.topic, None)
+        used = {g.verdict for e in (update_log.entries if update_log else ()) for g in e.used if g.verdict}
         again = [ref for ref in self.genuine if ref in used and ref not in self.replayed][:4]
         if again:
             sink.send_raw_many([self.genuine[ref][0] for ref in again])

@@ -45,10 +45,10 @@ from heterorl.stack import as_role, services_for_run, with_services
 from consumers.screening import forged_used_bound
 from pipeline.clients.topics import read_topic
 from pipeline.records.audit import audit_topic
-from pipeline.records.update_log import read_entries_kafka
+from pipeline.records.update_log import read_update_log
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.trust.invites import read_invite
-from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.trust.keyring import init_keys, key_paths, trusted_learner
 from pipeline.trust.verdicts import verdicts_topic
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_final_state, make_task_from_config,
                               resolve_base_model, setup_logging)
@@ -149,10 +149,10 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         after, final_state = evaluate_final_state(cfg, handles.store, out / "final_weights", task)
         reports = handles.state.sampler_stats()
         prober = adversary_ids["stale_prober"]  # honest at first: its forged groups are counted by rollout id
-        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
+        data = audit_topic(services.kafka_bootstrap, cfg.run.topic, final_state.extra, trusted_learner(cfg), reports,
                            honest_sampler_ids=set(honest_ids) | {prober}, forged_messages=frozenset(replayer.copies))
-        used_ids = {g.rollout_id for e in read_entries_kafka(services.kafka_bootstrap, cfg.run.topic) or []
-                    for g in e.used}
+        update_log = read_update_log(services.kafka_bootstrap, cfg.run.topic, trusted_learner(cfg))
+        used_ids = {g.rollout_id for e in (update_log.entries if update_log else []) for g in e.used}
         learner_summary = json.loads((out / "learner_summary.json").read_text())
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
                        validators)

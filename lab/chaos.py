@@ -49,12 +49,12 @@ from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3, c
 from pipeline.config import HeteroConfig, dump_config
 from pipeline.errors import UserError
 from pipeline.clients.topics import read_topic
-from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.trust.keyring import init_keys, key_paths, trusted_learner
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.runtime import (evaluate_base, evaluate_final_state, make_task_from_config, resolve_base_model,
                               setup_logging)
 from pipeline.clients.services import LOOPBACK, Services, free_port
-from pipeline.records.update_log import UpdateEntry, updates_topic
+from pipeline.records.update_log import UpdateEntry, updates_topic, verified_control_record
 from pipeline.weights.policy import DELTA_FILE
 from pipeline.weights.recovery import latest_state, recovery_store
 
@@ -303,12 +303,17 @@ class ChaosRun:
 
 
 def weight_path_audit(bootstrap: str, topic: str, learner_kills: list[dict], corrupted: list[int],
-                      reports: dict) -> dict:
+                      reports: dict, trusted) -> dict:
     """What the weight path went through: each learner kill beside the version its successor
-    resumed as (the update log's rewind markers, in order; the first is the run's start), and
-    what the samplers refused."""
-    rewinds = [e for e in (UpdateEntry.from_json(r.value) for r in read_topic(bootstrap, updates_topic(topic),
-                                                                             timeout_s=30.0)) if e.kind == "rewind"]
+    resumed as (the update log's rewind markers, in order, each the learner's, signed by `trusted`;
+    the first is the run's start), and what the samplers refused."""
+    records = read_topic(bootstrap, updates_topic(topic), timeout_s=30.0)
+    first_of_each: dict[str, UpdateEntry] = {}  # a learner process's rewind, once (a re-sent copy is not a kill)
+    for r in records:
+        entry = UpdateEntry.from_dict(verified_control_record(r.value, trusted, "update-log record"))
+        if entry.kind == "rewind":
+            first_of_each.setdefault(entry.attempt or str(r.offset), entry)
+    rewinds = list(first_of_each.values())
     kills = [{**kill, "resumed_at_step": r.step, "resumed_as_version": r.policy_version}
              for kill, r in zip(learner_kills, rewinds[1:])]
     return {
@@ -409,9 +414,10 @@ def run_chaos(cfg: HeteroConfig, out: Path, minutes: float, samplers: int, parti
         # recovery state: whole, whatever an attacker did to the chain of deltas before them.
         after, final_state = evaluate_final_state(cfg, store, out / "final_weights", task)
         reports = {**{k: v for k, v in state.expired_samplers(within_s=10**9).items()}, **state.sampler_stats()}
-        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
+        audit = audit_topic(s.kafka_bootstrap, cfg.run.topic, final_state.extra, trusted_learner(cfg), reports,
                             honest_sampler_ids=run.sampler_ids)
-        weights = weight_path_audit(s.kafka_bootstrap, cfg.run.topic, run.learner_kills, run.corrupted, reports)
+        weights = weight_path_audit(s.kafka_bootstrap, cfg.run.topic, run.learner_kills, run.corrupted, reports,
+                                    trusted_learner(cfg))
         proxy_stats = run.proxy.stats()
         audit = {
             "run": run_name, "minutes": minutes, "samplers": samplers, "validators": validators, "seed": cfg.run.seed,

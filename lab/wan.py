@@ -50,9 +50,9 @@ from pipeline.clients.topics import read_topic
 from pipeline.config import ConfigError, HeteroConfig, dump_config
 from pipeline.errors import UserError
 from pipeline.records.audit import audit_topic
-from pipeline.records.update_log import UpdateEntry, read_entries_kafka
+from pipeline.records.update_log import UpdateEntry, read_update_log
 from pipeline.runtime import resolve_base_model, setup_logging
-from pipeline.trust.keyring import init_keys, key_paths
+from pipeline.trust.keyring import init_keys, key_paths, trusted_learner
 from pipeline.weights.policy import link_of, unpacked_bytes
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.weights.store import CheckpointStore, PolicyPointer, connect_s3
@@ -499,9 +499,10 @@ class WanArm:
         if final_state is None:
             raise UserError(f"run {self.run_name} wrote no recovery state: nothing to audit")
         reports = {**state.expired_samplers(within_s=10**9), **state.sampler_stats()}
-        audit = audit_topic(admin.kafka_bootstrap, cfg.run.topic, final_state.extra, reports,
+        audit = audit_topic(admin.kafka_bootstrap, cfg.run.topic, final_state.extra, trusted_learner(cfg), reports,
                             honest_sampler_ids=set(self.sampler_ids.values()))
-        entries = read_entries_kafka(admin.kafka_bootstrap, cfg.run.topic) or []
+        update_log = read_update_log(admin.kafka_bootstrap, cfg.run.topic, trusted_learner(cfg))
+        entries = update_log.entries if update_log else []
         sender = {(r.partition, r.offset, header_value(r.headers, "rollout_id")): header_value(r.headers, "sampler_id")
                   for r in read_topic(admin.kafka_bootstrap, cfg.run.topic, timeout_s=30.0)}
         links = {link.name: link for link in self.links}

@@ -26,7 +26,7 @@ from pipeline.weights.policy import fetch_policy
 from pipeline.weights.recovery import latest_state, recovery_store
 from pipeline.config import HeteroConfig
 from pipeline.devices import resolve_device, resolve_precision
-from pipeline.trust.keyring import key_paths, load_learner_public
+from pipeline.trust.keyring import trusted_learner
 from pipeline.models import DTYPES, attention_kernel, evaluate_policy, load_policy, resolve_model
 from pipeline.models.cache import INFO_FILE, is_complete
 from pipeline.clients.run_state import RunState, connect_redis
@@ -50,7 +50,7 @@ def connect_run(cfg: HeteroConfig, signer: Optional[SigningKey] = None) -> RunHa
     publishes."""
     services = require_services(cfg.services)
     check_reachable(services, timeout_s=cfg.services.connect_timeout_s)
-    trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
+    trusted = trusted_learner(cfg)
     redis_client = connect_redis(services.redis_url, timeout_s=cfg.services.connect_timeout_s,
                                  security=services.security)
     s3 = connect_s3(services, timeout_s=cfg.services.connect_timeout_s)

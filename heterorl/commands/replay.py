@@ -74,10 +74,14 @@ def register_export(sub) -> None:
 def _cmd_export(args) -> int:
     from pipeline.records.archive import export_topic
     from pipeline.clients.services import require_services
+    from pipeline.trust.keyring import trusted_learner
 
-    bootstrap = args.bootstrap or require_services(load_run_config(args).services).kafka_bootstrap
-    summary = export_topic(bootstrap, args.topic, Path(args.out))
-    print(f"wrote {summary.path}: {summary.messages} messages, {summary.steps} update-log steps")
+    cfg = load_run_config(args)
+    bootstrap = args.bootstrap or require_services(cfg.services).kafka_bootstrap
+    summary = export_topic(bootstrap, args.topic, Path(args.out), trusted_learner(cfg))
+    refused = (f"; update-log records not signed by the learner's key, left out: {summary.refused_update_records}"
+               if summary.refused_update_records else "")
+    print(f"wrote {summary.path}: {summary.messages} messages, {summary.steps} update-log steps{refused}")
     return 0
 
 

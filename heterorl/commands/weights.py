@@ -23,11 +23,11 @@ def register_weights(sub) -> None:
 def _cmd_weights(args) -> int:
     cfg = load_run_config(args)
     from pipeline.weights.store import connect_s3
-    from pipeline.trust.keyring import key_paths, load_learner_public
+    from pipeline.trust.keyring import trusted_learner
     from pipeline.clients.services import require_services
     from pipeline.weights.policy import fetch_published
 
-    trusted = load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
+    trusted = trusted_learner(cfg)
     client = connect_s3(require_services(cfg.services), timeout_s=cfg.services.connect_timeout_s)
     path, manifest, report = fetch_published(client, args.url, Path(args.out), trusted=trusted)
     print(f"wrote {path}: policy v{manifest.version} of run {manifest.run}, every tensor verified "

@@ -49,6 +49,7 @@ from pipeline.runtime import resolve_base_model, setup_logging
 from pipeline.clients.services import Services
 from pipeline.records.update_log import read_entries_file
 from pipeline.weights.recovery import latest_state, recovery_store
+from pipeline.trust.keyring import trusted_learner
 
 FIRST_STEP_TIMEOUT_S = 600.0
 WARMUP_STEPS_WITHIN_S = 90.0
@@ -221,7 +222,7 @@ class Rig:
             store = CheckpointStore(self.s3, self.admin.bucket, name)
             final = latest_state(recovery_store(store))
             produced_bytes = message_bytes(self.bootstrap, cfg.run.topic, before["time"], after["time"])
-            audit = audit_topic(self.bootstrap, cfg.run.topic, final.extra if final else {},
+            audit = audit_topic(self.bootstrap, cfg.run.topic, final.extra if final else {}, trusted_learner(cfg),
                                 {**state.expired_samplers(within_s=10**9), **state.sampler_stats()})
             verdict_latency = (verdict_latencies_s(self.bootstrap, cfg.run.topic, before["time"], after["time"])
                                if case.validators else [])

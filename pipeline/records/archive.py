@@ -7,7 +7,9 @@ any data tool (pandas, DuckDB, Spark) can query. The file keeps the exact messag
 Kafka coordinates (partition, offset, timestamp, headers), a few decoded convenience
 columns, and the learner's verdict on each message joined from the update log. The
 update log itself is stored losslessly in the file's key-value metadata, because some
-of its facts are per step (the step's policy version, loss type and time).
+of its facts are per step (the step's policy version, loss type and time). Each entry keeps
+the learner's signature: the export reads only the entries the learner's key signed, and a
+replay of the file checks them again.
 
 docs/schema.md ("Parquet export") is the normative description of the columns.
 """
@@ -26,7 +28,8 @@ import pyarrow.parquet as pq
 from pipeline.errors import UserError
 from pipeline.clients.topics import RawRecord, read_topic, topic_partitions
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout, header_value
-from pipeline.records.update_log import UpdateEntry, read_entries_kafka, updates_topic
+from pipeline.records.update_log import UpdateEntry, UpdateLog, parse_update_log, read_update_log
+from pipeline.wire.signing import PublicKey
 
 ARCHIVE_SCHEMA = "1"
 META_SCHEMA = "heterorl.schema"
@@ -80,6 +83,9 @@ class ExportSummary:
     steps: int
     """Optimizer steps in the update log (0 without one)."""
     has_update_log: bool
+    refused_update_records: dict
+    """Records of the update log that were not the learner's (unsigned, forged, sent again), by
+    reason: not exported."""
 
 
 @dataclass(frozen=True)
@@ -95,15 +101,17 @@ class Archive:
 # ----------------------------------------------------------------------------- export
 
 
-def export_topic(bootstrap: str, topic: str, out_path: Path) -> ExportSummary:
-    """Write every message of `topic` (and its update log, if any) to one Parquet file."""
+def export_topic(bootstrap: str, topic: str, out_path: Path, trusted: Optional[PublicKey]) -> ExportSummary:
+    """Write every message of `topic` (and its update log, if any: the entries `trusted`, the
+    learner's public key, signed) to one Parquet file."""
     out_path = Path(out_path)
     if not topic_partitions(bootstrap, topic):
         raise ArchiveError(f"topic {topic} does not exist on Kafka at {bootstrap}")
     records = read_topic(bootstrap, topic)
     if not records:
         raise ArchiveError(f"topic {topic} on Kafka at {bootstrap} is empty")
-    update_log = _read_update_log(bootstrap, topic)
+    log: Optional[UpdateLog] = read_update_log(bootstrap, topic, trusted)
+    update_log = None if log is None else log.entries
     verdicts = verdicts_by_offset(update_log or [])
     rows = [_row(topic, record, verdicts.get((record.partition, record.offset))) for record in records]
     table = pa.Table.from_pylist(rows, schema=COLUMNS).replace_schema_metadata(_metadata(topic, update_log))
@@ -112,16 +120,8 @@ def export_topic(bootstrap: str, topic: str, out_path: Path) -> ExportSummary:
         path=out_path, topic=topic, messages=len(rows),
         decodable=sum(row["decode_error"] is None for row in rows),
         in_update_log=sum(row["verdict"] is not None for row in rows),
-        steps=len(update_log or []), has_update_log=update_log is not None)
-
-
-def _read_update_log(bootstrap: str, topic: str) -> Optional[list[UpdateEntry]]:
-    """The update log, with a one-line error naming the topic if an entry does not parse."""
-    try:
-        return read_entries_kafka(bootstrap, topic)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArchiveError(f"update log {updates_topic(topic)} on Kafka at {bootstrap} holds an invalid entry "
-                           f"({type(e).__name__}: {e})") from None
+        steps=len(update_log or []), has_update_log=update_log is not None,
+        refused_update_records={} if log is None else log.refused_by_reason())
 
 
 def verdicts_by_offset(entries: list[UpdateEntry]) -> dict[tuple[int, int], dict]:
@@ -202,8 +202,9 @@ def _write_atomically(table: pa.Table, out_path: Path) -> None:
 # ----------------------------------------------------------------------------- read back
 
 
-def read_archive(path: Path) -> Archive:
-    """The records and update log of an export, as they were on Kafka."""
+def read_archive(path: Path, trusted: Optional[PublicKey]) -> Archive:
+    """The records and update log of an export, as they were on Kafka; only the update-log entries
+    `trusted` (the learner's public key; None: every entry, for runs without signatures) signed."""
     path = Path(path)
     table = _read_table(path)
     metadata = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
@@ -216,7 +217,7 @@ def read_archive(path: Path) -> Archive:
     if missing:
         raise ArchiveError(f"{path} lacks the column(s) {', '.join(missing)}")
     return Archive(path=path, topic=metadata.get(META_TOPIC, ""), records=_records(table),
-                   update_log=_update_log(path, metadata.get(META_UPDATE_LOG)))
+                   update_log=_update_log(metadata.get(META_UPDATE_LOG), trusted))
 
 
 def _read_table(path: Path) -> pa.Table:
@@ -248,11 +249,9 @@ def _headers(columns: dict, i: int) -> list[tuple[str, bytes]]:
     return [(name, str(columns[name][i]).encode()) for name in names if columns[name][i] is not None]
 
 
-def _update_log(path: Path, text: Optional[str]) -> Optional[list[UpdateEntry]]:
+def _update_log(text: Optional[str], trusted: Optional[PublicKey]) -> Optional[list[UpdateEntry]]:
+    """The entries of the file's update log that `trusted` signed (the export kept only those)."""
     if text is None:
         return None
-    try:
-        return [UpdateEntry.from_json(line) for line in text.splitlines() if line.strip()]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArchiveError(f"{path} holds an invalid update log in its {META_UPDATE_LOG} metadata "
-                           f"({type(e).__name__}: {e})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    return parse_update_log((RawRecord(0, i, line.encode(), [], 0) for i, line in enumerate(lines)), trusted).entries

@@ -6,6 +6,9 @@ Each count comes from its own source, none is derived from another:
 - `used_in_updates`, `dropped_stale`, `duplicates_ignored`: the learner's update log
   (`<run>.updates`, rewinds applied: steps lost with a killed learner do not count);
 - `dead_lettered`: the dead-letter topic `<run>.dead`, by source offset;
+- both control topics count only records the learner signed (given its public key, `trusted`):
+  an unsigned, forged, altered or re-sent record changes no count, and is listed in
+  `refused_control_records` with its reason;
 - `pending_at_end`: the log's end minus the offsets stored with the learner's final
   checkpoint (what it had not read yet); verdicts the learner reached after its last
   step travel in that checkpoint's manifest (`tail_verdicts`);
@@ -29,15 +32,18 @@ from collections import Counter
 from typing import Optional
 
 from pipeline.clients.topics import read_topic, topic_partitions
+from pipeline.records.dead_letters import read_dead_letters
 from pipeline.wire.rollout import header_value
-from pipeline.records.update_log import UpdateEntry, dead_letter_topic, read_entries_kafka
+from pipeline.records.update_log import UpdateEntry, UpdateLog, read_update_log
+from pipeline.wire.signing import PublicKey
 
 
-def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
+def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict, trusted: Optional[PublicKey],
                 sampler_reports: Optional[dict[str, dict]] = None, timeout_s: float = 30.0,
                 honest_sampler_ids: Optional[set[str]] = None, forged_messages: frozenset = frozenset()) -> dict:
     """Account for every message of `topic`, given the `extra` of the learner's final checkpoint
-    manifest (its offsets, and the verdicts it reached after its last step).
+    manifest (its offsets, and the verdicts it reached after its last step), and the learner's
+    public key `trusted` (None: a run without signatures, whose control records count as they are).
 
     With `honest_sampler_ids` (the samplers the run started itself) it also counts, per sampler
     id, the messages produced and used, and `forged_used_in_updates`: used messages that name
@@ -52,12 +58,10 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
     # an identity. Undecodable messages without an id header are (partition, offset, None).
     messages = {(r.partition, r.offset, header_value(r.headers, "rollout_id")) for r in log}
     per_offset = Counter((p, o) for p, o, _ in messages)
-    entries: list[UpdateEntry] = read_entries_kafka(bootstrap, topic, timeout_s=timeout_s) or []
-    dead = set()
-    if topic_partitions(bootstrap, dead_letter_topic(topic)):
-        for r in read_topic(bootstrap, dead_letter_topic(topic), timeout_s=timeout_s):
-            dead.add((int(header_value(r.headers, "source_partition")), int(header_value(r.headers, "source_offset")),
-                      header_value(r.headers, "rollout_id")))
+    update_log: UpdateLog = read_update_log(bootstrap, topic, trusted, timeout_s=timeout_s) or UpdateLog([])
+    entries: list[UpdateEntry] = update_log.entries
+    dead_letters = read_dead_letters(bootstrap, topic, trusted, timeout_s=timeout_s)
+    dead = dead_letters.messages()
 
     final_offsets = {int(p): int(o) for p, o in final_manifest_extra.get("offsets", {}).items()}
     tail = final_manifest_extra.get("tail_verdicts", {})
@@ -98,6 +102,8 @@ def audit_topic(bootstrap: str, topic: str, final_manifest_extra: dict,
         "unaccounted_count": len(unaccounted),
         "discarded_at_source": sum(int(r.get("discarded_at_source", 0)) for r in reports.values()),
         "update_steps": len(entries),
+        "refused_control_records": {"updates": update_log.refused_by_reason(),
+                                    "dead": dead_letters.refused_by_reason()},
         # What the broker did, not the pipeline: offsets holding several messages, offsets skipped.
         "broker_offset_collisions": sum(1 for n in per_offset.values() if n > 1),
         "broker_offset_gaps": sum(e for e in ends.values()) - len(per_offset),

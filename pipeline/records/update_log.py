@@ -21,6 +21,15 @@ An entry (JSON object; docs/schema.md is the normative description):
 `used` is in batch order. `dropped`/`malformed`/`duplicates` are the messages judged so
 since the previous step (their verdict is final), so every consumed offset appears in
 exactly one entry of one step, except those read after the last step.
+
+Every entry the learner writes carries its signature (`signature`: {key_id, value}, Ed25519 of
+the learner's key over the entry's canonical JSON, `pipeline.wire.signing.sign_document`). A
+reader given the learner's public key (`read_update_log(..., trusted=...)`: a resumed learner,
+`heterorl export`, `replay`, the audits) uses only entries that key signed; anything else on the
+topic (not JSON, unsigned, signed by another key, altered) is refused and counted with its
+reason, never used. A genuine entry sent again later (a replay of the log's own records) is
+refused too: a rewind counts only as the first entry of its learner process (`attempt`), and an
+entry of a process that a later rewind ended counts no more.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from pipeline.clients.topics import read_topic, topic_partitions
+from pipeline.clients.topics import RawRecord, read_topic, topic_partitions
+from pipeline.wire.signing import PublicKey, SignatureError, SigningKey, sign_document, verify_document
 
 UPDATE_LOG_SCHEMA = 1
 UPDATE_LOG_FILE = "updates.jsonl"
@@ -125,12 +135,24 @@ class UpdateEntry:
     """Id of the learner process that wrote the entry: a rewind voids only entries of earlier
     processes, so a late, re-sent copy of a learner's own rewind cannot void its steps."""
     schema: int = UPDATE_LOG_SCHEMA
+    signature: Optional[dict] = field(default=None, compare=False)
+    """The learner's signature ({key_id, value}) as read, so that an entry written out again (an
+    export) can still be verified; None for an entry not read from a signed log."""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+    def to_json(self, signer: Optional[SigningKey] = None) -> str:
+        """One line of JSON: signed by `signer` (the learner's key) where given, else with the
+        signature it was read with, if any."""
+        document = asdict(self)
+        signature = document.pop("signature")
+        if signer is not None:
+            document = sign_document(document, signer)
+        elif signature is not None:
+            document["signature"] = signature
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict) -> "UpdateEntry":
+        """The entry `d` holds (its `signature`, if any, is the reader's business: `read_update_log`)."""
         if d.get("schema") != UPDATE_LOG_SCHEMA:
             raise ValueError(f"update log schema {d.get('schema')!r} is not {UPDATE_LOG_SCHEMA}")
         return cls(step=int(d["step"]), policy_version=int(d["policy_version"]), loss_type=str(d["loss_type"]),
@@ -139,20 +161,22 @@ class UpdateEntry:
                    malformed=[SkippedMessage(**g) for g in d.get("malformed", [])],
                    duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
                    vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"),
-                   attempt=d.get("attempt", ""), topic=d.get("topic", ""))
+                   attempt=d.get("attempt", ""), topic=d.get("topic", ""),
+                   signature=d["signature"] if isinstance(d.get("signature"), dict) else None)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "UpdateEntry":
         return cls.from_dict(json.loads(text))
 
 
-def append_entry(run_dir: Path, entry: UpdateEntry) -> None:
-    """Append one entry to RUN_DIR/updates.jsonl with one write, on a line of its own."""
+def append_entry(run_dir: Path, entry: UpdateEntry, signer: Optional[SigningKey] = None) -> None:
+    """Append one entry (signed by `signer`, where given) to RUN_DIR/updates.jsonl with one write,
+    on a line of its own."""
     fd = os.open(Path(run_dir) / UPDATE_LOG_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
         torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a crash cut the last line short
-        os.write(fd, (("\n" if torn else "") + entry.to_json() + "\n").encode())
+        os.write(fd, (("\n" if torn else "") + entry.to_json(signer) + "\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -171,19 +195,115 @@ def read_entries_file(path: Path) -> list[UpdateEntry]:
 
 
 def dedup_by_step(entries: Iterable[UpdateEntry]) -> list[UpdateEntry]:
-    """The effective log: one entry per step, in step order, rewinds applied.
+    """The effective log: one entry per step, in step order, rewinds applied."""
+    return _effective(list(entries))[0]
+
+
+def _effective(entries: list[UpdateEntry]) -> tuple[list[UpdateEntry], list[int]]:
+    """(the effective log, the indices in `entries` of records sent again: ignored).
 
     A learner that crashes after logging step k but before its checkpoint restarts from
     that checkpoint (version c < k) and first writes a rewind to c: steps above c logged
-    before it are void, and the redone steps replace them.
+    before it are void, and the redone steps replace them. Each learner process writes its
+    rewind first, so a rewind of a process (`attempt`) already seen is a copy, and an entry of a
+    process that a later process's rewind ended comes from the past: both are ignored (a copy
+    of an early rewind, sent again at the end of the log, would otherwise void every step after
+    it). Entries without an attempt (logs of 0.2 and before) are taken as they come.
     """
     by_step: dict[int, UpdateEntry] = {}
-    for e in entries:
+    seen: set[str] = set()
+    ended: set[str] = set()
+    again: list[int] = []
+    for index, e in enumerate(entries):
+        if e.attempt and (e.attempt in ended or (e.kind == "rewind" and e.attempt in seen)):
+            again.append(index)
+            continue
         if e.kind == "rewind":
             by_step = {s: x for s, x in by_step.items() if s <= e.step or (e.attempt and x.attempt == e.attempt)}
+            ended |= seen - {e.attempt}
         else:
             by_step[e.step] = e
-    return [by_step[s] for s in sorted(by_step)]
+        if e.attempt:
+            seen.add(e.attempt)
+    return [by_step[s] for s in sorted(by_step)], again
+
+
+@dataclass(frozen=True)
+class RefusedRecord:
+    """A record of a control topic (the update log, the dead letters) that no reader uses."""
+
+    partition: int
+    offset: int
+    reason: str
+    """`not_json`, `not_an_entry: ...`, `unsigned`, `signature: ...` (signed by another key,
+    altered), `sent_again` (a genuine record sent again), `other_topic` (a dead letter of another
+    rollout topic)."""
+
+
+@dataclass
+class UpdateLog:
+    """An update log as read from Kafka: its effective entries and the records refused."""
+
+    entries: list[UpdateEntry]
+    refused: list[RefusedRecord] = field(default_factory=list)
+
+    def refused_by_reason(self) -> dict[str, int]:
+        return count_reasons(self.refused)
+
+
+def count_reasons(refused: Iterable[RefusedRecord]) -> dict[str, int]:
+    """How many records were refused, by the first word of their reason."""
+    counts: dict[str, int] = {}
+    for r in refused:
+        kind = r.reason.split(":", 1)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+class ControlRecordRefused(ValueError):
+    """A control record no reader may use; `reason` is one of `RefusedRecord.reason`'s forms."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def verified_control_record(value: Optional[bytes | str], trusted: Optional[PublicKey], what: str) -> dict:
+    """The JSON object in `value` (its `signature` included), that signature checked against
+    `trusted` (the learner's public key; None: an unsigned run, whose records are taken as they
+    are); ControlRecordRefused otherwise."""
+    try:
+        document = json.loads(value or b"")
+    except (ValueError, UnicodeDecodeError):
+        raise ControlRecordRefused("not_json") from None
+    if not isinstance(document, dict):
+        raise ControlRecordRefused("not_json")
+    if trusted is None:
+        return document
+    if document.get("signature") is None:
+        raise ControlRecordRefused("unsigned")
+    try:
+        verify_document(document, trusted, what)
+    except SignatureError as e:
+        raise ControlRecordRefused(f"signature: {e}") from None
+    return document
+
+
+def parse_update_log(records: Iterable[RawRecord], trusted: Optional[PublicKey]) -> UpdateLog:
+    """The effective log of the update-log topic's `records` (in offset order), each record verified."""
+    kept: list[tuple[RawRecord, UpdateEntry]] = []
+    refused: list[RefusedRecord] = []
+    for r in records:
+        try:
+            body = verified_control_record(r.value, trusted, f"update-log record {r.partition}@{r.offset}")
+            kept.append((r, UpdateEntry.from_dict(body)))
+        except ControlRecordRefused as e:
+            refused.append(RefusedRecord(r.partition, r.offset, e.reason))
+        except (ValueError, KeyError, TypeError) as e:  # signed, but not an entry: not a learner of this version
+            refused.append(RefusedRecord(r.partition, r.offset, f"not_an_entry: {type(e).__name__}: {e}"[:200]))
+    entries, again = _effective([e for _, e in kept])
+    refused += [RefusedRecord(kept[i][0].partition, kept[i][0].offset, "sent_again") for i in again]
+    return UpdateLog(entries, sorted(refused, key=lambda x: (x.partition, x.offset)))
 
 
 def rewind_entry(step: int, loss_type: str, attempt: str = "", topic: str = "",
@@ -193,15 +313,15 @@ def rewind_entry(step: int, loss_type: str, attempt: str = "", topic: str = "",
                        loss_type=loss_type, time=time.time(), kind="rewind", attempt=attempt, topic=topic)
 
 
-def read_entries_kafka(bootstrap: str, rollout_topic: str, timeout_s: float = 10.0,
-                       security=None) -> Optional[list[UpdateEntry]]:
-    """The update log of a rollout topic from Kafka, or None if the run wrote none
-    (`security`: the servers' `ServiceSecurity`, for an authenticated Kafka)."""
+def read_update_log(bootstrap: str, rollout_topic: str, trusted: Optional[PublicKey], timeout_s: float = 10.0,
+                    security=None) -> Optional[UpdateLog]:
+    """The update log of a rollout topic from Kafka, or None if the run wrote none. `trusted`:
+    the learner's public key (None only for runs without signatures: every entry is then taken as
+    it is). `security`: the servers' `ServiceSecurity`, for an authenticated Kafka."""
     topic = updates_topic(rollout_topic)
     if not topic_partitions(bootstrap, topic, security):
         return None
-    return dedup_by_step(UpdateEntry.from_json(r.value)
-                         for r in read_topic(bootstrap, topic, timeout_s=timeout_s, security=security))
+    return parse_update_log(read_topic(bootstrap, topic, timeout_s=timeout_s, security=security), trusted)
 
 
 def iter_used(entries: Iterable[UpdateEntry]) -> Iterator[tuple[UpdateEntry, UsedGroup]]:

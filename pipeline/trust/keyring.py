@@ -98,6 +98,14 @@ def load_learner_public(paths: KeyPaths) -> PublicKey:
     return read_public_file(_existing(paths.learner_public, "learner public key (samplers pin it)"))
 
 
+def trusted_learner(cfg: HeteroConfig) -> Optional[PublicKey]:
+    """The learner's public key every reader of what the learner signed pins (its checkpoints and
+    pointer, its update log and dead letters); None where `security.require_signatures` is off (a
+    run recorded before signing: everything is then read as it is). KeyFileError, in one line,
+    if signatures are on and the file is missing."""
+    return load_learner_public(key_paths(cfg)) if cfg.security.require_signatures else None
+
+
 def load_sampler_key(paths: KeyPaths, sampler_id: str, configured: Optional[str]) -> SigningKey:
     """HETERORL_SAMPLER_KEY, else security.sampler_key, else <keys_dir>/samplers/<id>.key."""
     if os.environ.get(SAMPLER_KEY_ENV):

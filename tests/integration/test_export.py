@@ -52,11 +52,11 @@ def test_topic_and_update_log_round_trip_through_parquet(local_stack, tmp_path):
     publish_update_log(bootstrap, topic, log)
 
     out = tmp_path / "export.parquet"
-    summary = export_topic(bootstrap, topic, out)
+    summary = export_topic(bootstrap, topic, out, None)
     assert (summary.messages, summary.decodable, summary.in_update_log, summary.steps) == (6, 5, 5, 2)
 
     originals = read_topic(bootstrap, topic)
-    back = read_archive(out)
+    back = read_archive(out, None)
     assert back.topic == topic
     assert [(r.partition, r.offset, r.value) for r in back.records] == \
         [(r.partition, r.offset, r.value) for r in originals]
@@ -90,8 +90,8 @@ def test_messages_produced_in_one_batch_are_all_exported(local_stack, tmp_path):
     rollouts = [make_rollout(prompt_id=f"p{i}") for i in range(20)]
     acks = sink.send_many(rollouts)
     sink.close()
-    summary = export_topic(bootstrap, topic, tmp_path / "x.parquet")
-    back = read_archive(tmp_path / "x.parquet")
+    summary = export_topic(bootstrap, topic, tmp_path / "x.parquet", None)
+    back = read_archive(tmp_path / "x.parquet", None)
     assert summary.messages == 20
     assert [(r.partition, r.offset) for r in back.records] == sorted(acks)
     assert [decode_rollout(r.value) for r in back.records] == rollouts
@@ -103,15 +103,15 @@ def test_export_of_a_topic_without_update_log(local_stack, tmp_path):
     sink = TopicWriter(bootstrap, topic)
     sink.send(make_rollout())
     sink.close()
-    summary = export_topic(bootstrap, topic, tmp_path / "x.parquet")
+    summary = export_topic(bootstrap, topic, tmp_path / "x.parquet", None)
     assert (summary.messages, summary.has_update_log) == (1, False)
-    assert read_archive(tmp_path / "x.parquet").update_log is None
+    assert read_archive(tmp_path / "x.parquet", None).update_log is None
 
 
 def test_nonexistent_topic_is_a_one_line_error(local_stack, tmp_path):
     bootstrap, topic = local_stack.kafka_bootstrap, fresh_topic("export-missing")
     with pytest.raises(ArchiveError) as info:
-        export_topic(bootstrap, topic, tmp_path / "x.parquet")
+        export_topic(bootstrap, topic, tmp_path / "x.parquet", None)
     assert str(info.value) == f"topic {topic} does not exist on Kafka at {bootstrap}"
     assert not (tmp_path / "x.parquet").exists()
 
@@ -120,6 +120,6 @@ def test_empty_topic_is_a_one_line_error(local_stack, tmp_path):
     bootstrap, topic = local_stack.kafka_bootstrap, fresh_topic("export-empty")
     ensure_topic(bootstrap, topic)
     with pytest.raises(ArchiveError) as info:
-        export_topic(bootstrap, topic, tmp_path / "x.parquet")
+        export_topic(bootstrap, topic, tmp_path / "x.parquet", None)
     assert str(info.value) == f"topic {topic} on Kafka at {bootstrap} is empty"
     assert not list(tmp_path.iterdir())

@@ -97,9 +97,9 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert not [f for f in files + [f["path"] for f in state.files] if f.endswith((".pt", ".pth", ".bin", ".pkl"))]
 
     # The update log accounts for every offset once: used in a step, dropped, or set aside.
-    from pipeline.records.update_log import read_entries_file, read_entries_kafka
+    from pipeline.records.update_log import read_entries_file, read_update_log
     entries = read_entries_file(tmp_path / "run" / "updates.jsonl")
-    assert entries == read_entries_kafka(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    assert entries == read_update_log(local_stack_env.kafka_bootstrap, cfg.run.topic, None).entries
     assert [(e.step, [(g.offset, g.staleness, g.weight) for g in e.used]) for e in entries] == [
         (1, [(0, 0, 1.0)]), (2, [(1, 1, 1.0)]), (3, [(4, 0, 1.0)])]
     assert [(d.offset, d.staleness, d.reason) for d in entries[2].dropped] == [(2, 2, "too_stale_steps")]
@@ -107,14 +107,15 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert entries[0].used[0].rollout_id == first.rollout_id
     assert {e.topic for e in entries} == {cfg.run.topic}
 
-    # The poison message was set aside on the dead-letter topic, with the reason in a header.
+    # The poison message was set aside on the dead-letter topic: where it is, its size, hash and reason.
+    import hashlib
     from pipeline.clients.topics import read_topic
-    from pipeline.wire.rollout import header_value
-    from pipeline.records.update_log import dead_letter_topic
-    dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
-    assert [d.value for d in dead] == [b"\x00definitely not msgpack"]
-    assert header_value(dead[0].headers, "reason").startswith("not msgpack")
-    assert header_value(dead[0].headers, "source_offset") == "3"
+    from pipeline.records.dead_letters import read_dead_letters
+    dead = read_dead_letters(local_stack_env.kafka_bootstrap, cfg.run.topic, None)
+    poison = b"\x00definitely not msgpack"
+    assert [(d.source_topic, d.partition, d.offset, d.size, d.sha256) for d in dead.letters] == [
+        (cfg.run.topic, 0, 3, len(poison), hashlib.sha256(poison).hexdigest())]
+    assert dead.letters[0].reason.startswith("not msgpack") and not dead.refused
 
     # A learner killed after publishing v4 but before its next recovery state: its v4 and its
     # logged step 4 are lost. The restarted learner resumes from the state of step 3 at offset 5,
@@ -147,8 +148,8 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert resumed["groups_consumed"] == 4 and resumed["groups_used"] == 2
     assert resumed["duplicates_ignored"] == 1 and resumed["malformed"] == 1
     assert resumed["offsets"] == {"0": 9}
-    dead = read_topic(local_stack_env.kafka_bootstrap, dead_letter_topic(cfg.run.topic))
-    assert "exceeds sampler.max_new_tokens" in header_value(dead[-1].headers, "reason")
+    dead = read_dead_letters(local_stack_env.kafka_bootstrap, cfg.run.topic, None)
+    assert "exceeds sampler.max_new_tokens" in dead.letters[-1].reason
     assert current_pointer(handles.state)[0] == 7
     assert handles.store.read_manifest(handles.store.manifest_key(5)).parent_version == 3
     from pipeline.weights.policy import KEYFRAME, link_of
@@ -158,7 +159,7 @@ def test_drop_rule_at_the_boundary_and_malformed_messages(local_stack_env, tmp_p
     assert after[-1] == 7 and all(handles.store.read_manifest(handles.store.manifest_key(v)).parent_version == v - 1
                                   for v in after)
     # The effective log: steps 1-5 once each, the lost step 4 replaced by the redone one.
-    log = read_entries_kafka(local_stack_env.kafka_bootstrap, cfg.run.topic)
+    log = read_update_log(local_stack_env.kafka_bootstrap, cfg.run.topic, None).entries
     assert [(e.step, e.policy_version) for e in log] == [(1, 1), (2, 2), (3, 3), (4, 6), (5, 7)]
     assert [g.staleness for e in log[3:] for g in e.used] == [0, 1]  # v5's groups, at learner v5 then v6
 

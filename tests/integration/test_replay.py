@@ -126,6 +126,7 @@ def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp
 def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
     from consumers.replay import run_replay
     from pipeline.records.archive import export_topic
+    from pipeline.trust.keyring import trusted_learner
 
     run_dir, summary, cfg = recorded
     # A stricter max delay drops every group the original used at staleness 1.
@@ -142,7 +143,7 @@ def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):
     # Without --exact-batches, another loss, from an exported Parquet file: every group the
     # original judged is judged again, batched by groups_per_step.
     parquet = tmp_path / "run.parquet"
-    export_topic(local_stack.kafka_bootstrap, summary["rollout_topic"], parquet)
+    export_topic(local_stack.kafka_bootstrap, summary["rollout_topic"], parquet, trusted_learner(cfg))
     gspo = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"loss_type": "gspo"})})
     free = run_replay(gspo, str(parquet), _base(local_stack, summary), tmp_path / "gspo", progress=False)
     judged = sum(len(e["used"]) + len(e["dropped"]) for e in original_log)

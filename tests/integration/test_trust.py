@@ -13,7 +13,8 @@ from datetime import datetime
 import pytest
 
 from pipeline.config import ENV_OVERRIDES
-from pipeline.records.update_log import read_entries_kafka
+from pipeline.records.update_log import read_update_log
+from pipeline.wire.signing import read_public_file
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +82,10 @@ def test_keys_add_list_revoke_and_the_learner_stops_using_a_revoked_key_within_5
     first_refusal = next(_log_time(line, day) for line in log.splitlines() if "was revoked" in line)
     # Log times have whole seconds: the refusal came within 5 s (+1 s of rounding) of the revocation.
     assert first_refusal <= revoked_at + 6, (first_refusal - revoked_at)
-    entries = read_entries_kafka(local_stack_env.kafka_bootstrap, f"{run}.rollouts")
+    learner_public = read_public_file(tmp_path / "keys" / "learner.pub")
+    update_log = read_update_log(local_stack_env.kafka_bootstrap, f"{run}.rollouts", learner_public)
+    entries = update_log.entries
+    assert entries and not update_log.refused  # every entry signed by the learner's key
     used_late = [g for e in entries if e.time > revoked_at + 5 for g in e.used]
     assert used_late == [], "groups of the revoked key were used more than 5 s after the revocation"
     assert any(g for e in entries if e.time < revoked_at for g in e.used)  # it was used before

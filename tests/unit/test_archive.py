@@ -12,20 +12,26 @@ from pipeline.records import archive
 from pipeline.records.archive import ArchiveError, export_topic, read_archive, verdicts_by_offset
 from pipeline.clients.topics import RawRecord
 from pipeline.wire.rollout import decode_rollout, encode_rollout
-from pipeline.records.update_log import DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup
+from pipeline.records.update_log import (DroppedGroup, DuplicateGroup, SkippedMessage, UpdateEntry, UsedGroup,
+                                         parse_update_log)
+from pipeline.wire.signing import SigningKey
 from tests.unit.test_rollout import make_rollout
 
 TOPIC = "unit.rollouts"
+LEARNER = SigningKey.generate()
 
 
 def record_of(rollout, partition: int, offset: int) -> RawRecord:
     return RawRecord(partition, offset, encode_rollout(rollout), rollout.headers(), 1_700_000_000_000 + offset)
 
 
-def fake_kafka(monkeypatch, records: list[RawRecord], update_log) -> None:
+def fake_kafka(monkeypatch, records: list[RawRecord], update_log, signer=LEARNER, extra_lines=()) -> None:
+    """The topic's `records`, and its update log: `update_log` signed by `signer`, then `extra_lines`."""
+    lines = None if update_log is None else [e.to_json(signer).encode() for e in update_log] + list(extra_lines)
     monkeypatch.setattr(archive, "topic_partitions", lambda bootstrap, topic: sorted({r.partition for r in records}))
     monkeypatch.setattr(archive, "read_topic", lambda bootstrap, topic: list(records))
-    monkeypatch.setattr(archive, "read_entries_kafka", lambda bootstrap, topic: update_log)
+    monkeypatch.setattr(archive, "read_update_log", lambda bootstrap, topic, trusted: None if lines is None else
+                        parse_update_log([RawRecord(0, i, v, [], 0) for i, v in enumerate(lines)], trusted))
 
 
 @pytest.fixture
@@ -51,12 +57,12 @@ def test_export_then_read_is_exact(monkeypatch, tmp_path, run_data):
     rollouts, records, log = run_data
     fake_kafka(monkeypatch, records, log)
     out = tmp_path / "sub" / "run.parquet"
-    summary = export_topic("kafka:9092", TOPIC, out)
+    summary = export_topic("kafka:9092", TOPIC, out, LEARNER.public)
     assert (summary.messages, summary.decodable, summary.in_update_log, summary.steps) == (5, 4, 5, 2)
     assert summary.has_update_log and summary.path == out
     assert [p.name for p in out.parent.iterdir()] == ["run.parquet"]  # no temporary file left behind
 
-    back = read_archive(out)
+    back = read_archive(out, LEARNER.public)
     assert back.topic == TOPIC
     assert back.records == records  # values, headers, partition, offset, timestamp
     assert back.update_log == log
@@ -66,7 +72,7 @@ def test_export_then_read_is_exact(monkeypatch, tmp_path, run_data):
 def test_columns_carry_decoded_fields_and_the_learner_verdict(monkeypatch, tmp_path, run_data):
     rollouts, records, log = run_data
     fake_kafka(monkeypatch, records, log)
-    export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet")
+    export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet", LEARNER.public)
     table = pq.read_table(tmp_path / "run.parquet")
     assert table.schema.remove_metadata() == archive.COLUMNS
     rows = table.to_pylist()
@@ -89,9 +95,9 @@ def test_columns_carry_decoded_fields_and_the_learner_verdict(monkeypatch, tmp_p
 def test_export_without_update_log_has_null_verdicts_and_no_log(monkeypatch, tmp_path, run_data):
     _, records, _ = run_data
     fake_kafka(monkeypatch, records, None)
-    summary = export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet")
+    summary = export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet", LEARNER.public)
     assert (summary.in_update_log, summary.steps, summary.has_update_log) == (0, 0, False)
-    back = read_archive(tmp_path / "run.parquet")
+    back = read_archive(tmp_path / "run.parquet", LEARNER.public)
     assert back.update_log is None and back.records == records
     assert set(pq.read_table(tmp_path / "run.parquet").column("verdict").to_pylist()) == {None}
 
@@ -99,9 +105,9 @@ def test_export_without_update_log_has_null_verdicts_and_no_log(monkeypatch, tmp
 def test_a_non_integer_policy_version_header_is_null_but_kept_in_headers(monkeypatch, tmp_path):
     records = [RawRecord(0, 0, b"x", [("policy_version", b"v7"), ("odd", None)], 5)]
     fake_kafka(monkeypatch, records, None)
-    export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet")
+    export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet", LEARNER.public)
     assert pq.read_table(tmp_path / "run.parquet").column("policy_version").to_pylist() == [None]
-    assert read_archive(tmp_path / "run.parquet").records == records
+    assert read_archive(tmp_path / "run.parquet", LEARNER.public).records == records
 
 
 def test_first_step_wins_when_a_log_lists_an_offset_twice():
@@ -113,23 +119,23 @@ def test_first_step_wins_when_a_log_lists_an_offset_twice():
 def test_unknown_and_empty_topics_are_one_line_errors(monkeypatch, tmp_path):
     fake_kafka(monkeypatch, [], None)
     with pytest.raises(ArchiveError, match=r"^topic t does not exist on Kafka at k:1$"):
-        export_topic("k:1", "t", tmp_path / "x.parquet")
+        export_topic("k:1", "t", tmp_path / "x.parquet", LEARNER.public)
     monkeypatch.setattr(archive, "topic_partitions", lambda bootstrap, topic: [0])
     with pytest.raises(ArchiveError, match=r"^topic t on Kafka at k:1 is empty$"):
-        export_topic("k:1", "t", tmp_path / "x.parquet")
+        export_topic("k:1", "t", tmp_path / "x.parquet", LEARNER.public)
     assert not list(tmp_path.iterdir())
 
 
 def test_missing_file_is_a_one_line_error(tmp_path):
     with pytest.raises(ArchiveError, match=r"^\S+nope\.parquet does not exist$"):
-        read_archive(tmp_path / "nope.parquet")
+        read_archive(tmp_path / "nope.parquet", LEARNER.public)
 
 
 def test_a_file_that_is_not_parquet_is_a_one_line_error(tmp_path):
     path = tmp_path / "notes.parquet"
     path.write_text("just some text\n")
     with pytest.raises(ArchiveError, match=r"notes\.parquet is not a Parquet file") as info:
-        read_archive(path)
+        read_archive(path, LEARNER.public)
     assert "\n" not in str(info.value)
 
 
@@ -137,7 +143,7 @@ def test_parquet_without_heterorl_metadata_is_refused(tmp_path):
     path = tmp_path / "other.parquet"
     pq.write_table(pa.table({"partition": [0], "offset": [0]}), path)
     with pytest.raises(ArchiveError) as info:
-        read_archive(path)
+        read_archive(path, LEARNER.public)
     assert str(info.value) == f"{path} is not a heterorl export (no heterorl.schema metadata)"
 
 
@@ -145,7 +151,7 @@ def test_a_future_schema_is_refused(tmp_path):
     path = tmp_path / "future.parquet"
     pq.write_table(pa.table({"partition": [0]}).replace_schema_metadata({"heterorl.schema": "2"}), path)
     with pytest.raises(ArchiveError, match="schema '2'; this version reads schema 1"):
-        read_archive(path)
+        read_archive(path, LEARNER.public)
 
 
 def test_docs_describe_every_column_with_its_type():
@@ -163,3 +169,22 @@ def test_docs_describe_every_column_with_its_type():
     for field in archive.COLUMNS:
         arrow_name = {"double": "float64"}.get(str(field.type), str(field.type))
         assert documented[field.name].split("<")[0] == arrow_name.split("<")[0], field.name
+
+
+def test_the_export_keeps_the_learners_signatures_and_leaves_out_what_it_did_not_sign(monkeypatch, tmp_path,
+                                                                                       run_data):
+    """An update-log record the learner did not sign is not exported; a replay of the file checks the
+    entries it holds again, so a file made without the learner's key (or edited) is not trusted either."""
+    _, records, log = run_data
+    forged = UpdateEntry(0, 0, "gepo", 0.0, kind="rewind", attempt="forger").to_json().encode()
+    fake_kafka(monkeypatch, records, log, extra_lines=[b"this is not json", forged])
+    summary = export_topic("kafka:9092", TOPIC, tmp_path / "run.parquet", LEARNER.public)
+    assert summary.steps == 2 and summary.refused_update_records == {"not_json": 1, "unsigned": 1}
+    back = read_archive(tmp_path / "run.parquet", LEARNER.public)
+    assert back.update_log == log and all(e.signature for e in back.update_log)
+    assert read_archive(tmp_path / "run.parquet", SigningKey.generate().public).update_log == []
+
+    fake_kafka(monkeypatch, records, log, signer=None)  # a run without signatures, exported as such
+    export_topic("kafka:9092", TOPIC, tmp_path / "unsigned.parquet", None)
+    assert read_archive(tmp_path / "unsigned.parquet", None).update_log == log
+    assert read_archive(tmp_path / "unsigned.parquet", LEARNER.public).update_log == []

@@ -45,3 +45,47 @@ def test_companion_topics_are_named_after_the_run():
     assert updates_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.updates"
     assert dead_letter_topic("demo-20261122-105611.rollouts") == "demo-20261122-105611.dead"
     assert updates_topic("my-topic") == "my-topic.updates"  # a custom rollout topic
+
+
+def _records(lines):
+    from pipeline.clients.topics import RawRecord
+
+    return [RawRecord(0, i, line if isinstance(line, bytes) else line.encode(), [], 0) for i, line in enumerate(lines)]
+
+
+def test_only_entries_the_learner_signed_count_and_a_genuine_entry_sent_again_is_refused():
+    """A reader given the learner's public key uses only what that key signed; the learner's own
+    records, sent again later (a replay of the log's past), change nothing either."""
+    from pipeline.records.update_log import parse_update_log
+    from pipeline.wire.signing import SigningKey
+
+    learner, other = SigningKey.generate(), SigningKey.generate()
+    a1 = [rewind_entry(0, "gepo", attempt="a1"), *(UpdateEntry(s, s, "gepo", 0.0, attempt="a1") for s in (1, 2, 3))]
+    a2 = [rewind_entry(2, "gepo", attempt="a2"), UpdateEntry(3, 4, "gepo", 0.0, attempt="a2")]
+    signed = [e.to_json(learner) for e in a1 + a2]
+    log = parse_update_log(_records(signed + [
+        signed[0],  # a1's rewind to step 0, again: it would void a2's step 3
+        signed[3],  # a1's step 3, again: it would replace a2's
+        signed[4],  # a2's own rewind, again
+        a2[1].to_json(),  # unsigned
+        a2[1].to_json(other),  # another key
+        "[1, 2]",  # JSON, no entry
+        b"\xff\xfe",  # no JSON at all
+    ]), learner.public)
+    assert [(e.step, e.policy_version, e.attempt) for e in log.entries] == [(1, 1, "a1"), (2, 2, "a1"), (3, 4, "a2")]
+    assert [r.offset for r in log.refused] == [6, 7, 8, 9, 10, 11, 12]
+    assert log.refused_by_reason() == {"sent_again": 3, "unsigned": 1, "signature": 1, "not_json": 2}
+    # without a key (a run recorded before signing) every readable entry is taken as it is
+    assert [e.step for e in parse_update_log(_records([e.to_json() for e in a1]), None).entries] == [1, 2, 3]
+
+
+def test_a_signed_entry_written_out_again_keeps_its_signature():
+    """An export writes the entries it read: a replay of the file can check them again."""
+    from pipeline.records.update_log import parse_update_log
+    from pipeline.wire.signing import SigningKey
+
+    learner = SigningKey.generate()
+    entry = UpdateEntry(1, 1, "gepo", 12.5, used=[UsedGroup(0, 3, "r", 0, 1, 0.5, age_s=0.25)], attempt="a1")
+    read = parse_update_log(_records([entry.to_json(learner)]), learner.public).entries[0]
+    again = parse_update_log(_records([read.to_json()]), learner.public)
+    assert again.entries == [entry] and not again.refused
