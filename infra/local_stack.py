@@ -486,19 +486,29 @@ def _serve_localbucket(argv: list[str]) -> None:
        overwrote each other's watermark and two messages got one offset while others were
        skipped (measured in a 15-minute chaos run: 267 colliding offsets, 37 messages a
        tailing consumer never saw). Writes are serialised so check and write are atomic.
-    6. Every request must be signed (AWS Signature V4) with the stack's key, which comes in
-       the environment (``S3_AUTH_ENV``, never argv); GetBucketLocation and DeleteObjects
-       are served (``infra.localbucket_ops``).
+    6. Every request must be signed (AWS Signature V4) with a key the server knows: the
+       stack's own (admin: everything), which comes in the environment (``S3_AUTH_ENV``,
+       never argv), or one of the identities file named by ``IDENTITIES_ENV``
+       (``<data_dir>/s3-identities.json``, re-read when it changes; none while it does not
+       exist), each allowed only its grants (``infra.s3_identities``). GetBucketLocation and
+       DeleteObjects are served (``infra.localbucket_ops``).
     """
     import localbucket  # type: ignore[import-not-found]  # present when the stack serves S3 with it
 
     from infra import localbucket_ops
-    from infra.s3_auth import S3Credentials
+    from infra.s3_identities import IDENTITIES_ENV, IdentityFileError, IdentityStore, admin_identity, read_identities
 
     access, secret, region = (os.environ.pop(var, "") for var in S3_AUTH_ENV)
     if not (access and secret and region):
         raise SystemExit(f"the local S3 server needs {', '.join(S3_AUTH_ENV)} in its environment")
-    localbucket_ops.install(localbucket, S3Credentials(access, secret, region))
+    identities_path = os.environ.pop(IDENTITIES_ENV, "") or None
+    try:
+        if identities_path:
+            read_identities(identities_path)  # a broken file stops the start, with its one line
+        store = IdentityStore(identities_path, [admin_identity(access, secret)])
+    except IdentityFileError as error:
+        raise SystemExit(f"the local S3 server cannot start: {error}") from None
+    localbucket_ops.install(localbucket, store, region)
 
     handler = localbucket.S3Handler
     temp_prefix = localbucket.TEMP_PREFIX
@@ -610,7 +620,10 @@ def _spec(state: StackState, name: str) -> _Spec:
             argv = [shutil.which("minio") or "minio", "server", str(data_dir / "minio"),
                     "--address", f"{state.host}:{port}", "--console-address", f"{state.host}:{console}"]
         else:
+            from infra.s3_identities import IDENTITIES_ENV, IDENTITIES_FILE
+
             env.update(zip(S3_AUTH_ENV, (state.s3_access_key, state.s3_secret_key, state.s3_region)))
+            env[IDENTITIES_ENV] = str(data_dir / IDENTITIES_FILE)  # beside s3/, never served
             argv = [sys.executable, "-c", _LOCALBUCKET_MAIN, _PROJECT_ROOT,
                     "--host", state.host, "--port", str(port), str(data_dir / "s3")]
         return _Spec(argv, env, state.s3_endpoint)

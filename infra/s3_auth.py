@@ -1,5 +1,6 @@
 """AWS Signature Version 4 checks for the local S3 server (``localbucket``, see
-``infra.local_stack._serve_localbucket``), so that only holders of the stack's key reach it.
+``infra.local_stack._serve_localbucket``), so that only holders of a key it knows reach it.
+What each key may then do is ``infra.s3_identities.authorize``'s decision, not this module's.
 
 What a request must carry to be served:
 
@@ -8,7 +9,10 @@ What a request must carry to be served:
   ``X-Amz-Expires`` / ``X-Amz-SignedHeaders`` / ``X-Amz-Signature`` query parameters
   (a presigned URL, payload ``UNSIGNED-PAYLOAD``). Nothing else: no anonymous access, no
   Signature V2.
-* The stack's access key, its region and the service ``s3`` in the credential scope.
+* A known access key (``verify_request``'s ``creds``: the one key, or a lookup from access
+  key to its credentials, e.g. ``infra.s3_identities.IdentityStore``), the server's region
+  and the service ``s3`` in the credential scope. The signature is checked with that key's
+  secret; ``Verified.credentials`` says which key it was.
 * A request time (``X-Amz-Date``) within ``MAX_SKEW_S`` of the server's clock; a presigned
   URL must also be inside its ``X-Amz-Expires`` window.
 * ``host`` among the signed headers; with header auth an ``x-amz-content-sha256`` header.
@@ -35,9 +39,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 from urllib.parse import quote, unquote
 
 from botocore.auth import EMPTY_SHA256_HASH, SIGV4_TIMESTAMP, S3SigV4Auth
@@ -54,7 +58,7 @@ _AUTH_FIELD = re.compile(r"(Credential|SignedHeaders|Signature)=([^,\s]*)")
 
 @dataclass(frozen=True)
 class S3Credentials:
-    """The one key the local S3 server accepts."""
+    """One key the local S3 server accepts (access key, secret) and the server's region."""
 
     access_key: str
     secret_key: str = ""
@@ -80,6 +84,11 @@ class Verified:
     scope: str  # 20240101/us-east-1/s3/aws4_request
     signature: str  # the header's (seed) signature
     payload_hash: str  # x-amz-content-sha256 as sent (UNSIGNED-PAYLOAD for presigned URLs)
+    credentials: Optional[S3Credentials] = field(default=None, repr=False, compare=False)  # the key it was signed with
+
+
+# An access key's credentials, or None for a key the server does not know (now).
+CredentialLookup = Callable[[str], Optional[S3Credentials]]
 
 
 def _access_denied(message: str = "Access Denied") -> AuthError:
@@ -144,13 +153,21 @@ def _parse_time(text: str) -> datetime:
         raise _malformed(f"X-Amz-Date {text!r} is not of the form YYYYMMDDTHHMMSSZ") from None
 
 
-def _check_scope(credential: str, timestamp: str, creds: S3Credentials) -> str:
-    """The credential scope after the access key, once key, date, region and service match."""
+def _as_lookup(creds: Union[S3Credentials, CredentialLookup]) -> CredentialLookup:
+    if not isinstance(creds, S3Credentials):
+        return creds
+    return lambda access_key: creds if hmac.compare_digest(access_key.encode(), creds.access_key.encode()) else None
+
+
+def _check_scope(credential: str, timestamp: str, keys: CredentialLookup) -> tuple[str, S3Credentials]:
+    """The credential scope after the access key, and that key's credentials, once key, date,
+    region and service match."""
     access_key, _, scope = credential.partition("/")
     parts = scope.split("/")
     if len(parts) != 4 or parts[3] != "aws4_request":
         raise _malformed(f"credential {credential!r} is not <key>/<date>/<region>/s3/aws4_request")
-    if not hmac.compare_digest(access_key.encode(), creds.access_key.encode()):
+    creds = keys(access_key)
+    if creds is None:
         raise AuthError(403, "InvalidAccessKeyId",
                         "The AWS Access Key Id you provided does not exist in our records.")
     if parts[0] != timestamp[:8]:
@@ -158,7 +175,7 @@ def _check_scope(credential: str, timestamp: str, creds: S3Credentials) -> str:
     if parts[1] != creds.region or parts[2] != "s3":
         raise _malformed(f"the credential scope names region {parts[1]!r}, service {parts[2]!r}; "
                          f"expecting {creds.region!r}, 's3'")
-    return scope
+    return scope, creds
 
 
 def _check_signed_headers(text: str) -> list[str]:
@@ -181,25 +198,27 @@ def _check_clock(when: datetime, now: datetime) -> None:
                         "The difference between the request time and the current time is too large.")
 
 
-def verify_request(method: str, target: str, headers: Any, creds: S3Credentials,
+def verify_request(method: str, target: str, headers: Any, creds: Union[S3Credentials, CredentialLookup],
                    now: Optional[datetime] = None) -> Verified:
     """Check the SigV4 signature of one request (``target``: the raw request-target,
-    path and query as sent; ``headers``: anything with ``get`` and ``get_all``).
+    path and query as sent; ``headers``: anything with ``get`` and ``get_all``; ``creds``:
+    the one key accepted, or a lookup from an access key to its credentials).
 
     Returns what it was signed with; raises AuthError naming S3's error code."""
     now = now or datetime.now(timezone.utc)
+    keys = _as_lookup(creds)
     raw_path, _, raw_query = target.partition("?")
     query = _query_pairs(raw_query)
     if any(key == "X-Amz-Signature" for key, _ in query):
-        return _verify_presigned(method, raw_path, query, headers, creds, now)
+        return _verify_presigned(method, raw_path, query, headers, keys, now)
     authorization = headers.get("Authorization")
     if not authorization:
         raise _access_denied()
-    return _verify_header(method, raw_path, query, headers, authorization, creds, now)
+    return _verify_header(method, raw_path, query, headers, authorization, keys, now)
 
 
 def _verify_header(method: str, raw_path: str, query: list[tuple[str, str]], headers: Any,
-                   authorization: str, creds: S3Credentials, now: datetime) -> Verified:
+                   authorization: str, keys: CredentialLookup, now: datetime) -> Verified:
     algorithm, _, rest = authorization.strip().partition(" ")
     if algorithm != ALGORITHM:
         raise _malformed(f"only {ALGORITHM} (Signature Version 4) is accepted, not {algorithm!r}")
@@ -211,22 +230,22 @@ def _verify_header(method: str, raw_path: str, query: list[tuple[str, str]], hea
         raise AuthError(400, "InvalidRequest", "Missing required header for this request: x-amz-content-sha256")
     timestamp = headers.get("x-amz-date") or ""
     when = _parse_time(timestamp)
-    scope = _check_scope(fields["Credential"], timestamp, creds)
+    scope, creds = _check_scope(fields["Credential"], timestamp, keys)
     signed = _check_signed_headers(fields["SignedHeaders"])
     request = canonical_request(method, raw_path, query, headers, signed, payload_hash)
     _check_signature(_signature(creds, timestamp, _string_to_sign(creds, timestamp, request)), fields["Signature"])
     _check_clock(when, now)  # after the signature: a wrong key says so even with a wrong clock
-    return Verified(timestamp, scope, fields["Signature"], payload_hash)
+    return Verified(timestamp, scope, fields["Signature"], payload_hash, creds)
 
 
 def _verify_presigned(method: str, raw_path: str, query: list[tuple[str, str]], headers: Any,
-                      creds: S3Credentials, now: datetime) -> Verified:
+                      keys: CredentialLookup, now: datetime) -> Verified:
     params = dict(query)
     if params.get("X-Amz-Algorithm") != ALGORITHM:
         raise _malformed(f"X-Amz-Algorithm must be {ALGORITHM}")
     timestamp = params.get("X-Amz-Date", "")
     when = _parse_time(timestamp)
-    scope = _check_scope(params.get("X-Amz-Credential", ""), timestamp, creds)
+    scope, creds = _check_scope(params.get("X-Amz-Credential", ""), timestamp, keys)
     signed = _check_signed_headers(params.get("X-Amz-SignedHeaders", ""))
     try:
         expires = int(params.get("X-Amz-Expires", ""))
@@ -242,7 +261,7 @@ def _verify_presigned(method: str, raw_path: str, query: list[tuple[str, str]], 
         raise _access_denied("Request has expired")
     if (when - now).total_seconds() > MAX_SKEW_S:
         raise AuthError(403, "RequestTimeTooSkewed", "The request time is too far in the future.")
-    return Verified(timestamp, scope, params["X-Amz-Signature"], "UNSIGNED-PAYLOAD")
+    return Verified(timestamp, scope, params["X-Amz-Signature"], "UNSIGNED-PAYLOAD", creds)
 
 
 def check_payload(body: bytes, payload_hash: str) -> None:
@@ -252,9 +271,13 @@ def check_payload(body: bytes, payload_hash: str) -> None:
                         "The provided 'x-amz-content-sha256' header does not match what was computed.")
 
 
-def decode_signed_chunks(raw: bytes, verified: Verified, creds: S3Credentials) -> bytes:
+def decode_signed_chunks(raw: bytes, verified: Verified, creds: Optional[S3Credentials] = None) -> bytes:
     """The data of an ``aws-chunked`` body (``STREAMING-AWS4-HMAC-SHA256-PAYLOAD``), each
-    chunk's signature checked: it chains from the previous one, starting at the seed."""
+    chunk's signature checked: it chains from the previous one, starting at the seed
+    (``creds``: the key the headers were signed with; by default ``verified.credentials``)."""
+    creds = creds or verified.credentials
+    if creds is None:
+        raise ValueError("decode_signed_chunks needs the key the request was signed with")
     data, previous, pos = bytearray(), verified.signature, 0
     while True:
         end = raw.find(b"\r\n", pos)
