@@ -32,7 +32,7 @@ from pipeline.clients.services import ServiceUnavailable, check_reachable, requi
 from pipeline.config import ConfigError, HeteroConfig, config_from_text, dump_config
 from pipeline.trust.invites import (Grant, Invite, InviteError, check_not_expired, make_invite, make_join_request,
                                     read_invite)
-from pipeline.trust.keyring import (SAMPLER_KEY_ENV, join_requests_key, key_paths, load_learner_public, load_root_key,
+from pipeline.trust.keyring import (SAMPLER_KEY_ENV, key_paths, load_learner_public, load_root_key,
                                     read_admissions, read_registry, write_registry)
 from pipeline.wire.signing import SignatureError, SigningKey, read_key_file, write_key_file, write_public_file
 
@@ -227,7 +227,7 @@ def ask_to_join(client, invite: Invite, key: SigningKey, sampler_id: str, wait_s
     if _decision(client, invite, key)[0]:
         return
     request = make_join_request(key, invite, sampler_id, socket.gethostname(), now())
-    client.xadd(join_requests_key(run), {"request": json.dumps(request)})
+    RunState(client, run).request_join(request)
     say(f"asked to join run {run} as {sampler_id} (key {key.key_id}); waiting for the learner to admit it")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

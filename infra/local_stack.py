@@ -117,6 +117,7 @@ from minio import Minio
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
+from pipeline.clients.run_functions import ensure_loaded
 from pipeline.clients.services import LOOPBACK, Services, free_port, services_env
 
 log = logging.getLogger(__name__)
@@ -667,14 +668,16 @@ REDIS_ACL_FILE = "users.acl"
 # writes (its lease, the prompt claims, meta's epoch_size, a volunteer's join request), and those it
 # only reads (the admissions: the learner's, signed).
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
-                  "prompt_cursor", "claim_stats", "claims_sweep", "meta", "join_requests")
+                  "prompt_cursor", "claim_stats", "claims_sweep", "meta", "join_requests", "claim_counts",
+                  "reissued_from", "sampler_owners")
 SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions", "used_by_sampler")
 # A validator (consumers/validator.py) writes its lease, the partition leases and where its
 # verdicts end; it reads what a sampler reads.
 VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")
 # Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
-# command (the categories cover them); scripts and MULTI/EXEC stay, the product needs both.
-_ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction +@scripting -@dangerous -@admin"
+# command (the categories cover them), and no script of its own (EVAL, SCRIPT, FUNCTION): the
+# run's functions (pipeline/clients/run_functions.py) are called with FCALL; the learner loads them.
+_ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction -@dangerous -@admin -@scripting +fcall +fcall_ro +time"
 
 
 def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
@@ -688,14 +691,13 @@ def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
     if role == "admin":
         return "~* &* +@all"
     if role == "learner":
-        return f"resetkeys ~heterorl:* resetchannels {_ROLE_COMMANDS}"
+        return f"resetkeys ~heterorl:* resetchannels {_ROLE_COMMANDS} +function|load"
     if role not in ("sampler", "validator"):
         raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
     writes = " ".join(f"~heterorl:*:{key}" for key in (SAMPLER_WRITES if role == "sampler" else VALIDATOR_WRITES))
     read_only = "%R~" if redis_version >= (7, 0) else "~"
     reads = " ".join(f"{read_only}heterorl:*:{key}" for key in SAMPLER_READS)
-    deny_script_flush = " -script|flush -script|kill" if redis_version >= (7, 0) else ""
-    return f"resetkeys {writes} {reads} resetchannels {_ROLE_COMMANDS}{deny_script_flush}"
+    return f"resetkeys {writes} {reads} resetchannels {_ROLE_COMMANDS}"
 
 
 def redis_server_version(binary: str) -> tuple[int, int]:
@@ -759,6 +761,18 @@ def _probe(state: StackState, name: str) -> bool:
         finally:
             client.close()
     raise StackError(f"unknown service {name!r}")
+
+
+def _after_start(state: StackState, name: str) -> None:
+    """What a server needs once it answers: S3 its buckets, Redis the run functions."""
+    if name == "s3":
+        _ensure_buckets(state)
+    elif name == "redis":
+        client = redis.Redis.from_url(state.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            ensure_loaded(client)
+        finally:
+            client.close()
 
 
 def _ensure_buckets(state: StackState) -> None:
@@ -960,8 +974,7 @@ def _launch_servers(state: StackState, fixed: dict[str, int], taken: set[int], d
             started[name] = (proc.pid, ticks)
             state.processes[name] = proc.pid
             state.process_start_ticks[name] = ticks
-            if name == "s3":
-                _ensure_buckets(state)
+            _after_start(state, name)
         _write_state(state)
     except BaseException as exc:
         _terminate(started, grace_s=5.0)
@@ -1030,7 +1043,6 @@ def restart_service(data_dir: str | Path, name: str, timeout_s: float = 60.0) ->
         proc = _launch_and_wait(state, name, time.monotonic() + timeout_s)
         state.processes[name] = proc.pid
         state.process_start_ticks[name] = _start_ticks(proc.pid)
-        if name == "s3":
-            _ensure_buckets(state)
+        _after_start(state, name)
         _write_state(state)
     return state

@@ -51,6 +51,7 @@ from pipeline.sampling.delays import RefreshGate, stream_key, transit_stream
 from pipeline.devices import resolve_device
 from pipeline.clients.topics import TopicWriter, ensure_topic
 from pipeline.trust.keyring import key_paths, load_sampler_key
+from pipeline.clients.run_functions import sampler_token
 from pipeline.sampling.generation import PolicyEngine, SamplingSettings, make_generation_engine, pick_backend
 from pipeline.weights.follower import PolicyFollower
 from pipeline.models import decode_completion
@@ -151,7 +152,7 @@ class Outbox:
         discarded from the spool since the last call are reported, so the fleet's backlog drops them."""
         discarded = self.discarded_at_source - self.discards_reported
         if discarded:
-            state.note_discarded_at_source(discarded)
+            state.note_discarded_at_source(sampler_id, discarded)
             self.discards_reported += discarded
         if self.spooled_ids:
             state.complete_prompts(sampler_id, [self.claim_of[r] for r in self.spooled_ids if r in self.claim_of])
@@ -262,6 +263,12 @@ def sampler_signing_key(cfg: HeteroConfig, sampler_id: str, log) -> Optional[Sig
     return key
 
 
+def id_token(run: str, sampler_id: str, signer: Optional[SigningKey]) -> str:
+    """The secret this sampler holds its id with in Redis: its lease, claims and stats are written only
+    with it (`pipeline.clients.run_functions`); derived from its key, so its restarts have it too."""
+    return sampler_token(run, sampler_id, None if signer is None else signer.seed_b64().encode())
+
+
 def connect_sampler(cfg: HeteroConfig, log, give_up_s: float = 300.0):
     """The servers and the topic, retried: a sampler started during an outage waits for the
     link (saying so) instead of exiting; after `give_up_s` the error stands."""
@@ -355,8 +362,7 @@ class Sampler:
         self.view = RunView(None, None, {})
         self.policy_read_at = self.last_heartbeat = 0.0
         self.last_wait_log = time.monotonic()
-        self.started = time.time()
-        self.generated = 0
+        self.started, self.generated = time.time(), 0
         self.generate_s = 0.0
         """Seconds spent in the engine's sample() (the rest of a sampler's time: pauses, loads, I/O)."""
         self.pauses = Pauses()
@@ -434,6 +440,7 @@ class Sampler:
         if self.parts.on_connect is not None:
             self.parts.on_connect(self.handles)
         self.state, self.redis_url = self.handles.state, strip_password(self.handles.services.redis_url)  # for logs
+        self.state.hold_as(self.sampler_id, id_token(self.cfg.run.name, self.sampler_id, self.signer))
         self.task = make_task_from_config(self.cfg)
         self.spool_dir = Path(self.scfg.spool_dir or Path(self.cfg.services.data_dir) / "spool" / self.sampler_id)
         self.outbox = Outbox.open(self.cfg, self.sampler_id, self.spool_dir, self.handles.services, self.signer,
@@ -476,7 +483,7 @@ class Sampler:
         now = time.monotonic()
         poll_policy = (now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
                        or self.pauses.last == "next_version")  # the learner's next version is all it waits for
-        view = self.state.sampler_view(with_policy=poll_policy)
+        view = self.state.sampler_view(with_policy=poll_policy, allowance=self.scfg.prompts_per_batch)
         if view.pointer_error is not None:  # nothing new is published: keep what we knew, say why once
             self.refuse_pointer(view, view.pointer_error)
         polled = poll_policy and view.pointer_error is None  # a bad pointer is no news: the known one stays
@@ -566,7 +573,7 @@ class Sampler:
         """Claim prompts, sample G completions each, score them, hand the groups to the outbox.
         With `in_flight_limit`, claim only within the fleet's room under the max delay (False: no room)."""
         indices = self.state.claim_prompts(self.sampler_id, self.scfg.prompts_per_batch,
-                                           in_flight_limit=in_flight_limit)
+                                           in_flight_limit=in_flight_limit, allowance=self.scfg.prompts_per_batch)
         if not indices:
             return False
         problems = [self.task.train_problem(i) for i in indices]

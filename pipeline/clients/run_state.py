@@ -78,6 +78,8 @@ from typing import Optional
 import redis
 
 from pipeline.config import strip_password
+from pipeline.errors import UserError
+from pipeline.clients.run_functions import MAX_BATCH, MAX_TTL_MS, sampler_token
 from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 
@@ -173,93 +175,18 @@ def _describe_gone_sampler(last: dict) -> dict:
             "ended_at": ended_at}
 
 
-# Lua scripts: each runs atomically in Redis, so many samplers (and sweepers) can call
-# them at once without a claim being lost, issued twice, or stolen from a live owner.
-
-# KEYS: reissue, prompt_cursor, claims, claim_stats; ARGV: sampler_id, count.
-# Re-issued indices first (so an epoch's holes are filled before moving on), then fresh ones.
-_CLAIM_LUA = """
-local count = tonumber(ARGV[2])
-local out = {}
-if ARGV[3] ~= '' then count = math.min(count, tonumber(ARGV[3]) - redis.call('HLEN', KEYS[3])) end
-if count <= 0 then return out end
-while #out < count do
-  local index = redis.call('LPOP', KEYS[1])
-  if not index then break end
-  out[#out + 1] = index
-end
-local fresh = count - #out
-if fresh > 0 then
-  local stop = redis.call('INCRBY', KEYS[2], fresh)
-  for index = stop - fresh, stop - 1 do out[#out + 1] = string.format('%d', index) end
-end
-for _, index in ipairs(out) do redis.call('HSET', KEYS[3], index, ARGV[1]) end
-redis.call('HINCRBY', KEYS[4], 'claimed', count)
-return out
-"""
-
-# KEYS: claims, claim_stats, reissue; ARGV: sampler_id, index...
-# Only the current owner may complete: an index re-issued to someone else stays theirs.
-# A late completion of an index still waiting in the re-issue queue withdraws it from
-# the queue: the work is done, nobody needs to do it again.
-_COMPLETE_LUA = """
-local removed, withdrawn = 0, 0
-for k = 2, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[k]) == ARGV[1] then
-    redis.call('HDEL', KEYS[1], ARGV[k])
-    removed = removed + 1
-  else
-    withdrawn = withdrawn + redis.call('LREM', KEYS[3], 1, ARGV[k])
-  end
-end
-local late = #ARGV - 1 - removed
-if removed > 0 then redis.call('HINCRBY', KEYS[2], 'completed', removed) end
-if late > 0 then redis.call('HINCRBY', KEYS[2], 'late_completions', late) end
-if withdrawn > 0 then redis.call('HINCRBY', KEYS[2], 'reissue_withdrawn', withdrawn) end
-return removed
-"""
-
-# KEYS: claims, reissue, claim_stats, sampler:<owner>; ARGV: owner, index...
-# Moves the owner's claims to the re-issue queue only if its lease key is gone *now* and
-# each index is still the owner's (a concurrent sweeper may have moved it and another
-# sampler re-claimed it since the caller listed the claims): so each is moved once.
-_REISSUE_LUA = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return {} end
-local moved = {}
-for k = 2, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[k]) == ARGV[1] then
-    redis.call('HDEL', KEYS[1], ARGV[k])
-    redis.call('RPUSH', KEYS[2], ARGV[k])
-    moved[#moved + 1] = ARGV[k]
-  end
-end
-if #moved > 0 then redis.call('HINCRBY', KEYS[3], 'reissued', #moved) end
-return moved
-"""
-
-
 _CLAIM_COUNTERS = ("claimed", "completed", "reissued", "late_completions", "reissue_withdrawn")
 
 
-_HOLD_LUA = """
-local holder = redis.call('GET', KEYS[1])
-if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
-if holder == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-return 0
-"""
-"""Take or renew the lease KEYS[1] for ARGV[1] (ttl ARGV[2] ms); 0 if another holds it."""
+class RunStateRefused(UserError, RuntimeError):
+    """A write the run's Redis functions refused (`pipeline.clients.run_functions`), in one line:
+    another process holds this sampler id, a lease time or a size out of bounds..."""
 
-_LET_GO_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) return 1 end
-return 0
-"""
 
-_RECORD_IF_HELD_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-return 1
-"""
-"""HSET KEYS[2] ARGV[2] ARGV[3] only while ARGV[1] holds the lease KEYS[1]."""
+def _refused(error: redis.ResponseError) -> Optional[str]:
+    """The reason, if `error` is one of the functions' refusals (`HETERORL ...`)."""
+    text = str(error)
+    return text[len("HETERORL "):] if text.startswith("HETERORL ") else None
 
 
 class RunState:
@@ -275,12 +202,32 @@ class RunState:
         self.prefix = _prefix(run)
         self.epoch_size = epoch_size
         self._epoch_size_recorded = False
-        self._claim = client.register_script(_CLAIM_LUA)
-        self._complete = client.register_script(_COMPLETE_LUA)
-        self._reissue = client.register_script(_REISSUE_LUA)
-        self._hold = client.register_script(_HOLD_LUA)
-        self._let_go = client.register_script(_LET_GO_LUA)
-        self._record_if_held = client.register_script(_RECORD_IF_HELD_LUA)
+        self._tokens: dict[str, str] = {}
+
+    # ---- the run's functions (pipeline/clients/run_functions.py) ----------------------
+    def hold_as(self, sampler_id: str, token: str) -> None:
+        """Act for `sampler_id` with `token` (`run_functions.sampler_token` of its signing key); a
+        sampler id not given one here uses the token a keyless sampler has."""
+        self._tokens[sampler_id] = token
+
+    def _token(self, sampler_id: str) -> str:
+        if sampler_id not in self._tokens:
+            self._tokens[sampler_id] = sampler_token(self.run, sampler_id, None)
+        return self._tokens[sampler_id]
+
+    def _call(self, function: str, keys: list[str], args: list) -> object:
+        """FCALL `function` with this run's `keys`; RunStateRefused for the functions' refusals,
+        and a one-line error if the server lacks them (the learner or `heterorl up` loads them)."""
+        try:
+            return self.client.fcall(function, len(keys), *keys, *(str(a) for a in args))
+        except redis.ResponseError as e:
+            why = _refused(e)
+            if why is not None:
+                raise RunStateRefused(f"Redis refused {function} for run {self.run}: {why}") from None
+            if "function not found" in str(e).lower():
+                raise RunStateRefused(f"Redis has not the run functions ({function}): the learner loads them when "
+                                      "it starts, and `heterorl up` with the local stack") from None
+            raise
 
     # ---- run registry ----------------------------------------------------------------
     def register_run(self, rollout_topic: str) -> None:
@@ -313,40 +260,34 @@ class RunState:
     def _lease_key(self, sampler_id: str) -> str:
         return f"{self.prefix}sampler:{sampler_id}"
 
+    def _lease_keys(self, sampler_id: str) -> list[str]:
+        return [self._lease_key(sampler_id), self.prefix + "samplers_seen", self.prefix + "sampler_last",
+                self.prefix + "sampler_owners"]
+
     def renew_sampler_lease(self, sampler_id: str, info: dict, ttl_s: float) -> None:
-        """Keep this sampler's lease alive for `ttl_s` more seconds, and remember its info
-        (outside the lease key) so it can still be shown once the lease has gone."""
-        now = time.time()
-        last = {**info, "heartbeat_at": now, "lease_ttl_s": ttl_s}
-        pipe = self.client.pipeline()  # MULTI/EXEC: readers never see half a heartbeat
-        pipe.hset(self._lease_key(sampler_id), mapping={**{k: str(v) for k, v in info.items()}, "heartbeat_at": now})
-        pipe.pexpire(self._lease_key(sampler_id), max(1, int(ttl_s * 1000)))
-        pipe.zadd(self.prefix + "samplers_seen", {sampler_id: now})
-        pipe.hset(self.prefix + "sampler_last", sampler_id, json.dumps(last, default=str))
-        pipe.execute()
+        """Keep this sampler's lease alive for `ttl_s` more seconds (one function call: readers never
+        see half a heartbeat), and remember its info (outside the lease key) so it can still be shown
+        once the lease has gone. The heartbeat time is the server's. RunStateRefused if another
+        process holds this sampler id."""
+        fields = [x for k, v in info.items() for x in (k, v)]
+        self._call("hr_heartbeat", self._lease_keys(sampler_id),
+                   [sampler_id, self._token(sampler_id), int(ttl_s * 1000), json.dumps(info, default=str),
+                    *fields])
 
     def release_sampler_lease(self, sampler_id: str, reason: str = "stopped") -> None:
         """End the lease now, noting that the sampler stopped on purpose (so status can
         tell a clean stop from a crash). Its outstanding claims are re-issued by the next
-        `reissue_expired_claims`, like those of a sampler whose lease ran out.
-
-        Read-modify-write of `sampler_last` without WATCH is safe: only the sampler
-        itself writes its own entry, and it does not heartbeat while releasing."""
-        now = time.time()
-        raw = self.client.hget(self.prefix + "sampler_last", sampler_id)
-        last = {**(json.loads(raw) if raw else {}), "released_at": now, "release_reason": reason}
-        pipe = self.client.pipeline()  # marked released before the lease key disappears
-        pipe.hset(self.prefix + "sampler_last", sampler_id, json.dumps(last, default=str))
-        pipe.zadd(self.prefix + "samplers_seen", {sampler_id: now})
-        pipe.delete(self._lease_key(sampler_id))
-        pipe.execute()
+        `reissue_expired_claims`, like those of a sampler whose lease ran out."""
+        self._call("hr_release", self._lease_keys(sampler_id), [sampler_id, self._token(sampler_id), reason])
 
     def record_sampler_stats(self, sampler_id: str, stats: dict) -> None:
         """A stopping sampler's totals (generated, published, waits, refreshes), kept for the run."""
-        self.client.hset(self.prefix + "sampler_stats", sampler_id, json.dumps(stats))
+        self._call("hr_record_stats", [self.prefix + "sampler_owners", self.prefix + "sampler_stats"],
+                   [sampler_id, self._token(sampler_id), json.dumps(stats)])
 
     def sampler_stats(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "sampler_stats").items()}
+        """Each sampler's recorded totals; an entry that is no JSON object is left out."""
+        return _json_objects(self.client.hgetall(self.prefix + "sampler_stats"))
 
     def last_of_sampler(self, sampler_id: str) -> dict:
         """What a sampler's last heartbeat said, kept once its lease is gone; where it stopped
@@ -394,7 +335,8 @@ class RunState:
         return {sid: _describe_gone_sampler(json.loads(raw) if raw else {}) for sid, raw in zip(gone, raws)}
 
     # ---- prompt stream ---------------------------------------------------------------
-    def claim_prompts(self, sampler_id: str, count: int, in_flight_limit: Optional[int] = None) -> list[int]:
+    def claim_prompts(self, sampler_id: str, count: int, in_flight_limit: Optional[int] = None,
+                      allowance: Optional[int] = None) -> list[int]:
         """`count` indices of the task's train stream for `sampler_id` alone: re-issued
         ones first, then the next never-issued ones. Each stays claimed by this sampler
         until `complete_prompts`, or until its lease is gone and a sweep re-issues it, so
@@ -402,18 +344,29 @@ class RunState:
 
         With `in_flight_limit`, at most as many as keep the fleet's claims within it (possibly
         none): checked and claimed in one script, so samplers that decide at the same moment
-        cannot all claim (a fleet starting together overshot the learner's max delay)."""
+        cannot all claim (a fleet starting together overshot the learner's max delay). The fleet's
+        claims count each sampler's up to `allowance` (its batch, `sampler.prompts_per_batch`;
+        None: every claim), as `sampler_view` counts them."""
         if count <= 0:
             return []
         self._record_epoch_size()
-        keys = [self.prefix + k for k in ("reissue", "prompt_cursor", "claims", "claim_stats")]
-        limit = "" if in_flight_limit is None else str(int(in_flight_limit))
-        return [int(i) for i in self._claim(keys=keys, args=[sampler_id, int(count), limit])]
+        keys = [self._lease_key(sampler_id), *(self.prefix + k for k in ("reissue", "prompt_cursor", "claims",
+                                                                          "claim_stats", "claim_counts",
+                                                                          "sampler_owners"))]
+        limit = "" if in_flight_limit is None else max(0, int(in_flight_limit))
+        try:
+            claimed = self._call("hr_claim", keys, [sampler_id, self._token(sampler_id), int(count), limit,
+                                                    min(max(1, int(allowance or MAX_BATCH)), MAX_BATCH)])
+        except RunStateRefused as e:
+            if "holds no lease" in str(e) or "never held a lease" in str(e):  # lapsed (a stall longer than its
+                return []  # time) or not taken yet: the next heartbeat renews it
+            raise
+        return [int(i) for i in claimed]
 
     def _record_epoch_size(self) -> None:
         """Once per RunState: lets `heterorl status` report epochs without being told the size."""
         if self.epoch_size is not None and not self._epoch_size_recorded:
-            self.client.hset(self.prefix + "meta", "epoch_size", self.epoch_size)
+            self._call("hr_epoch_size", [self.prefix + "meta"], [self.epoch_size])
             self._epoch_size_recorded = True
 
     def complete_prompts(self, sampler_id: str, indices: list[int]) -> int:
@@ -423,10 +376,13 @@ class RunState:
         counted as `late_completions`. A late one still waiting in the re-issue queue is
         taken out of it (counted as `reissue_withdrawn`), so nobody does it again."""
         unique = list(dict.fromkeys(int(i) for i in indices))
-        if not unique:
-            return 0
-        keys = [self.prefix + "claims", self.prefix + "claim_stats", self.prefix + "reissue"]
-        return int(self._complete(keys=keys, args=[sampler_id, *unique]))
+        keys = [self.prefix + k for k in ("sampler_owners", "claims", "claim_stats", "reissue", "claim_counts",
+                                          "reissued_from")]
+        done = 0
+        for start in range(0, len(unique), MAX_BATCH):
+            done += int(self._call("hr_complete", keys, [sampler_id, self._token(sampler_id),
+                                                         *unique[start:start + MAX_BATCH]]))
+        return done
 
     def reissue_expired_claims(self) -> list[int]:
         """Put back in the queue every claim whose owner's lease key is gone (expired or
@@ -450,27 +406,34 @@ class RunState:
         `every_s` seconds across the whole fleet (a token, SET NX PX). The sweep costs one
         command per claim owner, so with every sampler sweeping at every heartbeat Redis's work
         grew with the square of the fleet (`heterorl loadtest`, docs/loadtest.md)."""
-        try:
-            return bool(self.client.set(self.prefix + "claims_sweep", "1", nx=True, px=max(1, int(every_s * 1000))))
-        except redis.exceptions.NoPermissionError:  # a Redis whose ACL predates the token: sweep as before
-            return True
+        every_ms = min(max(1, int(every_s * 1000)), MAX_TTL_MS)
+        return bool(self._call("hr_sweep_due", [self.prefix + "claims_sweep"], [every_ms]))
 
     def _claims_by_owner(self) -> dict[str, list[int]]:
+        """Claimed index -> owner, by owner (an entry no claim function wrote, which only a user with
+        direct write access could make, is left out)."""
         by_owner: dict[str, list[int]] = {}
         for index, owner in self.client.hscan_iter(self.prefix + "claims", count=1000):
-            by_owner.setdefault(owner, []).append(int(index))
+            if index.isascii() and index.isdigit():
+                by_owner.setdefault(owner, []).append(int(index))
         return by_owner
 
     def _reissue_claims_of(self, owner: str, indices: list[int]) -> list[int]:
-        keys = [self.prefix + "claims", self.prefix + "reissue", self.prefix + "claim_stats", self._lease_key(owner)]
-        return [int(i) for i in self._reissue(keys=keys, args=[owner, *indices])]
+        keys = [self.prefix + "claims", self.prefix + "reissue", self.prefix + "claim_stats", self._lease_key(owner),
+                self.prefix + "claim_counts", self.prefix + "reissued_from"]
+        moved: list[int] = []
+        for start in range(0, len(indices), MAX_BATCH):
+            moved += [int(i) for i in self._call("hr_reissue", keys, [owner, *indices[start:start + MAX_BATCH]])]
+        return moved
 
-    def note_discarded_at_source(self, count: int) -> None:
-        """`count` completed groups were dropped from a spool as too stale to send: the fleet's
-        backlog must stop counting them, or at a small max delay the samplers would wait for
+    def note_discarded_at_source(self, sampler_id: str, count: int) -> None:
+        """`count` completed groups were dropped from `sampler_id`'s spool as too stale to send: the
+        fleet's backlog must stop counting them, or at a small max delay the samplers would wait for
         the learner to read groups that will never arrive (and the learner for new ones)."""
-        if count > 0:
-            self.client.hincrby(self.prefix + "claim_stats", "discarded_at_source", count)
+        keys = [self.prefix + "sampler_owners", self.prefix + "claim_stats"]
+        while count > 0:
+            self._call("hr_discarded", keys, [sampler_id, self._token(sampler_id), min(count, MAX_BATCH)])
+            count -= MAX_BATCH
 
     def claim_stats(self) -> dict:
         """Where the prompt stream stands: `cursor` (indices ever issued fresh),
@@ -510,7 +473,7 @@ class RunState:
         self.client.hset(self.prefix + "validator_stats", validator_id, json.dumps(stats))
 
     def validator_stats(self) -> dict[str, dict]:
-        return {k: json.loads(v) for k, v in self.client.hgetall(self.prefix + "validator_stats").items()}
+        return _json_objects(self.client.hgetall(self.prefix + "validator_stats"))
 
     def release_validator_lease(self, validator_id: str) -> None:
         self.client.delete(f"{self.prefix}validator:{validator_id}")
@@ -526,20 +489,25 @@ class RunState:
 
     def hold_partition(self, partition: int, validator_id: str, ttl_s: float) -> bool:
         """Take or renew the lease of a partition; False if another validator holds it."""
-        return bool(self._hold(keys=[f"{self.prefix}partition_lease:{partition}"],
-                               args=[validator_id, max(1, int(ttl_s * 1000))]))
+        return bool(self._call("hr_hold", [f"{self.prefix}partition_lease:{partition}"],
+                               [validator_id, min(max(1, int(ttl_s * 1000)), MAX_TTL_MS)]))
 
     def let_go_partition(self, partition: int, validator_id: str) -> None:
-        self._let_go(keys=[f"{self.prefix}partition_lease:{partition}"], args=[validator_id])
+        self._call("hr_let_go", [f"{self.prefix}partition_lease:{partition}"], [validator_id])
 
     def record_validator_offset(self, partition: int, offset: int, validator_id: str) -> bool:
         """Where the next holder of `partition` starts, written only while `validator_id` holds it."""
-        return bool(self._record_if_held(keys=[f"{self.prefix}partition_lease:{partition}",
-                                               self.prefix + "validator_offsets"],
-                                         args=[validator_id, str(partition), str(int(offset))]))
+        return bool(self._call("hr_record_if_held", [f"{self.prefix}partition_lease:{partition}",
+                                                     self.prefix + "validator_offsets"],
+                               [validator_id, partition, int(offset)]))
 
     def validator_offsets(self) -> dict[int, int]:
         return {int(p): int(o) for p, o in self.client.hgetall(self.prefix + "validator_offsets").items()}
+
+    # ---- joins -------------------------------------------------------------------------
+    def request_join(self, request: dict) -> None:
+        """Add a volunteer's signed join request (`heterorl join`) to the stream the learner reads."""
+        self._call("hr_join_request", [self.prefix + "join_requests"], [json.dumps(request)])
 
     # ---- learner progress ------------------------------------------------------------
     def report_learner(self, progress: dict) -> None:
@@ -616,12 +584,18 @@ class RunState:
         raw = self.client.hget(self.prefix + "learner", "offsets")
         return _offsets(raw)
 
-    def sampler_view(self, with_policy: bool = True) -> "RunView":
+    def sampler_view(self, with_policy: bool = True, allowance: Optional[int] = None) -> "RunView":
         """What a sampler paces itself on, in one round trip: the learner's position and (unless
-        not `with_policy`: then None) the newest policy."""
+        not `with_policy`: then None) the newest policy. `allowance`: the fleet's claims in flight
+        count each sampler's up to this many (its batch: `claim_prompts` judges so too), so one
+        that claims and never delivers holds the fleet back no more than a sampler at work;
+        None: every claim counts."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending", "policy_version"])
-        pipe.hlen(self.prefix + "claims")
+        if allowance is None:
+            pipe.hlen(self.prefix + "claims")
+        else:
+            pipe.hvals(self.prefix + "claim_counts")
         pipe.hmget(self.prefix + "claim_stats", ["completed", "discarded_at_source"])
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
@@ -630,6 +604,8 @@ class RunState:
             if isinstance(reply, Exception):
                 raise reply
         (offsets, unread, pending, learner_version), in_flight, (completed, discarded), *policy = replies
+        if allowance is not None:
+            in_flight = sum(min(int(n), allowance) for n in in_flight if n.lstrip("-").isdigit())
         completed = int(completed or 0) - int(discarded or 0)  # what can still reach the learner
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
         position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
@@ -682,6 +658,19 @@ class RunView:
         if self.newest_version is None:
             return None
         return max(self.newest_version, self.learner_version or 0)
+
+
+def _json_objects(raw: dict[str, str]) -> dict[str, dict]:
+    """The values of a hash that are JSON objects, by field."""
+    out = {}
+    for field_name, text in raw.items():
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out[field_name] = value
+    return out
 
 
 def _offsets(raw: Optional[str]) -> dict[int, int]:

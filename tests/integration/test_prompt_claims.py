@@ -45,6 +45,12 @@ def in_threads(n: int, fn) -> list:
     return results
 
 
+def lease(state: RunState, *sampler_ids: str) -> None:
+    """A claim is made only under a live lease (pipeline/clients/run_functions.py)."""
+    for sampler_id in sampler_ids:
+        state.renew_sampler_lease(sampler_id, {"host": "h"}, LONG_TTL_S)
+
+
 def wait_until_lease_gone(state: RunState, sampler_id: str, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while sampler_id in state.live_samplers():
@@ -60,12 +66,11 @@ def assert_accounting(state: RunState) -> dict:
 
 
 def test_concurrent_claims_take_each_index_exactly_once(state):
-    for sampler_id in ("a", "b"):
-        state.renew_sampler_lease(sampler_id, {"host": "h"}, LONG_TTL_S)
+    for k in range(8):
+        state.renew_sampler_lease(f"s{k}", {"host": "h"}, LONG_TTL_S)
 
     def claim_many(k: int) -> list[int]:
-        sampler_id = "a" if k % 2 == 0 else "b"
-        return [i for _ in range(200) for i in state.claim_prompts(sampler_id, 3)]
+        return [i for _ in range(200) for i in state.claim_prompts(f"s{k}", 3)]
 
     per_thread = in_threads(8, claim_many)
     claimed = Counter(i for indices in per_thread for i in indices)
@@ -74,7 +79,7 @@ def test_concurrent_claims_take_each_index_exactly_once(state):
     s = assert_accounting(state)
     assert s["cursor"] == s["claimed"] == s["outstanding"] == 4800 and s["reissued"] == 0
     owners = state.client.hgetall(state.prefix + "claims")
-    assert Counter(owners.values()) == {"a": 2400, "b": 2400}
+    assert Counter(owners.values()) == {f"s{k}": 600 for k in range(8)}
 
 
 def test_claims_of_a_dead_sampler_are_reissued_once_and_claimed_first(state):
@@ -230,6 +235,7 @@ def test_one_sampler_per_interval_sweeps_for_the_whole_fleet(state):
 def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_count(state):
     view = state.sampler_view()
     assert view.in_flight == 0 and view.learner_unread is None and view.newest_version is None
+    lease(state, "a", "b")
     state.claim_prompts("a", 3)
     state.claim_prompts("b", 2)
     state.report_learner_offsets({0: 17}, unread=40)
@@ -240,7 +246,7 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     assert view.in_flight == 2 and view.completed == 3 and view.learner_pending == 0
     state.report_learner_offsets({0: 17}, unread=None, pending=5)
     assert state.sampler_view().learner_unread is None and state.sampler_view().learner_pending == 5
-    state.note_discarded_at_source(2)  # spooled, then too stale to send: they will never reach the learner
+    state.note_discarded_at_source("a", 2)  # spooled, then too stale to send: they will never reach the learner
     assert state.sampler_view().completed == 1
     stats = state.claim_stats()
     assert stats["claimed"] - stats["reissued"] == stats["completed"] + stats["outstanding"]  # claims unaffected
@@ -248,6 +254,7 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
 
 def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
     # 16 samplers decide at the same moment that there is room; only 5 batches of 4 fit under 20.
+    lease(state, *(f"s{k}" for k in range(16)), "late", "unlimited", "partly")
     got = in_threads(16, lambda k: state.claim_prompts(f"s{k}", 4, in_flight_limit=20))
     assert sorted(len(g) for g in got) == [0] * 11 + [4] * 5
     assert state.claim_stats()["outstanding"] == 20 and state.claim_prompts("late", 1, in_flight_limit=20) == []
