@@ -43,7 +43,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -51,11 +51,12 @@ import torch
 from kafka.errors import KafkaError
 
 from consumers.intake import Batch, Intake
+from consumers.learner_checkpoints import Checkpoints
 from consumers.learner_ranks import LearnerRank, open_rank_link, spawn_ranks, start_engine
 from consumers.recorder import LearnerLogs, StepRecorder
 from consumers.screening import GroupScreen
 from pipeline.config import HeteroConfig, dump_config
-from pipeline.learning.admission import Admission, RolloutLimits, Verdicts
+from pipeline.learning.admission import Admission, RolloutLimits
 from pipeline.learning.engine import Ranks, can_discard_gradients, leave_process_group
 from pipeline.devices import resolve_device
 from pipeline.learning.rank_link import SAVE, START, STOP, TRAIN
@@ -66,12 +67,12 @@ from pipeline.records.update_log import dead_letter_topic, read_update_log, rewi
 from pipeline.runtime import (connect_run, resolve_base_model, setup_logging, touch_heartbeat_file,
                               with_machine_precision)
 from pipeline.clients.topics import RawRecord, TopicReader, ensure_topic
+from pipeline.clients.run_functions import ensure_loaded
 from pipeline.clients.retry import retry_call
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.trust.keyring import key_paths, load_learner_key
 from pipeline.trust.verdicts import verdicts_topic
-from pipeline.weights.learner_state import capture
-from pipeline.weights.publisher import copy_weights_into, start_publisher
+from pipeline.weights.publisher import start_publisher
 from pipeline.weights.recovery import RecoverySchedule, ResumePoint, resume_point
 from pipeline.wire.rollout import encode_rollout
 from pipeline.wire.signing import SignatureError
@@ -97,12 +98,6 @@ VERDICT_WAIT_POLL_S = 0.02
 (`learner.poll_timeout_s` otherwise): the verdicts are read between polls, and a batch one
 verdict short should not wait a whole poll (measured: 11 % of the learner's time at 64
 samplers with a 1 s poll)."""
-STARVED_PUBLISH_S = 5.0
-"""A version the learner made but has not published (between `learner.sync_every` steps) is
-published once groups have kept coming for this long without filling a batch: its samplers may
-hold a version whose groups cannot be used (their checkpoint altered in the bucket before a
-validator read it: every verdict `unverifiable`), and only a newer version lets them go on."""
-
 VERDICT_POLLS = 16
 """Polls of the verdicts topic at most per turn of the loop (each up to 64 verdicts)."""
 
@@ -155,6 +150,19 @@ class DrainRequest:
                             broker, what, type(e).__name__)
                 return False
         return True
+
+
+def own_pointer_version(state, signer, log) -> Optional[int]:
+    """The version the policy pointer names, if this run's learner wrote it (signed with its key
+    `signer`, where signatures are on); a pointer anybody else wrote, or that is no pointer, is said
+    once and left out (the versions in the bucket still keep the numbering), and the publisher sets
+    the pointer again with the first version."""
+    try:
+        pointer = PolicyPointer(state).read_verified(None if signer is None else signer.public)
+    except (MalformedPointer, SignatureError) as e:
+        log.error("ignoring the policy pointer: %s; it is set again with the next version", e)
+        return None
+    return None if pointer is None else pointer.version
 
 
 def ensure_run_topics(cfg: HeteroConfig, bootstrap: str, security) -> None:
@@ -230,7 +238,7 @@ class Learner:
                 if records:
                     self.last_record_at = time.monotonic()
                     self.take(records, self.intake.offer, self.topic)
-                    self.publish_if_starved()
+                    self.checkpoints.publish_if_starved(self.version, self.step, time.monotonic() - self.last_step_at)
                 elif self.drain_request.due(self.intake, [(self.verdict_source, "the verdicts"), (self.source, "the topic")],
                                             self.cfg.validators.verdict_wait_s, self.bootstrap, self.log):
                     self.drain()
@@ -259,18 +267,25 @@ class Learner:
         self.state, self.bootstrap = self.handles.state, self.handles.services.kafka_bootstrap
         self.kafka_security = self.handles.services.security
         ensure_run_topics(self.cfg, self.bootstrap, self.kafka_security)
+        ensure_loaded(self.state.client)  # the functions samplers write through (pipeline/clients/run_functions.py)
         self.state.register_run(self.topic)
         self.work_dir = Path(tempfile.mkdtemp(prefix=".learner-", dir=self.run_dir))
         self.link = open_rank_link(self.device, self.ranks, self.lcfg)
         start = self.load_policy()
         self.open_logs()
         self.open_intake(start.offsets)
+        self.checkpoints = Checkpoints(
+            self.publisher, self.recovery, self.intake, engine=self.engine, tokenizer=self.tokenizer,
+            work_dir=self.work_dir, lcfg=self.lcfg, clock=self.clock, link=self.link,
+            keeps_versions=not self.ranks_share_weights, published_version=None if start.must_publish else self.version,
+            log=self.log)
         if start.must_publish:  # only now, so samplers do not run ahead of a learner still starting
             if self.link is not None:
                 self.link.send(SAVE, {"state": False, "policy": True})
-            self.publish_policy({"offsets": start.offsets, "step": self.step, "policy_version": self.version},
-                                parent_version=None if start.manifest_key is None else start.state_version,
-                                keyframe=True)  # a new chain, never skipped (v0 is what replays start from)
+            self.checkpoints.publish(self.version, {"offsets": start.offsets, "step": self.step,
+                                                    "policy_version": self.version},
+                                     parent_version=None if start.manifest_key is None else start.state_version,
+                                     keyframe=True)  # a new chain, never skipped (v0 is what replays start from)
             self.log.info("publishing %s as policy v%d", start.what, self.version)
         self.last_record_at = self.last_wait_log = self.last_step_at = time.monotonic()  # the idle clock starts now
         self.log.info("%s; learner on %s, topic %s, loss %s, max_delay_steps %d, %d steps to go; %d process(es) "
@@ -282,7 +297,8 @@ class Learner:
         """The newest recovery state (or the base model) in the engine, under a version never
         published before, and the publisher started."""
         store = self.handles.store
-        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir, self.pointer_version(),
+        start = resume_point(store, lambda: resolve_base_model(self.cfg), self.work_dir,
+                             own_pointer_version(self.state, store.signer, self.log),
                              on_skip=lambda step, e: self.log.error("cannot resume from the recovery state of step "
                                                                     "%d (%s); trying the one before it", step, e))
         self.log.info("starting from %s at offsets %s", start.what, start.offsets)
@@ -296,7 +312,6 @@ class Learner:
         self.limits = self.parts.limits or RolloutLimits.of_model(
             model, self.tokenizer, generation_eos_ids(start.model_dir, self.tokenizer), self.cfg.sampler)
         self.start_dir, self.start_version = start.model_dir, self.version
-        self.published_version = None if start.must_publish else self.version
         self.publisher = start_publisher(self.cfg, store, model, start.model_dir, self.work_dir,
                                          signer_key=self.keys.learner_key if store.signer is not None else None,
                                          keep_within=self.lcfg.reach_steps)
@@ -305,19 +320,6 @@ class Learner:
         self.recovery = RecoverySchedule(self.lcfg.state_every_steps, self.lcfg.state_every_s, self.step,
                                          time.monotonic())
         return start
-
-    def pointer_version(self) -> Optional[int]:
-        """The version the policy pointer names, if this run's learner wrote it (signed with its key,
-        where signatures are on); a pointer anybody else wrote, or that is no pointer, is said once
-        and left out (the versions in the bucket still keep the numbering), and the publisher sets
-        the pointer again with the first version."""
-        signer = self.handles.store.signer
-        try:
-            pointer = PolicyPointer(self.state).read_verified(None if signer is None else signer.public)
-        except (MalformedPointer, SignatureError) as e:
-            self.log.error("ignoring the policy pointer: %s; it is set again with the next version", e)
-            return None
-        return None if pointer is None else pointer.version
 
     def open_logs(self) -> None:
         self.logs = LearnerLogs(self.bootstrap, self.topic, self.run_dir, self.lcfg.network_retry_s, self.log,
@@ -418,70 +420,21 @@ class Learner:
         self.log.info("step %d (v%d) loss %.4f reward %.3f staleness %.1f/%d used %d dropped %d", self.step,
                       self.version, values["loss"], values["reward_mean"], values["staleness_mean"],
                       values["staleness_max"], values["groups_used"], values["groups_dropped"])
-        final = self.step >= self.lcfg.max_steps
         if save:  # after the update log holds the step (nothing may build on a step it lacks)
-            state_due = final or self.recovery.due(self.step, time.monotonic())
-            if state_due or self.step % self.lcfg.sync_every == 0:
-                self.save_checkpoint(policy=final or self.step % self.lcfg.sync_every == 0, state=state_due,
-                                     final=final)
+            self.checkpoints.save_due(self.version, self.step, final=self.step >= self.lcfg.max_steps)
 
     def take_stage_seconds(self) -> dict[str, float]:
         """The stages' seconds since the last call (this process's and the publisher's), added to the run's."""
         self.stage_totals.update(stages := {**self.clock.take(), **self.publisher.take_seconds()})
         return stages
 
-    # ---- publish --------------------------------------------------------------------
-    def save_checkpoint(self, tail_verdicts: Optional[Verdicts] = None, *, policy: bool = True,
-                        state: bool = True, final: bool = False) -> None:
-        """Hand the publisher the policy and, for a recovery state, the learner state. `final`: the
-        run's last version, a keyframe (it stands alone: a user takes it home)."""
-        policy = policy and self.published_version != self.version
-        extra = {"offsets": self.intake.resume_offsets(), "step": self.step, "policy_version": self.version,
-                 "loss_type": self.lcfg.loss_type}
-        if tail_verdicts:  # verdicts since the last step (no step logs them) travel with the final state
-            extra["tail_verdicts"] = {k: [asdict(x) for x in v] for k, v in vars(tail_verdicts).items() if v}
-        if self.link is not None:  # gathering the weights and the optimizer state takes every rank
-            self.link.send(SAVE, {"state": state, "policy": policy})
-        if policy:
-            self.publish_policy(extra, parent_version=self.published_version, keyframe=final)
-        if state:
-            with self.clock.stage("snapshot"):
-                captured = capture(self.engine, self.tokenizer, state=True)
-            directory = Path(tempfile.mkdtemp(prefix=f"s{self.step}-", dir=self.work_dir))
-            self.publisher.submit_state(self.step, captured, directory, extra)
-            self.recovery.written(self.step, time.monotonic())
-
-    def publish_if_starved(self) -> None:
-        """Publish the version made since the last one published once groups have come for
-        `STARVED_PUBLISH_S` without a step (said in the log)."""
-        waited = time.monotonic() - self.last_step_at
-        if self.published_version == self.version or waited < STARVED_PUBLISH_S:
-            return
-        self.log.warning("groups have come for %.0fs without filling a batch: publishing v%d now, before "
-                         "learner.sync_every = %d steps, so samplers can move on", waited, self.version,
-                         self.lcfg.sync_every)
-        self.save_checkpoint(policy=True, state=False)
-
-    def publish_policy(self, extra: dict, parent_version: Optional[int], keyframe: bool = False) -> None:
-        """Copy the weights into a free buffer of the publisher (kept for stale checks too), hand it over."""
-        with self.clock.stage("publish_wait"):
-            slot = self.publisher.take_slot()
-        with self.clock.stage("snapshot"):
-            views = self.publisher.slots.views(slot)
-            copy_weights_into(self.engine.module, views, zero3=self.lcfg.zero_stage == 3)
-            if not self.ranks_share_weights:  # the slot's bytes are the version samplers get: one copy of them kept
-                self.intake.keep(self.version, lambda: {name: view for tensors in views.values()
-                                                        for name, view in tensors.items()})
-        self.publisher.submit_policy(slot, self.version, extra, parent_version=parent_version, keyframe=keyframe)
-        self.published_version = self.version
-
     # ---- drain ----------------------------------------------------------------------
     def drain(self) -> None:
         """Train the last, smaller batch and publish, so every message read is accounted for."""
         self.train_ready(last=True, save=False)  # rechecked: time passed while winding down; saved below
         tail = self.admission.take_verdicts()
-        if tail or self.published_version != self.version or self.recovery.last_step != self.step:
-            self.save_checkpoint(tail, final=True)
+        if tail or not self.checkpoints.saved_everything(self.version, self.step):
+            self.checkpoints.save(self.version, self.step, tail, final=True)
         self.log.info("drained: every message of %s up to offsets %s is accounted for", self.topic,
                       self.intake.read_to)
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from consumers.learner import Learner
+from consumers.learner import own_pointer_version
 from consumers.validator import Validator
 from infra.local_stack import stack_services
 from pipeline.clients.run_state import MalformedPointer, RunState, parse_pointer
@@ -99,7 +99,7 @@ def test_every_reader_takes_a_malformed_pointer_as_nothing_new(local_stack, run,
     learner = SimpleNamespace(handles=SimpleNamespace(store=SimpleNamespace(signer=run.learner_key)),
                               state=RunState(_as(local_stack, "learner"), run.name), log=logging.getLogger("t"))
     with caplog.at_level(logging.ERROR, logger="t"):
-        assert Learner.pointer_version(learner) is None
+        assert own_pointer_version(learner.state, learner.handles.store.signer, learner.log) is None
     assert f"ignoring the policy pointer: {SAID[form]}".split(":")[0] in caplog.text and SAID[form] in caplog.text
 
 
@@ -108,10 +108,10 @@ def test_a_resuming_learner_numbers_from_its_own_pointer_only(local_stack, run):
     learner's numbering; its own is taken."""
     learner = SimpleNamespace(handles=SimpleNamespace(store=SimpleNamespace(signer=run.learner_key)),
                               state=RunState(_as(local_stack, "learner"), run.name), log=logging.getLogger("t"))
-    assert Learner.pointer_version(learner) == 2
+    assert own_pointer_version(learner.state, learner.handles.store.signer, learner.log) == 2
     PolicyPointer(RunState(run.admin, run.name)).set(10**9, f"{run.name}/v{10**9}/manifest.json",
                                                      signer=SigningKey.generate())
-    assert Learner.pointer_version(learner) is None
+    assert own_pointer_version(learner.state, learner.handles.store.signer, learner.log) is None
 
 
 def test_a_sampler_cannot_write_the_pointer_on_the_local_stack(local_stack, run):

@@ -205,10 +205,10 @@ def test_the_intake_keeps_versions_only_while_a_key_is_not_the_run_s_own_and_the
 
 
 def test_the_learner_hands_over_the_publisher_s_copy_not_a_cast_of_its_own(base, tmp_path):
-    """`publish_policy` gives `keep` the tensors of the publisher's slot (the bytes samplers get,
+    """`Checkpoints.publish` gives `keep` the tensors of the publisher's slot (the bytes samplers get,
     already in `learner.policy_dtype`), so the kept version is the only other copy: no whole
     cast of the module's weights is made on the way."""
-    from consumers.learner import Learner
+    from consumers.learner_checkpoints import Checkpoints
     from pipeline.weights.publisher import SnapshotSlots, slot_layout
 
     path, weights = base
@@ -219,14 +219,13 @@ def test_the_learner_hands_over_the_publisher_s_copy_not_a_cast_of_its_own(base,
     slots = SnapshotSlots(slot_layout(path, {k: t.shape for k, t in model.state_dict().items()}, torch.bfloat16),
                           count=1)
     kept = []
-    learner = Learner.__new__(Learner)
-    learner.clock, learner.ranks_share_weights, learner.version = StageClock(), False, 7
-    learner.lcfg = SimpleNamespace(zero_stage=0)
-    learner.engine = SimpleNamespace(module=model)
-    learner.intake = SimpleNamespace(keep=lambda version, tensors: kept.append((version, tensors())))
-    learner.publisher = SimpleNamespace(take_slot=lambda: 0, slots=slots, submit_policy=lambda *a, **k: None)
+    learner = Checkpoints(
+        SimpleNamespace(take_slot=lambda: 0, slots=slots, submit_policy=lambda *a, **k: None), None,
+        SimpleNamespace(keep=lambda version, tensors: kept.append((version, tensors()))),
+        engine=SimpleNamespace(module=model), tokenizer=None, work_dir=tmp_path, lcfg=SimpleNamespace(zero_stage=0),
+        clock=StageClock(), link=None, keeps_versions=True, published_version=None, log=None)
     try:
-        learner.publish_policy({}, parent_version=None)
+        learner.publish(7, {}, parent_version=None)
         (version, handed), = kept
         views = slots.views(0)["model.safetensors"]
         assert version == 7 and handed.keys() == views.keys()
