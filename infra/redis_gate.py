@@ -391,6 +391,7 @@ READ_COMMANDS: Mapping[str, _ReadSpec] = MappingProxyType({
     "HMGET": _ReadSpec(2, None, "first"),
     "HGETALL": _ReadSpec(1, 1, "first"),
     "HLEN": _ReadSpec(1, 1, "first"),
+    "HVALS": _ReadSpec(1, 1, "first"),
     "HEXISTS": _ReadSpec(2, 2, "first"),
     "HSCAN": _ReadSpec(2, 7, "first"),  # key cursor [COUNT n] [NOVALUES]; MATCH refused (_check_hscan)
     "LLEN": _ReadSpec(1, 1, "first"),
@@ -463,6 +464,10 @@ class Grant:
     read_keys: tuple[str, ...] = ()
     read_commands: frozenset[str] = frozenset(READ_COMMANDS)
     functions: Mapping[str, FunctionGrant] = field(default_factory=dict, hash=False)
+    max_distinct: Mapping[str, int] = field(default_factory=dict, hash=False)
+    """Key glob -> the most distinct keys matching it this user may name in its FCALLs (in this
+    gate's lifetime): e.g. at most as many sampler leases as the invite admits samplers, so one
+    stranger cannot make up ids by the thousand."""
 
     def __post_init__(self) -> None:
         if isinstance(self.read_keys, (str, bytes)) or not all(isinstance(p, str) and p for p in self.read_keys):
@@ -482,24 +487,33 @@ class Grant:
                 raise GateError(f"function names must be non-empty strings, not {name!r}")
             functions[name] = spec if isinstance(spec, FunctionGrant) else FunctionGrant.from_json(spec)
         object.__setattr__(self, "functions", MappingProxyType(functions))
+        limits = dict(self.max_distinct)
+        if not all(isinstance(p, str) and p and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                   for p, n in limits.items()):
+            raise GateError(f"max_distinct must map key globs to non-negative integers, not {limits!r}")
+        object.__setattr__(self, "max_distinct", MappingProxyType(limits))
 
     def may_read(self, key: bytes) -> bool:
         return key_matches(key, self.read_keys)
 
     def to_json(self) -> dict[str, Any]:
         return {"read_keys": list(self.read_keys), "read_commands": sorted(self.read_commands),
-                "functions": {name: spec.to_json() for name, spec in sorted(self.functions.items())}}
+                "functions": {name: spec.to_json() for name, spec in sorted(self.functions.items())},
+                "max_distinct": dict(sorted(self.max_distinct.items()))}
 
     @classmethod
     def from_json(cls, data: Any) -> "Grant":
-        _expect_fields(data, required=set(), optional={"read_keys", "read_commands", "functions"}, what="a grant")
+        _expect_fields(data, required=set(), optional={"read_keys", "read_commands", "functions", "max_distinct"},
+                       what="a grant")
         functions = data.get("functions", {})
         if not isinstance(functions, dict):
             raise GateError(f"a grant's functions must be an object of name -> function grant, not {functions!r}")
         return cls(read_keys=_string_list(data.get("read_keys", []), "read_keys"),
                    read_commands=frozenset(_string_list(data.get("read_commands", sorted(READ_COMMANDS)),
                                                         "read_commands")),
-                   functions={name: FunctionGrant.from_json(spec) for name, spec in functions.items()})
+                   functions={name: FunctionGrant.from_json(spec) for name, spec in functions.items()},
+                   max_distinct=dict(data.get("max_distinct", {})) if isinstance(data.get("max_distinct", {}), dict)
+                   else data["max_distinct"])
 
 
 def _string_list(value: Any, what: str) -> tuple[str, ...]:
@@ -912,6 +926,7 @@ class _Core:
         self.gate = gate
         self.users = _UsersFile(gate.users_file)
         self.sessions: set[_Session] = set()
+        self.named: dict[tuple[str, str], set[bytes]] = {}  # (user, glob) -> keys it named (Grant.max_distinct)
         self.connections = 0
         self._upstream_logged_at = -1e9
 
@@ -1023,10 +1038,25 @@ class _Core:
             if args[1:] == [b"0"]:
                 return OK
             return self._refuse(session, "command", "NOPERM this user may not run 'SELECT' other than 'SELECT 0'")
-        refusal = check_request(session.user.grant, args)
+        refusal = check_request(session.user.grant, args) or self._too_many_keys(session.user, args)
         if refusal is not None:
             return self._refuse(session, refusal.reason, refusal.message)
         return await self._forward(session, args)
+
+    def _too_many_keys(self, user: GateUser, args: list[bytes]) -> Optional[Refusal]:
+        """A refusal if this FCALL names a key past the user's `max_distinct` for its glob (checked
+        request: its numkeys is canonical); the keys it names are remembered otherwise."""
+        if command_name(args[0]) not in ("FCALL", "FCALL_RO") or not user.grant.max_distinct:
+            return None
+        keys = args[3:3 + int(args[2])]
+        for pattern, limit in user.grant.max_distinct.items():
+            named = self.named.setdefault((user.name, pattern), set())
+            new = {key for key in keys if key_matches(key, (pattern,))} - named
+            if len(named) + len(new) > limit:
+                return Refusal("distinct_keys", f"NOPERM this user may name at most {limit} keys like "
+                                                f"'{pattern}'")
+            named |= new
+        return None
 
     async def _forward(self, session: _Session, args: list[bytes]) -> bytes:
         assert session.upstream is not None

@@ -295,3 +295,25 @@ def test_removing_the_user_closes_its_connections_and_refuses_new_auth(env):
     stats = env.gate.stats()
     assert stats["revoked_connections"] >= 2 and stats["forwarded"]["vol2"] >= 1
     vol2.close()
+
+
+def test_a_user_names_no_more_distinct_keys_than_its_grant_allows(env, tmp_path):
+    """`max_distinct`: an invite's user may hold as many sampler leases as the invite admits samplers,
+    so a stranger cannot make up sampler ids by the thousand (each holding claims)."""
+    users = tmp_path / "limited-users.json"
+    password = new_password()
+    add_user(users, "two-ids", password, Grant(
+        read_keys=("heterorl:run1:*",),
+        functions={"hr_test_set": FunctionGrant(keys=("heterorl:run1:*",), max_args=2, max_arg_bytes=64)},
+        max_distinct={"heterorl:run1:sampler:*": 2}))
+    gate = RedisGate(listen=("127.0.0.1", 0), upstream_url=env.sampler_url, users_file=users).start()
+    try:
+        client = redis.Redis.from_url(gate.url("two-ids", password), protocol=2)
+        for n in (1, 2, 1, 2):
+            client.fcall("hr_test_set", 1, f"heterorl:run1:sampler:s{n}", "f", "v")
+        with pytest.raises(redis.ResponseError, match="at most 2 keys like"):
+            client.fcall("hr_test_set", 1, "heterorl:run1:sampler:s3", "f", "v")
+        client.fcall("hr_test_set", 1, "heterorl:run1:sampler_stats", "f", "v")  # other keys are not counted
+        client.close()
+    finally:
+        gate.stop()
