@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 import redis
 import yaml
 
+from infra.credentials import add_stranger, remove_stranger
+from infra.local_stack import gate_bootstrap, load_stack, stranger_services
 from pipeline.clients.run_state import RunState, connect_redis
 from pipeline.clients.services import ServiceUnavailable, check_reachable, require_services
 from pipeline.config import ConfigError, HeteroConfig, config_from_text, dump_config
@@ -50,6 +52,9 @@ LOOPBACK = ("127.", "localhost", "[::1]")
 OTHER_ROLE_USERS = ("admin", "learner", "validator")
 """Users that heterorl's stacks (local and compose) make for roles other than samplers: an
 invite never carries their credentials."""
+CREDENTIALS_GONE_S = 5.0
+"""Within this the servers refuse an invite's deleted credentials: the gates re-read their users every
+second and close the user's connections, the S3 server checks its keys at every request."""
 ADMIT_WAIT_S = 120.0
 """How long `join` waits for the learner to decide its request (the learner reads requests
 every `security.registry_refresh_s` while it runs)."""
@@ -66,10 +71,20 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
     root, learner = load_root_key(paths), load_learner_public(paths)
     services = require_services(sampler_cfg.services)
     refuse_other_roles(services.redis_url, sampler_cfg.services.kafka_sasl_username)
+    grant = Grant.new(cfg.run.name, joins, hours * 3600, time.time() if now is None else now)
+    gated, lines = invite_services(cfg, services, grant), []
+    if gated is None:
+        lines.append("these servers are not a local stack with gates: the invite carries the sampler role's own "
+                     "credentials, and revoking it ends admission, not access (docs/security.md, \"Invites\")")
+    services = gated or services
     fields = {**{k: getattr(sampler_cfg.services, k) for k in SERVICE_FIELDS}, **{
         "kafka_bootstrap": services.kafka_bootstrap, "redis_url": services.redis_url,
         "s3_endpoint": services.s3_endpoint, "s3_access_key": services.s3_access_key,
         "s3_secret_key": services.s3_secret_key, "s3_region": services.s3_region, "bucket": services.bucket}}
+    if gated is not None:
+        sec = gated.security
+        fields.update(kafka_security_protocol=sec.kafka_security_protocol, kafka_sasl_mechanism=sec.kafka_sasl_mechanism,
+                      kafka_sasl_username=sec.kafka_sasl_username, kafka_sasl_password=sec.kafka_sasl_password)
     tls = {"kafka_ssl_cafile": sampler_cfg.services.kafka_security_protocol in ("SSL", "SASL_SSL"),
            "redis_ssl_ca_certs": services.redis_url.startswith("rediss://"),
            "s3_ca_file": services.s3_endpoint.startswith("https://")}
@@ -81,9 +96,8 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
     everything = yaml.safe_load(dump_config(cfg))
     config = {section: everything[section] for section in RUN_SECTIONS}
     config["security"] = {k: everything["security"][k] for k in SAMPLER_SECURITY}
-    grant = Grant.new(cfg.run.name, joins, hours * 3600, time.time() if now is None else now)
     text = make_invite(root, grant, services=fields, ca_pem=ca_pem, learner_public=learner, config=config)
-    lines = [f"invite {grant.grant_id} of run {cfg.run.name}: up to {joins} sampler(s) may join until "
+    lines = [*lines, f"invite {grant.grant_id} of run {cfg.run.name}: up to {joins} sampler(s) may join until "
              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(grant.expires_at))}, as strangers (their groups "
              "are checked)",
              "anyone holding it can join: send it privately; end it with "
@@ -93,6 +107,19 @@ def make_run_invite(cfg: HeteroConfig, sampler_cfg: HeteroConfig, joins: int, ho
         lines.append("its servers are on loopback (127.0.0.1): only this machine can join; for other hosts start "
                      "the stack with `heterorl up --host ADDRESS`")
     return text, grant, lines
+
+
+def invite_services(cfg: HeteroConfig, services, grant: Grant):
+    """The servers as invite `grant`'s holder reaches them, with credentials of its own (made here),
+    where `services` are a running local stack's: Kafka and Redis through its gates, an S3 key that
+    reads only this run's policies (`infra.access`, role `stranger`). None elsewhere (servers of
+    your own, docker-compose): the invite then carries the sampler role's credentials."""
+    state = load_stack(cfg.services.data_dir)
+    if state is None or not (state.kafka_gate and state.redis_gate) or services.kafka_bootstrap not in (
+            state.kafka_bootstrap, gate_bootstrap(state)):
+        return None
+    made = add_stranger(state.data_dir, grant.grant_id, cfg.run.name, cfg.run.topic, grant.max_joins, state.bucket)
+    return stranger_services(state, made)
 
 
 def write_invite_file(path: Path, text: str) -> None:
@@ -136,7 +163,17 @@ def revoke_invite(cfg: HeteroConfig, client, grant_id: str) -> list[str]:
     write_registry(client, registry.with_revoked_grant(grant_id, time.time()), root)
     return [f"revoked invite {grant_id} of run {cfg.run.name}: no key joins with it any more, and its "
             f"{len(joined)} sampler(s) ({', '.join(k['sampler_id'] for k in joined) or 'none'}) are refused within "
-            f"security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"]
+            f"security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s", end_access(cfg, grant_id)]
+
+
+def end_access(cfg: HeteroConfig, grant_id: str) -> str:
+    """Delete invite `grant_id`'s credentials on the local stack's servers; a line saying where."""
+    servers = remove_stranger(cfg.services.data_dir, grant_id) if load_stack(cfg.services.data_dir) else []
+    if not servers:
+        return (f"invite {grant_id} has no credentials of its own here (not made on a running local stack): its "
+                "holders keep the access those credentials give")
+    return (f"deleted invite {grant_id}'s credentials on {', '.join(servers)}: its holders' connections end within "
+            f"{CREDENTIALS_GONE_S:g} s")
 
 
 # ---- join ---------------------------------------------------------------------------------

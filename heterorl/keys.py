@@ -112,9 +112,25 @@ def keys_revoke(cfg: HeteroConfig, name: str) -> list[str]:
     for k in targets:  # a volunteer's key (joined with an invite) is written into the registry as revoked
         registry = registry.with_revoked(k.key_id, now, entry=k)
     write_registry(client, registry, root)
-    return [f"revoked key {k.key_id} of sampler {k.sampler_id!r} (registry serial {registry.serial}); the learner "
-            f"refuses its rollouts within security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"
-            for k in targets]
+    lines = [f"revoked key {k.key_id} of sampler {k.sampler_id!r} (registry serial {registry.serial}); the learner "
+             f"refuses its rollouts within security.registry_refresh_s = {cfg.security.registry_refresh_s:g}s"
+             for k in targets]
+    return lines + [_end_invite_access(cfg, registry, grant) for grant in sorted({k.grant for k in targets if k.grant})]
+
+
+def _end_invite_access(cfg: HeteroConfig, registry: KeyRegistry, grant_id: str) -> str:
+    """A volunteer's server access is its invite's credentials: they go when every sampler the invite
+    admits has joined and been revoked (an invite of one join: with its one volunteer); else a line says
+    who keeps them."""
+    from heterorl.invites import end_access
+    from infra.credentials import stranger_joins
+
+    joined = [k for k in registry.keys.values() if k.grant == grant_id]
+    joins = stranger_joins(cfg.services.data_dir, grant_id)
+    if joins is not None and len(joined) >= joins and all(k.status == "revoked" for k in joined):
+        return end_access(cfg, grant_id)
+    return (f"invite {grant_id}'s credentials stay for its other joiners (or joins to come): "
+            f"`heterorl invite --revoke {grant_id}` ends them")
 
 
 def run_registry(cfg: HeteroConfig, client) -> KeyRegistry:

@@ -117,9 +117,13 @@ def services_for_run(cfg: HeteroConfig, keep: bool = False) -> Iterator[tuple[He
 
 
 def as_role(services: Services, data_dir: str, role: str) -> Services:
-    """`services` for a process of `role`: if its Redis is the admin user of the local stack in
-    `data_dir`, that stack's `role` user instead (least privilege); otherwise unchanged."""
+    """`services` for a process of `role`: if they are the admin's of the local stack in `data_dir`,
+    that stack's `role` user and key instead (least privilege: `infra.access`); otherwise unchanged."""
     state = load_stack(data_dir)
     if state is None or services.redis_url != stack_services(state).redis_url:
         return services
-    return replace(services, redis_url=stack_services(state, role).redis_url)
+    own = stack_services(state, role)
+    s3_is_the_stack_s = services.s3_endpoint == state.s3_endpoint
+    return replace(services, redis_url=own.redis_url,
+                   s3_access_key=own.s3_access_key if s3_is_the_stack_s else services.s3_access_key,
+                   s3_secret_key=own.s3_secret_key if s3_is_the_stack_s else services.s3_secret_key)

@@ -117,14 +117,20 @@ from minio import Minio
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
+from infra.access import redis_acl_rules
+from infra.credentials import (KAFKA_GATE_ROLES, S3_ROLES, kafka_users_file, new_secret, redis_users_file,
+                               write_role_credentials)
+from infra.s3_identities import IDENTITIES_FILE
 from pipeline.clients.run_functions import ensure_loaded
-from pipeline.clients.services import LOOPBACK, Services, free_port, services_env
+from pipeline.clients.services import LOOPBACK, ServiceSecurity, Services, free_port, services_env
 
 log = logging.getLogger(__name__)
 
+BIND_ALL = "0.0.0.0"
 STATE_FILE = "stack.json"
 LOCK_FILE = ".stack.lock"
-START_ORDER = ("s3", "kafka", "redis")
+START_ORDER = ("s3", "kafka", "redis", "kafka-gate", "redis-gate")
+GATES = ("kafka-gate", "redis-gate")
 KAFKA_STORAGES = ("s3", "memory")
 STOP_GRACE_S = 10.0
 
@@ -159,8 +165,18 @@ class StackState:
     # `heterorl down` + `up`, which makes users and passwords.
     redis_passwords: dict[str, str] = field(default_factory=dict)
     host: str = LOOPBACK
-    """The address every server binds and every URL names (`heterorl up --host`: another
-    machine's roles reach the stack there)."""
+    """The address Redis, S3 and the gates bind and their URLs name (`heterorl up --host`: another
+    machine's roles reach the stack there). The broker itself listens on loopback only (it checks
+    no credentials): from elsewhere Kafka is reached through the Kafka gate."""
+    s3_keys: dict[str, list[str]] = field(default_factory=dict)
+    """Role -> [access key, secret key] of its S3 identity (`infra.credentials.S3_ROLES`; the
+    admin's is `s3_access_key`/`s3_secret_key`)."""
+    gate_passwords: dict[str, str] = field(default_factory=dict)
+    """Role -> password of its Kafka gate user (`infra.credentials.KAFKA_GATE_ROLES`)."""
+    kafka_gate: str = ""
+    """"host:port" of the Kafka gate (`infra.kafka_gate`): how Kafka is reached from elsewhere."""
+    redis_gate: str = ""
+    """"host:port" of the Redis gate (`infra.redis_gate`): how an invite's holder reaches Redis."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -174,11 +190,20 @@ class StackState:
             str(k): int(v) for k, v in kwargs.get("process_start_ticks", {}).items()
         }
         kwargs["redis_passwords"] = {str(k): str(v) for k, v in kwargs.get("redis_passwords", {}).items()}
+        kwargs["s3_keys"] = {str(k): [str(x) for x in v] for k, v in kwargs.get("s3_keys", {}).items()}
+        kwargs["gate_passwords"] = {str(k): str(v) for k, v in kwargs.get("gate_passwords", {}).items()}
         return cls(**kwargs)
 
+    def address(self, name: str) -> tuple[str, int]:
+        """(host, port) where server `name` listens."""
+        url = {"kafka": self.kafka_bootstrap, "redis": self.redis_url, "s3": self.s3_endpoint,
+               "kafka-gate": self.kafka_gate, "redis-gate": self.redis_gate}[name]
+        host_port = url.split("://", 1)[-1].rsplit("@", 1)[-1].split("/", 1)[0]
+        host, port = host_port.rsplit(":", 1)
+        return host, int(port)
+
     def port(self, name: str) -> int:
-        url = {"kafka": self.kafka_bootstrap, "redis": self.redis_url, "s3": self.s3_endpoint}[name]
-        return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+        return self.address(name)[1]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -207,15 +232,42 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def stack_services(state: StackState, role: str = "admin") -> Services:
-    """``state`` as the ``pipeline.clients.services.Services`` a client of ``role`` connects with: its
-    Redis URL carries that Redis user (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``,
-    ``validator``).
-    A stack recorded without Redis users (started by an older version) gives its plain URL."""
+def stack_services(state: StackState, role: str = "admin", remote: bool = False) -> Services:
+    """``state`` as the ``pipeline.clients.services.Services`` a client of ``role`` connects with
+    (``REDIS_ROLES``: ``admin``, ``learner``, ``sampler``, ``validator``; ``infra.access`` says what
+    each may do): its Redis user and its S3 key, and Kafka at the broker's own port on loopback, or,
+    with `remote` (a process on another machine), through the Kafka gate as the role's gate user.
+    A stack recorded without users or keys (an older version's) gives its plain URL and the admin's key."""
     if role not in REDIS_ROLES:
         raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
-    return Services(state.kafka_bootstrap, redis_role_url(state, role), state.s3_endpoint, state.s3_access_key,
-                    state.s3_secret_key, state.s3_region, state.bucket, from_local_stack=True)
+    access, secret = state.s3_keys.get(role) or (state.s3_access_key, state.s3_secret_key)
+    kafka, security = state.kafka_bootstrap, ServiceSecurity()
+    if remote and state.kafka_gate and role in state.gate_passwords:
+        kafka, security = gate_bootstrap(state), scram_security(role, state.gate_passwords[role])
+    return Services(kafka, redis_role_url(state, role), state.s3_endpoint, access, secret, state.s3_region,
+                    state.bucket, from_local_stack=True, security=security)
+
+
+def gate_bootstrap(state: StackState) -> str:
+    """Where clients reach the Kafka gate (what it advertises): its address, loopback for 0.0.0.0."""
+    host, port = state.address("kafka-gate")
+    return f"{LOOPBACK if host == BIND_ALL else host}:{port}"
+
+
+def scram_security(user: str, password: str) -> ServiceSecurity:
+    """How a client logs in to the Kafka gate."""
+    return ServiceSecurity(kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_mechanism="SCRAM-SHA-256",
+                           kafka_sasl_username=user, kafka_sasl_password=password)
+
+
+def stranger_services(state: StackState, made) -> Services:
+    """What an invite's holder connects with: every server through its own credentials
+    (`infra.credentials.StrangerCredentials` `made`), Kafka and Redis through the gates."""
+    host, port = state.address("redis-gate")
+    redis_url = f"redis://{made.user}:{made.redis_password}@{LOOPBACK if host == BIND_ALL else host}:{port}/0"
+    return Services(gate_bootstrap(state), redis_url, state.s3_endpoint, made.s3_access_key, made.s3_secret_key,
+                    state.s3_region, state.bucket, from_local_stack=True,
+                    security=scram_security(made.user, made.kafka_password))
 
 
 def redis_role_url(state: StackState, role: str) -> str:
@@ -229,9 +281,17 @@ def _redis_url(port: int, user: str = "", password: str | None = None, host: str
     return f"redis://{auth}{host}:{port}/0"
 
 
-def stack_env(state: StackState, role: str = "admin") -> dict[str, str]:
-    """Environment variables that point heterorl (and standard tools) at ``state`` as ``role``."""
-    return services_env(stack_services(state, role))
+def stack_env(state: StackState, role: str = "admin", remote: Optional[bool] = None) -> dict[str, str]:
+    """Environment variables that point heterorl (and standard tools) at ``state`` as ``role``:
+    `remote` (default: the stack serves other machines, `heterorl up --host`) through the Kafka
+    gate, with the role's login (`KAFKA_SASL_*`)."""
+    services = stack_services(state, role, remote=state.host != LOOPBACK if remote is None else remote)
+    env = services_env(services)
+    sec = services.security
+    if sec.kafka_sasl_username:
+        env.update(KAFKA_SECURITY_PROTOCOL=sec.kafka_security_protocol, KAFKA_SASL_MECHANISM=sec.kafka_sasl_mechanism,
+                   KAFKA_SASL_USERNAME=sec.kafka_sasl_username, KAFKA_SASL_PASSWORD=sec.kafka_sasl_password)
+    return env
 
 
 def _one_line(text: str, limit: int = 240) -> str:
@@ -632,15 +692,17 @@ def _spec(state: StackState, name: str) -> _Spec:
         for var in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "CLUSTER_ID",
                     "SCHEMA_REGISTRY", "OTEL_EXPORTER_OTLP_ENDPOINT"):
             env.pop(var, None)
+        access, secret = state.s3_keys.get("broker") or (state.s3_access_key, state.s3_secret_key)
         env.update(
             AWS_ENDPOINT=state.s3_endpoint,
-            AWS_ACCESS_KEY_ID=state.s3_access_key,
-            AWS_SECRET_ACCESS_KEY=state.s3_secret_key,
+            AWS_ACCESS_KEY_ID=access,  # its own key: its bucket only (infra.access)
+            AWS_SECRET_ACCESS_KEY=secret,
             AWS_DEFAULT_REGION=state.s3_region,
             AWS_REGION=state.s3_region,
             AWS_ALLOW_HTTP="true",
         )
-        listener = f"tcp://{state.host}:{port}"
+        host, _ = state.address("kafka")  # loopback: it checks no credentials
+        listener = f"tcp://{host}:{port}"
         # Clients connect to the advertised address after bootstrap: a fault proxy in front of
         # the broker (`heterorl chaos`) is advertised so that every request crosses it.
         advertised = f"tcp://{state.kafka_advertised}" if state.kafka_advertised else listener
@@ -653,51 +715,56 @@ def _spec(state: StackState, name: str) -> _Spec:
         argv = [_redis_bin(), "--port", str(port), "--bind", state.host,
                 "--dir", str(data_dir / "redis"), "--appendonly", "yes",
                 "--appendfsync", "everysec", "--save", "",
+                # bounded, and nothing ever evicted: a write past it fails, no run state is dropped
+                "--maxmemory", REDIS_MAXMEMORY, "--maxmemory-policy", "noeviction",
                 "--daemonize", "no", "--protected-mode", "yes", "--logfile", ""]
         if state.redis_passwords:  # users and password hashes in a file, never in argv
             argv += ["--aclfile", str(_write_redis_acl(state, argv[0]))]
         return _Spec(argv, env, strip_password(state.redis_url))
+    if name in GATES:
+        return _gate_spec(state, name, env)
     raise StackError(f"unknown service {name!r}; expected one of {', '.join(START_ORDER)}")
+
+
+REDIS_MAXMEMORY = "2gb"
+"""What Redis may hold: far above a run's state (the run functions bound what each sampler
+writes: pipeline/clients/run_functions.py), far below the machine."""
+REDIS_GATE_PASSWORD_ENV = "REDIS_GATE_UPSTREAM_PASSWORD"
+
+
+def _module_main(module: str) -> str:
+    """`python -c` text that runs `module`'s main() with this project on the path (servers run in the
+    data dir, where `-m` would not find it)."""
+    return (f"import sys; sys.path.insert(0, sys.argv.pop(1)); from {module} import main; "
+            "sys.exit(main(sys.argv[1:]))")
+
+
+def _gate_spec(state: StackState, name: str, env: dict[str, str]) -> _Spec:
+    """The Kafka gate in front of the broker, or the Redis gate in front of Redis (as the sampler
+    user, whose password comes in the environment): `infra.access` says who goes through them."""
+    data_dir = Path(state.data_dir)
+    host, port = state.address(name)
+    if name == "kafka-gate":
+        broker_host, broker_port = state.address("kafka")
+        advertised = f"{LOOPBACK if host == BIND_ALL else host}:{port}"
+        argv = [sys.executable, "-c", _module_main("infra.kafka_gate"), _PROJECT_ROOT, "--listen", f"{host}:{port}",
+                "--broker", f"{broker_host}:{broker_port}", "--users", str(kafka_users_file(data_dir)),
+                "--advertise", advertised]
+        return _Spec(argv, env, f"tcp://{host}:{port}")
+    _, redis_port = state.address("redis")
+    redis_host = LOOPBACK if state.host in (BIND_ALL, LOOPBACK) else state.host
+    env[REDIS_GATE_PASSWORD_ENV] = state.redis_passwords.get("sampler", "")
+    argv = [sys.executable, "-c", _module_main("infra.redis_gate"), _PROJECT_ROOT, "--listen", f"{host}:{port}",
+            "--upstream-url", f"redis://sampler@{redis_host}:{redis_port}/0", "--users",
+            str(redis_users_file(data_dir))]
+    return _Spec(argv, env, f"redis://{host}:{port}")
 
 
 # --------------------------------------------------------------------------- redis users
 
 REDIS_ROLES = ("admin", "learner", "sampler", "validator")
+"""The Redis users of a stack; what each may do is `infra.access.redis_acl_rules`'s."""
 REDIS_ACL_FILE = "users.acl"
-# Keys under heterorl:<run>: (pipeline/clients/run_state.py, pipeline/trust/keyring.py) that a sampler
-# writes (its lease, the prompt claims, meta's epoch_size, a volunteer's join request), and those it
-# only reads (the admissions: the learner's, signed).
-SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "claims", "reissue",
-                  "prompt_cursor", "claim_stats", "claims_sweep", "meta", "join_requests", "claim_counts",
-                  "reissued_from", "sampler_owners")
-SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions", "used_by_sampler")
-# A validator (consumers/validator.py) writes its lease, the partition leases and where its
-# verdicts end; it reads what a sampler reads.
-VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")
-# Every role: no FLUSHALL/FLUSHDB/KEYS/CONFIG/ACL/DEBUG/SHUTDOWN/MONITOR and no other admin
-# command (the categories cover them), and no script of its own (EVAL, SCRIPT, FUNCTION): the
-# run's functions (pipeline/clients/run_functions.py) are called with FCALL; the learner loads them.
-_ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction -@dangerous -@admin -@scripting +fcall +fcall_ro +time"
-
-
-def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
-    """``role``'s ACL rules (keys and commands), without user name and password.
-
-    Redis >= 7 (and Valkey, the local stack's default) gets read-only key patterns (``%R~``) for
-    what a sampler only reads, so a sampler cannot write the policy pointer; an older Redis has no
-    read-only patterns, so there a sampler can write those keys too. The policy pointer is
-    still signed by the learner's key (pipeline/wire/signing.py), which samplers check, and a
-    malformed one is taken as "nothing new" by every reader."""
-    if role == "admin":
-        return "~* &* +@all"
-    if role == "learner":
-        return f"resetkeys ~heterorl:* resetchannels {_ROLE_COMMANDS} +function|load"
-    if role not in ("sampler", "validator"):
-        raise StackError(f"unknown role {role!r}; expected one of {', '.join(REDIS_ROLES)}")
-    writes = " ".join(f"~heterorl:*:{key}" for key in (SAMPLER_WRITES if role == "sampler" else VALIDATOR_WRITES))
-    read_only = "%R~" if redis_version >= (7, 0) else "~"
-    reads = " ".join(f"{read_only}heterorl:*:{key}" for key in SAMPLER_READS)
-    return f"resetkeys {writes} {reads} resetchannels {_ROLE_COMMANDS}"
 
 
 def redis_server_version(binary: str) -> tuple[int, int]:
@@ -739,9 +806,12 @@ def s3_client(state: StackState, *, fast_fail: bool = False) -> Minio:
 
 
 def _probe(state: StackState, name: str) -> bool:
-    """One real protocol request against ``name``; True when it answers."""
-    if not _tcp_open(state.port(name), state.host):
+    """One real protocol request against ``name``; True when it answers (a gate: when it listens)."""
+    host, port = state.address(name)
+    if not _tcp_open(port, LOOPBACK if host == BIND_ALL else host):
         return False
+    if name in GATES:
+        return True
     if name == "s3":
         s3_client(state, fast_fail=True).list_buckets()
         return True
@@ -764,9 +834,11 @@ def _probe(state: StackState, name: str) -> bool:
 
 
 def _after_start(state: StackState, name: str) -> None:
-    """What a server needs once it answers: S3 its buckets, Redis the run functions."""
+    """What a server needs once it answers: S3 its buckets and the roles' keys (and the gates their
+    users, before they start), Redis the run functions."""
     if name == "s3":
         _ensure_buckets(state)
+        write_role_credentials(state.data_dir, state.bucket, state.s3_keys, state.gate_passwords)
     elif name == "redis":
         client = redis.Redis.from_url(state.redis_url, socket_timeout=10, socket_connect_timeout=5)
         try:
@@ -835,11 +907,22 @@ def _launch_and_wait(state: StackState, name: str, deadline: float) -> subproces
 
 def _set_port(state: StackState, name: str, port: int) -> None:
     if name == "kafka":
-        state.kafka_bootstrap = f"{state.host}:{port}"
+        state.kafka_bootstrap = f"{LOOPBACK}:{port}"
     elif name == "redis":
         state.redis_url = _redis_url(port, "admin", state.redis_passwords.get("admin"), state.host)
+    elif name == "kafka-gate":
+        state.kafka_gate = f"{state.host}:{port}"
+    elif name == "redis-gate":
+        state.redis_gate = f"{state.host}:{port}"
     else:
         state.s3_endpoint = f"http://{state.host}:{port}"
+
+
+def expected_servers(state: StackState) -> tuple[str, ...]:
+    """The servers a stack runs: every one, but the broker and its gate with an external Kafka."""
+    if state.kafka_storage == "external":
+        return tuple(n for n in START_ORDER if n not in ("kafka", "kafka-gate"))
+    return START_ORDER
 
 
 # --------------------------------------------------------------------------- public API
@@ -848,7 +931,7 @@ def _set_port(state: StackState, name: str, port: int) -> None:
 def load_stack(data_dir: str | Path) -> StackState | None:
     """The recorded stack in ``data_dir``, or None if there is none or any server died."""
     state = _read_state(Path(data_dir))
-    if state is None or set(state.processes) != set(START_ORDER):
+    if state is None or set(state.processes) != set(expected_servers(state)):
         return None
     for name, pid in state.processes.items():
         if not _is_alive(pid, state.process_start_ticks.get(name, 0)):
@@ -925,7 +1008,7 @@ def _plan_stack(data_dir: Path, fixed: dict[str, int], taken: set[int], *, s3_se
         # Another server already on a fixed port could answer our readiness probe.
         if port and _tcp_open(port, host):
             raise StackError(f"port {port} for {name} is already in use on {host}")
-    ports = {n: fixed[n] or free_port(taken) for n in START_ORDER}
+    ports = {n: fixed.get(n) or free_port(taken) for n in START_ORDER}
     if s3_server == "minio":
         access, secret = "heterorl-" + secrets.token_hex(6), secrets.token_urlsafe(24)
     else:
@@ -933,7 +1016,13 @@ def _plan_stack(data_dir: Path, fixed: dict[str, int], taken: set[int], *, s3_se
     redis_passwords = {role: secrets.token_urlsafe(24) for role in REDIS_ROLES}
     return StackState(
         data_dir=str(data_dir),
-        kafka_bootstrap=external_kafka or f"{host}:{ports['kafka']}",
+        # the broker checks no credentials: only this machine reaches its own port, others the gate
+        kafka_bootstrap=external_kafka or f"{LOOPBACK}:{ports['kafka']}",
+        kafka_gate="" if external_kafka else f"{host}:{ports['kafka-gate']}",
+        redis_gate=f"{host}:{ports['redis-gate']}",
+        s3_keys={role: [f"heterorl-{role}-{secrets.token_hex(6)}", new_secret()] for role in S3_ROLES}
+        if s3_server == "localbucket" else {},
+        gate_passwords={role: new_secret() for role in KAFKA_GATE_ROLES},
         redis_url=_redis_url(ports["redis"], "admin", redis_passwords["admin"], host),
         s3_endpoint=f"http://{host}:{ports['s3']}",
         s3_access_key=access,
@@ -958,7 +1047,7 @@ def _launch_servers(state: StackState, fixed: dict[str, int], taken: set[int], d
     started: dict[str, tuple[int, int]] = {}
     try:
         for name in START_ORDER:
-            if name == "kafka" and skip_kafka:
+            if name in ("kafka", "kafka-gate") and skip_kafka:
                 continue
             for attempt in range(3):
                 try:
@@ -967,7 +1056,7 @@ def _launch_servers(state: StackState, fixed: dict[str, int], taken: set[int], d
                 except _LaunchFailed as exc:
                     # An auto-picked port can be grabbed by someone else before the
                     # server binds it; pick another one.
-                    if not (exc.port_in_use and not fixed[name] and attempt < 2):
+                    if not (exc.port_in_use and not fixed.get(name) and attempt < 2):
                         raise
                     _set_port(state, name, free_port(taken))
             ticks = _start_ticks(proc.pid)
@@ -999,7 +1088,7 @@ def _stop_recorded(data_dir: Path) -> list[str]:
     return stopped
 
 
-DATA_SUBDIRS = ("s3", "minio", "redis")  # what ``wipe`` deletes
+DATA_SUBDIRS = ("s3", "minio", "redis", "gates")  # what ``wipe`` deletes, with the S3 identities
 
 
 def stop_stack(data_dir: str | Path, *, wipe: bool = False) -> list[str]:
@@ -1021,6 +1110,8 @@ def stop_stack(data_dir: str | Path, *, wipe: bool = False) -> list[str]:
         if wipe:
             for sub in DATA_SUBDIRS:
                 shutil.rmtree(data_dir / sub, ignore_errors=True)
+            for name in (IDENTITIES_FILE, f".{IDENTITIES_FILE}.lock"):
+                (data_dir / name).unlink(missing_ok=True)
         return stopped
 
 

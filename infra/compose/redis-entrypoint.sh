@@ -1,6 +1,6 @@
 #!/bin/sh
 # Redis of docker-compose.yml: TLS only, and one ACL user per role with its password from the
-# environment (stored as sha256, never in argv). The rules are infra.local_stack.redis_acl_rules
+# environment (stored as sha256, never in argv). The rules are infra.access.redis_acl_rules
 # for Redis >= 7 (a unit test keeps them equal): the default user is off; `learner` reads and
 # writes heterorl:* without admin or dangerous commands, and loads the run functions
 # (pipeline/clients/run_functions.py); `sampler` writes its lease, claims and counters through
@@ -13,9 +13,8 @@ umask 077
 hash() { printf %s "$1" | sha256sum | cut -d ' ' -f 1; }
 COMMANDS="-@all +@connection +@read +@write +@transaction -@dangerous -@admin -@scripting +fcall +fcall_ro +time"
 SAMPLER_KEYS="~heterorl:*:sampler:* ~heterorl:*:samplers_seen ~heterorl:*:sampler_last ~heterorl:*:sampler_stats \
-~heterorl:*:claims ~heterorl:*:reissue ~heterorl:*:prompt_cursor ~heterorl:*:claim_stats \
-~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests ~heterorl:*:claim_counts \
-~heterorl:*:reissued_from ~heterorl:*:sampler_owners \
+~heterorl:*:sampler_owners ~heterorl:*:claims ~heterorl:*:reissue ~heterorl:*:prompt_cursor ~heterorl:*:claim_stats \
+~heterorl:*:claim_counts ~heterorl:*:reissued_from ~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests \
 %R~heterorl:*:policy %R~heterorl:*:learner %R~heterorl:*:key_registry %R~heterorl:*:quarantine \
 %R~heterorl:*:admissions %R~heterorl:*:used_by_sampler"
 

@@ -220,6 +220,8 @@ class RunState:
         and a one-line error if the server lacks them (the learner or `heterorl up` loads them)."""
         try:
             return self.client.fcall(function, len(keys), *keys, *(str(a) for a in args))
+        except redis.exceptions.NoPermissionError as e:  # the ACL, or a gate in front of Redis
+            raise RunStateRefused(f"Redis refused {function} for run {self.run}: {e}") from None
         except redis.ResponseError as e:
             why = _refused(e)
             if why is not None:

@@ -169,7 +169,7 @@ def test_stop_kills_exactly_the_recorded_processes(tmp_path: Path) -> None:
         assert load_stack(state.data_dir) is None
 
         stopped = stop_stack(state.data_dir)
-        assert sorted(stopped) == ["kafka", "s3"]
+        assert sorted(stopped) == ["kafka", "kafka-gate", "redis-gate", "s3"]
         assert all(_gone(pid) for pid in state.processes.values())
         assert bystander.poll() is None
         assert not (tmp_path / "stack" / STATE_FILE).exists()
@@ -353,7 +353,7 @@ def test_durable_stack_survives_down_and_up(tmp_path: Path) -> None:
         rds.set("heterorl:policy_version", 7)
         rds.close()
 
-        assert sorted(stop_stack(tmp_path)) == ["kafka", "redis", "s3"]
+        assert sorted(stop_stack(tmp_path)) == ["kafka", "kafka-gate", "redis", "redis-gate", "s3"]
         assert all(_gone(pid) for pid in state.processes.values())
         assert all((tmp_path / sub).is_dir() for sub in ("s3", "redis"))
 
@@ -398,8 +398,9 @@ def test_stop_with_wipe_deletes_stored_data(tmp_path: Path) -> None:
         rds.close()
     finally:
         stopped = stop_stack(data_dir, wipe=True)
-    assert sorted(stopped) == ["kafka", "redis", "s3"]
+    assert sorted(stopped) == ["kafka", "kafka-gate", "redis", "redis-gate", "s3"]
     assert not any((data_dir / sub).exists() for sub in DATA_SUBDIRS)
+    assert not (data_dir / "s3-identities.json").exists()
     assert (data_dir / "logs" / "kafka.log").exists()
     assert stop_stack(data_dir, wipe=True) == []  # nothing running: still fine
 

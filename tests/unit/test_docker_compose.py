@@ -251,7 +251,7 @@ def test_kafka_init_lets_samplers_only_write_the_rollout_topic(services: dict) -
 
 
 def test_redis_speaks_tls_only_with_the_local_stack_s_acl_rules(services: dict) -> None:
-    from infra.local_stack import redis_acl_rules
+    from infra.access import redis_acl_rules
 
     redis = services["redis"]
     script = _script(redis)
