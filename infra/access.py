@@ -159,12 +159,31 @@ def broker_bucket(bucket: str) -> str:
 
 # ---- the table of docs/security.md ------------------------------------------------------------
 
+TESTED_BY = {
+    ("learner", "Kafka"): "tests/integration/test_kafka_gate.py::test_a_grant_of_everything_creates_topics_and_reads_and_writes_any",
+    ("sampler", "Kafka"): "tests/integration/test_kafka_gate.py::test_topic_globs_grant_every_run_s_rollouts_and_nothing_else",
+    ("validator", "Kafka"): "tests/integration/test_kafka_gate.py::test_a_validator_writes_its_verdicts_but_not_rollouts",
+    ("stranger", "Kafka"): "tests/integration/test_stranger.py::test_rows_1_to_4_and_12_kafka",
+    ("learner", "Redis"): "tests/integration/test_service_auth.py::test_sampler_cannot_flush_configure_or_write_outside_its_keys",
+    ("sampler", "Redis"): "tests/integration/test_run_functions.py::test_the_sampler_user_runs_no_script_of_its_own_and_cannot_load_one",
+    ("validator", "Redis"): "tests/integration/test_service_auth.py::test_sampler_cannot_flush_configure_or_write_outside_its_keys",
+    ("stranger", "Redis"): "tests/integration/test_stranger.py::test_rows_7_to_11_redis",
+    ("learner", "S3"): "tests/integration/test_service_auth.py::test_each_role_s_s3_key_does_its_part_and_no_more",
+    ("sampler", "S3"): "tests/integration/test_service_auth.py::test_each_role_s_s3_key_does_its_part_and_no_more",
+    ("validator", "S3"): "tests/integration/test_service_auth.py::test_each_role_s_s3_key_does_its_part_and_no_more",
+    ("stranger", "S3"): "tests/integration/test_stranger.py::test_rows_5_and_6_s3",
+    ("broker", "S3"): "tests/integration/test_service_auth.py::test_each_role_s_s3_key_does_its_part_and_no_more",
+}
+"""The test that tries each row's "cannot" against the real servers."""
+
+
 @dataclass(frozen=True)
 class Row:
     role: str
     server: str
     can: str
     cannot: str
+    tested_by: str
 
 
 def access_rows(run: str = "<run>", bucket: str = "heterorl") -> list[Row]:
@@ -172,48 +191,50 @@ def access_rows(run: str = "<run>", bucket: str = "heterorl") -> list[Row]:
     topic = f"{run}.rollouts"
     rows = []
     for role in ("learner", "sampler", "validator", "stranger"):
-        grant = kafka_gate_grant(role, topic)
+        grant = kafka_gate_grant(role, topic if role == "stranger" else "*.rollouts")
         if grant.everything:
-            can, cannot = "every request (creates the run's topics, reads and writes them)", "-"
+            can, cannot = "every request: it creates the run's topics, reads and writes them", "-"
         else:
             parts = [f"produce {', '.join(sorted(grant.produce))}"] + (
                 [f"read {', '.join(sorted(grant.fetch))}"] if grant.fetch else [])
-            can = "; ".join(parts) + f" (records of at most {grant.max_record_bytes // (1 << 20)} MiB)"
+            can = "; ".join(parts) + f" (records of at most {grant.max_record_bytes >> 20} MiB)"
             cannot = ("any other topic (the update log, the dead letters, another run's), create, delete or "
-                      "alter a topic, any admin or consumer-group request")
-        rows.append(Row(role, "Kafka", can, cannot))
+                      "alter a topic, an admin or consumer-group request, a larger record")
+        where = " (through the gate)" if role == "stranger" else " (through the gate from another machine)"
+        rows.append(Row(role, "Kafka" + where, can, cannot, TESTED_BY[(role, "Kafka")]))
     for role in ("learner", "sampler", "validator"):
-        rules = redis_acl_rules(role, (7, 4))
         if role == "learner":
-            can, cannot = "read and write every key of its runs; load the run functions", "run a script of its own, admin commands"
+            can, cannot = "read and write every key of its runs; load the run functions", \
+                "run a script of its own (EVAL); admin commands (FLUSHALL, CONFIG, KEYS, ACL)"
         else:
-            writes = SAMPLER_WRITES if role == "sampler" else VALIDATOR_WRITES
-            can = (f"through the run functions: {', '.join(writes)}" if role == "sampler" else
-                   f"{', '.join(writes)}") + f"; read {', '.join(SAMPLER_READS)}"
-            cannot = ("write " + ", ".join(SAMPLER_READS) + "; run a script of its own (EVAL, FUNCTION); read "
+            writes = ", ".join(SAMPLER_WRITES if role == "sampler" else VALIDATOR_WRITES)
+            can = (f"through the run functions: {writes}" if role == "sampler" else writes) + \
+                f"; read {', '.join(SAMPLER_READS)}"
+            cannot = (f"write {', '.join(SAMPLER_READS)}; run a script of its own (EVAL, FUNCTION); read "
                       "learner_stats; admin commands (FLUSHALL, CONFIG, KEYS, ACL)")
-        assert "-@scripting" in rules or role == "admin"
-        rows.append(Row(role, "Redis", can, cannot))
-    rows.append(Row("stranger", "Redis", "through the Redis gate: read " + ", ".join(STRANGER_READS) +
-                    " of its run; call the sampler functions with its run's keys, for at most as many sampler "
-                    "ids as its invite admits",
-                    "any write but those functions; any other run's keys; EVAL, SCAN, KEYS, MULTI, CONFIG; "
-                    "another sampler's lease, claims or stats (the functions act only for the token an id was "
-                    "first held with)"))
+        rows.append(Row(role, "Redis", can, cannot, TESTED_BY[(role, "Redis")]))
+    rows.append(Row("stranger", "Redis (through the gate)",
+                    f"read {', '.join(STRANGER_READS)} of its run; call the sampler functions with its run's keys, "
+                    "for as many sampler ids as its invite admits",
+                    "any other write (RPUSH, HSET, DEL...); another run's keys; EVAL, SCAN, KEYS, MULTI, CONFIG; a "
+                    "request over the gate's size limit; another sampler's lease, claims or stats (a function acts only for the "
+                    "token an id was first held with); more sampler ids than its invite admits",
+                    TESTED_BY[("stranger", "Redis")]))
     for role in ("learner", "sampler", "validator", "stranger", "broker"):
         grants = s3_grants(role, bucket, run)
         can = "; ".join(f"{'+'.join(sorted(g.actions))} s3://{g.bucket}/{g.prefix}" for g in grants)
         cannot = {"learner": f"the broker's bucket {broker_bucket(bucket)}",
-                  "sampler": f"write or delete; the broker's bucket",
+                  "sampler": "write or delete; the broker's bucket",
                   "validator": "write or delete; the broker's bucket",
-                  "stranger": f"write, delete, list outside {run}/, read outside {run}/v*; the broker's bucket",
+                  "stranger": f"write, delete, list outside {run}/, read outside {run}/v*, the learner's states; "
+                              "the broker's bucket",
                   "broker": f"the checkpoint bucket {bucket}"}[role]
-        rows.append(Row(role, "S3", can, cannot))
+        rows.append(Row(role, "S3", can, cannot, TESTED_BY[(role, "S3")]))
     return rows
 
 
 def access_table(run: str = "<run>", bucket: str = "heterorl") -> str:
     """`access_rows` as the Markdown table docs/security.md holds."""
-    lines = ["| role | server | can | cannot |", "|---|---|---|---|"]
-    lines += [f"| {r.role} | {r.server} | {r.can} | {r.cannot} |" for r in access_rows(run, bucket)]
+    lines = ["| role | server | can | cannot | tried by |", "|---|---|---|---|---|"]
+    lines += [f"| {r.role} | {r.server} | {r.can} | {r.cannot} | `{r.tested_by}` |" for r in access_rows(run, bucket)]
     return "\n".join(lines)

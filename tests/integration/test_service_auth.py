@@ -51,6 +51,35 @@ def test_s3_refuses_a_wrong_secret_a_wrong_key_and_unsigned_requests(local_stack
     assert urllib3.PoolManager().request("GET", url).data == b"weights"
 
 
+def test_each_role_s_s3_key_does_its_part_and_no_more(local_stack: StackState) -> None:
+    """infra/access.py's S3 grants, on the real server: the learner writes the checkpoint bucket and
+    never the broker's log; samplers and validators only read and list; the broker touches its
+    bucket only."""
+    key, log_bucket = f"roles-{uuid.uuid4().hex[:6]}/v1/model.safetensors", f"{local_stack.bucket}-kafka"
+
+    def client(role: str) -> Minio:
+        access, secret = local_stack.s3_keys[role]
+        return _minio(local_stack, secret, access)
+
+    learner, broker = client("learner"), client("broker")
+    learner.put_object(local_stack.bucket, key, io.BytesIO(b"weights"), 7)
+    broker.put_object(log_bucket, f"{key}.log", io.BytesIO(b"log"), 3)
+    for reader in ("sampler", "validator"):
+        assert client(reader).get_object(local_stack.bucket, key).read() == b"weights"
+        assert [o.object_name for o in client(reader).list_objects(local_stack.bucket, prefix=key)] == [key]
+    refused = [lambda: learner.get_object(log_bucket, f"{key}.log"), lambda: learner.remove_object(log_bucket, f"{key}.log"),
+               lambda: broker.get_object(local_stack.bucket, key), lambda: broker.remove_object(local_stack.bucket, key),
+               *(lambda r=r: client(r).put_object(local_stack.bucket, key, io.BytesIO(b"x"), 1) for r in ("sampler", "validator")),
+               *(lambda r=r: client(r).remove_object(local_stack.bucket, key) for r in ("sampler", "validator")),
+               *(lambda r=r: client(r).get_object(log_bucket, f"{key}.log") for r in ("sampler", "validator"))]
+    for attempt in refused:
+        with pytest.raises(S3Error) as err:
+            attempt()
+        assert err.value.code == "AccessDenied"
+    assert s3_client(local_stack).get_object(local_stack.bucket, key).read() == b"weights"
+    assert stack_services(local_stack, "sampler").s3_access_key == local_stack.s3_keys["sampler"][0]
+
+
 def test_connect_s3_names_refused_credentials_in_one_line(local_stack: StackState) -> None:
     from dataclasses import replace
 
@@ -137,6 +166,17 @@ def test_sampler_cannot_flush_configure_or_write_outside_its_keys(local_stack: S
     for command in (learner.flushall, lambda: learner.config_get("*"), lambda: learner.set("elsewhere", "x")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             command()
+    validator = _as(local_stack, "validator")
+    for command in (validator.flushall, lambda: validator.config_get("*"), lambda: validator.keys("*"),
+                    lambda: validator.hset("heterorl:run:policy", "version", "9"),
+                    lambda: validator.set("heterorl:run:key_registry", "{}")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            command()
+    for role in (sampler, validator, learner):  # no script of its own: only the run functions (FCALL)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            role.eval("while true do end", 0)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            role.function_flush()
     assert _as(local_stack, "admin").config_get("appendonly")["appendonly"] == "yes"
 
 
