@@ -245,6 +245,7 @@ def ask_to_join(client, invite: Invite, key: SigningKey, sampler_id: str, wait_s
     """Send the join request (unless the learner admitted this key already) and wait for the
     learner's decision; InviteError with its reason if refused, or if it never decides."""
     run = invite.run
+    used_up(client, invite, key)
     ended = client.hget(f"heterorl:{run}:learner", "ended_at")
     if ended not in (None, "null"):
         raise InviteError(f"run {run} ended at {time.strftime('%Y-%m-%d %H:%M', time.localtime(float(ended)))}: "
@@ -276,6 +277,20 @@ def ask_to_join(client, invite: Invite, key: SigningKey, sampler_id: str, wait_s
         time.sleep(0.5)
     raise InviteError(f"the learner of run {run} did not answer within {wait_s:.0f} s: is it running? "
                       "(`heterorl join` again resumes)")
+
+
+def used_up(client, invite: Invite, key: SigningKey) -> None:
+    """InviteError if the learner's signed admissions show the invite's joins all taken by other keys
+    (said at once, whether or not the run is still going)."""
+    try:
+        admissions = read_admissions(client, invite.run, invite.learner_public)
+    except SignatureError:
+        return  # said by `_decision`, with the learner's reason
+    grant = invite.grant
+    joined = admissions.joins.get(grant.grant_id, 0)
+    if key.key_id not in admissions.keys and joined >= grant.max_joins:
+        raise InviteError(f"invite {grant.grant_id} of run {invite.run} is used up ({joined} of {grant.max_joins} "
+                          "joined)")
 
 
 def _decision(client, invite: Invite, key: SigningKey) -> tuple[bool, str]:

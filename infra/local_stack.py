@@ -285,13 +285,7 @@ def stack_env(state: StackState, role: str = "admin", remote: Optional[bool] = N
     """Environment variables that point heterorl (and standard tools) at ``state`` as ``role``:
     `remote` (default: the stack serves other machines, `heterorl up --host`) through the Kafka
     gate, with the role's login (`KAFKA_SASL_*`)."""
-    services = stack_services(state, role, remote=state.host != LOOPBACK if remote is None else remote)
-    env = services_env(services)
-    sec = services.security
-    if sec.kafka_sasl_username:
-        env.update(KAFKA_SECURITY_PROTOCOL=sec.kafka_security_protocol, KAFKA_SASL_MECHANISM=sec.kafka_sasl_mechanism,
-                   KAFKA_SASL_USERNAME=sec.kafka_sasl_username, KAFKA_SASL_PASSWORD=sec.kafka_sasl_password)
-    return env
+    return services_env(stack_services(state, role, remote=state.host != LOOPBACK if remote is None else remote))
 
 
 def _one_line(text: str, limit: int = 240) -> str:

@@ -144,9 +144,10 @@ class ForgingSink(TopicWriter):
 class BadSignature(Sampler):
     def start(self) -> None:
         super().start()
-        bootstrap, topic, timeout = self.handles.services.kafka_bootstrap, self.cfg.run.topic, self.scfg.send_timeout_s
-        self.outbox.make_sink = lambda: ForgingSink(bootstrap, topic, send_timeout_s=timeout,
-                                                    connect_timeout_s=timeout, signer=self.signer)
+        services, topic, timeout = self.handles.services, self.cfg.run.topic, self.scfg.send_timeout_s
+        self.outbox.make_sink = lambda: ForgingSink(services.kafka_bootstrap, topic, send_timeout_s=timeout,
+                                                    connect_timeout_s=timeout, signer=self.signer,
+                                                    security=services.security)  # its invite's login at the gate
 
 
 class StaleProber(Sampler):

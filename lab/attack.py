@@ -20,7 +20,12 @@ OUT/attack_audit.json says:
 - held-out accuracy before and after (it should still rise);
 - with `--validators K` (the checks done by K validators, docs/security.md "Validators"):
   the forged verdicts the `VerdictForger` sent, by kind, and the learner's refusals of
-  them (target: every one refused, none let a group in).
+  them (target: every one refused, none let a group in);
+- `stranger`: the holder of an invite of its own (OUT/stranger-invite.txt) tries, with its
+  credentials alone, every row of issue 77's table against the servers (`lab.stranger`), and is
+  revoked at `STRANGER_REVOKED_AT` of the run (target: no row accepted; Kafka, Redis and S3 all
+  refuse it within 30 s of the revocation). `--no-stranger` leaves it out (a baseline for the
+  honest samplers' pace).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from tqdm import tqdm
 
 from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer, VerdictForger,
                              forgeries_in_topic, message_digest)
-from heterorl.invites import join_home, make_run_invite, write_invite_file
+from lab.stranger import Stranger
+from heterorl.invites import join_home, make_run_invite, revoke_invite, write_invite_file
 from heterorl.keys import provision_local, run_registry
 from heterorl.processes import Processes, child_env
 from heterorl.stack import as_role, services_for_run, with_services
@@ -66,12 +72,15 @@ PROBES = {"stale_prober"}
 """Adversaries honest at first: their used groups are not all forged (`_prober` counts those)."""
 INVITE_HOURS = 1.0
 """How long the adversaries' invite admits new keys: they ask as the attack starts."""
+STRANGER_REVOKED_AT = 0.6
+"""When, as a share of the run, the operator revokes the stranger's invite."""
 ATTACKER_STOP_S = 60.0
 """How long the attack waits for an attacker's current pass to end before the learner drains
 (a pass reads the topics, which takes longer as they grow; the verdict forger stops mid-pass)."""
 
 
-def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, validators: int = 0) -> int:
+def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, validators: int = 0,
+               stranger: bool = True) -> int:
     log = setup_logging("attack")
     started = time.time()
     run_name = f"{cfg.run.name}-attack-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -114,7 +123,8 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         forger = (VerdictForger(services.kafka_bootstrap, cfg.run.topic, run_name, set(adversary_ids.values()),
                                 join_home(homes["forged_rewards"], read_invite(invite_text)) / "sampler.key")
                   if validators else None)
-        attackers = [a for a in (replayer, tamperer, forger) if a is not None]
+        intruder = _stranger(cfg, sampler_cfg, out, honest_ids[0], handles.state.client, minutes) if stranger else None
+        attackers = [a for a in (replayer, tamperer, forger, intruder) if a is not None]
         try:
             procs.start("learner", ["learner", *common, "--out", str(out)],
                         env=child_env(as_role(services, cfg.services.data_dir, "learner")))
@@ -170,6 +180,10 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
             audit["adversaries"]["forged_verdicts"] = _forged_verdicts(forger, learner_summary.get("verdicts", {}),
                                                                        in_topic)
             audit["targets_met"] = audit["targets_met"] and audit["adversaries"]["forged_verdicts"]["target_met"]
+        if intruder is not None:
+            audit["stranger"] = intruder.report()
+            audit["targets_met"] = audit["targets_met"] and audit["stranger"]["target_met"]
+        audit.update(honest_pace=_honest_pace(data, honest_ids, minutes))
         audit.update(run=run_name, minutes=minutes, honest_samplers=honest, validators=validators,
                      invite=grant.grant_id,
                      final_policy_version=version,
@@ -181,6 +195,22 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
     (out / "attack_audit.json").write_text(json.dumps(audit, indent=2))
     print(_report(audit, out))
     return 0 if audit["targets_met"] else 1
+
+
+def _stranger(cfg: HeteroConfig, sampler_cfg: HeteroConfig, out: Path, honest_id: str, admin_redis,
+              minutes: float) -> Stranger:
+    """The stranger, with an invite of its own (one join), which the operator revokes during the run."""
+    text, grant, _ = make_run_invite(cfg, sampler_cfg, 1, INVITE_HOURS)
+    write_invite_file(out / "stranger-invite.txt", text)
+    return Stranger(read_invite(text).services, cfg.run.name, cfg.run.topic, honest_id,
+                    revoke=lambda: revoke_invite(cfg, admin_redis, grant.grant_id),
+                    revoke_after_s=STRANGER_REVOKED_AT * minutes * 60, every_s=min(20.0, minutes * 60 / 6))
+
+
+def _honest_pace(data: dict, honest_ids: list[str], minutes: float) -> dict:
+    """The honest samplers' groups produced per minute of the attack (compare a run `--no-stranger`)."""
+    produced = sum(data.get("by_sampler", {}).get(i, {}).get("produced", 0) for i in honest_ids)
+    return {"groups": produced, "groups_per_min": round(produced / max(minutes, 1e-9), 2)}
 
 
 def _key_findings(keys: dict[str, dict], adversary_ids: dict[str, str]) -> dict[str, list[str]]:
@@ -364,6 +394,15 @@ def _report(audit: dict, out: Path) -> str:
     if v is not None:
         lines.append(f"  {'forged_verdicts':16} sent {v['sent']}, in the topic {v['in_topic']}, refused by the learner "
                      f"{v['refused_by_the_learner']}")
+    st = audit.get("stranger")
+    if st is not None:
+        accepted = [row for row, r in st["rows"].items() if r["accepted"]]
+        tried = sum(r["tried"] for r in st["rows"].values())
+        lines.append(f"  {'stranger':16} {tried} attempts at the servers with an invite's credentials, rows accepted: "
+                     f"{', '.join(accepted) or 'none'}; revoked: refused by {', '.join(sorted(st['revoked_after_s']))} "
+                     f"after {max(st['revoked_after_s'].values(), default=float('nan')):.1f} s at most")
+    lines.append(f"  honest samplers produced {audit['honest_pace']['groups']} groups "
+                 f"({audit['honest_pace']['groups_per_min']}/min)")
     lines.append(f"audit: {out}/attack_audit.json")
     return "\n".join(lines)
 

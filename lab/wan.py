@@ -398,8 +398,11 @@ class WanArm:
                             kafka_advertised=f"{LOOPBACK}:{ports['kafka']}", host=BIND_ALL)
         hosts: Optional[LinkHosts] = None
         procs: Optional[Processes] = None
+        ports.update({gate: stack.port(gate) for gate in ("kafka-gate", "redis-gate")})  # routed by each link too
         try:
-            role = {r: on_loopback(stack_services(stack, r)) for r in ("admin", "learner", "sampler")}
+            # the samplers stand for other machines: Kafka through the gate, as the sampler role logs in there
+            role = {r: on_loopback(stack_services(stack, r, remote=r == "sampler")) for r in ("admin", "learner",
+                                                                                            "sampler")}
             cfg = with_services(cfg, role["admin"])
             init_keys(key_paths(cfg))
             admin_redis = connect_redis(role["admin"].redis_url)

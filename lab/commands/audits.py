@@ -24,13 +24,17 @@ def register_attack(sub) -> None:
     p.add_argument("--samplers", type=int, default=2, help="honest samplers (default 2)")
     p.add_argument("--validators", type=int, default=0, metavar="K",
                    help="check groups by K validators (and forge verdicts too) instead of in the learner (default 0)")
+    p.add_argument("--no-stranger", action="store_true",
+                   help="leave out the stranger (an invite's holder trying the servers themselves, then revoked): "
+                        "a baseline for the honest samplers' pace")
 
 
 def _cmd_attack(args) -> int:
     cfg = load_run_config(args, local_stack=False)
     from lab.attack import run_attack
 
-    return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators)
+    return run_attack(cfg, Path(args.out), args.minutes, args.samplers, args.validators,
+                      stranger=not args.no_stranger)
 
 
 ADVERSARY_KINDS = ("forged_rewards", "noisy_logprobs", "other_model", "false_version", "bad_signature", "stale_prober")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from pipeline.config import ENV_OVERRIDES, ServicesConfig, strip_password
+from pipeline.config import ENV_OVERRIDES, SECURITY_ENV_OVERRIDES, ServicesConfig, strip_password
 from pipeline.errors import UserError
 
 LOOPBACK = "127.0.0.1"
@@ -110,9 +110,16 @@ class Services:
                 "s3_endpoint": self.s3_endpoint, "bucket": self.bucket}
 
 
+KAFKA_LOGIN_ENV = ("KAFKA_SECURITY_PROTOCOL", "KAFKA_SASL_MECHANISM", "KAFKA_SASL_USERNAME", "KAFKA_SASL_PASSWORD")
+
+
 def services_env(services: Services) -> dict[str, str]:
-    """The environment variables (config.ENV_OVERRIDES) that point a process at `services`."""
-    return {var: str(getattr(services, field)) for var, field in ENV_OVERRIDES.items()}
+    """The environment variables (config.ENV_OVERRIDES) that point a process at `services`, and its
+    Kafka login where it has one (a gate's: SECURITY_ENV_OVERRIDES)."""
+    env = {var: str(getattr(services, field)) for var, field in ENV_OVERRIDES.items()}
+    if services.security.kafka_sasl_username:
+        env.update({var: str(getattr(services.security, SECURITY_ENV_OVERRIDES[var])) for var in KAFKA_LOGIN_ENV})
+    return env
 
 
 def resolve_services(cfg: ServicesConfig, local_stack: Optional[Services] = None) -> Optional[Services]:

@@ -59,6 +59,9 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int = 1, timeout_s: flo
                                               topic_configs={"retention.ms": str(retention_ms)})])
             except TopicAlreadyExistsError:
                 pass
+            except AuthorizationError:  # a role that may not create topics (a sampler through a gate)
+                raise ServiceUnavailable(f"topic {topic} does not exist on Kafka at {bootstrap} yet, and this role "
+                                         "may not create it: the run's learner creates it when it starts") from None
     except KafkaError as e:
         raise _unreachable(bootstrap, e) from None
     finally:

@@ -822,7 +822,10 @@ def config_from_text(text: str, source: str, overrides: tuple[str, ...] | list[s
     services = data.setdefault("services", {}) if isinstance(data.get("services", {}), dict) else None
     if services is not None:
         for var, field in {**ENV_OVERRIDES, **SECURITY_ENV_OVERRIDES}.items():
-            if env.get(var) and services.get(field) in (None, ""):
+            # a security setting at its default (a saved config writes `kafka_security_protocol:
+            # PLAINTEXT`) gives way too: the login beside it comes from the environment
+            unset = (None, "", ServicesConfig.model_fields[field].default if var in SECURITY_ENV_OVERRIDES else None)
+            if env.get(var) and services.get(field) in unset:
                 services[field] = env[var]
     try:
         return HeteroConfig.model_validate(data)

@@ -312,10 +312,9 @@ def test_a_volunteer_downloads_the_newest_policy_while_the_learner_admits_it(run
 
 def test_a_volunteer_the_learner_refuses_keeps_nothing_it_downloaded(run, local_stack, tmp_path):
     """What the first download fetched while the host waited goes with a refusal (the invite
-    used up here)."""
+    revoked while it waits: a used-up invite is said before anything is asked or downloaded)."""
     publish(run, local_stack, tmp_path, 0)
-    text = make(run, joins=1)
-    assert join(run, text, "first", []) == 0
+    text = make(run, joins=2)
     run.paused.set()  # the learner busy: the second host downloads while it waits
     refused = {}
 
@@ -331,7 +330,8 @@ def test_a_volunteer_the_learner_refuses_keeps_nothing_it_downloaded(run, local_
     while not list((run.tmp / "second").glob("*/samplers/*/v0/model.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list((run.tmp / "second").glob("*/samplers/*/v0/model.safetensors")), "nothing downloaded while waiting"
+    invites.revoke_invite(run.cfg, run.admin, read_invite(text).grant.grant_id)
     run.paused.clear()
     thread.join(30)
-    assert "used up" in refused["error"]
+    assert "was revoked" in refused["error"]
     assert (run.tmp / "second").is_dir() and not list((run.tmp / "second").glob("*/samplers/*"))

@@ -139,6 +139,15 @@ def test_two_minute_attack_with_a_validator_meets_every_target(tmp_path, demo_da
     assert verdicts["passed"] >= audit["accounting"]["used_in_updates"] > 0  # each group used had a passing verdict
     assert not any(k.startswith("logprobs_checked") for k in audit["learner_checks"])  # the learner checked none
     assert audit["eval_accuracy_after"] > audit["eval_accuracy_before"]
+    # the stranger, with an invite of its own, tried issue 77's table at the servers during the run:
+    # every row refused (or bounded: its claims), the run unharmed (exit 0 above, nothing forged used,
+    # nothing used twice), and once the operator revoked its invite, Kafka, Redis and S3 each refused
+    # it within 30 s (`lost` is no target of the attack: lab/attack.py says why)
+    stranger = audit["stranger"]
+    assert all(r["tried"] > 0 and r["accepted"] == 0 for r in stranger["rows"].values()), stranger
+    assert stranger["rows"]["7"]["bounded"] > 0 and stranger["target_met"], stranger
+    assert set(stranger["revoked_after_s"]) == {"kafka", "redis", "s3"}, stranger
+    assert max(stranger["revoked_after_s"].values()) <= 30, stranger
     gaps_by_sampler, = [checks["logprob_gap_by_sampler"] for checks in audit["validator_checks"].values()]
     assert any("-adv-" in s for s in gaps_by_sampler)
     for sampler, gaps in gaps_by_sampler.items():
