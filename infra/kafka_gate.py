@@ -118,7 +118,6 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
-import fcntl
 import fnmatch
 import gzip
 import hashlib
@@ -129,7 +128,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import struct
 import sys
 import threading
@@ -149,6 +147,7 @@ from kafka.protocol.sasl import SaslAuthenticateResponse, SaslHandshakeResponse
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
 
+from infra.private_files import locked, serve_until_stopped, write_private_json
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -352,26 +351,7 @@ def write_users(path: str | Path, users: Mapping[str, Any]) -> None:
     _, problems = parse_users(doc)
     if problems:
         raise GateError(f"refusing to write {path}: {problems[0]}")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)  # an existing tmp of ours kept its mode through O_CREAT
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialise read-modify-write of the users file between processes (an invite flow and the CLI)."""
-    with open(os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    write_private_json(path, doc, indent=1)
 
 
 def _raw_users(path: Path) -> dict[str, Any]:
@@ -391,7 +371,7 @@ def add_user(path: str | Path, name: str, password: str, grant: KafkaGrant,
     path = Path(path)
     if not USER_NAME.fullmatch(name):
         raise GateError(f"Kafka gate user name {name!r} must match {USER_NAME.pattern}")
-    with _locked(path):
+    with locked(path):
         users = _raw_users(path)
         users[name] = {"scram_sha_256": scram_verifier(password, iterations=iterations), "grant": grant.to_json()}
         write_users(path, users)
@@ -400,7 +380,7 @@ def add_user(path: str | Path, name: str, password: str, grant: KafkaGrant,
 def remove_user(path: str | Path, name: str) -> bool:
     """Remove ``name`` from the users file; the gate closes its connections. False: it was not there."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         users = _raw_users(path)
         if users.pop(name, None) is None:
             return False
@@ -1742,12 +1722,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(f"kafka gate: {gate.address[0]}:{gate.address[1]} (advertised {gate.bootstrap}) -> "
           f"{args.broker[0]}:{args.broker[1]}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    while not done.wait(1.0):
-        pass
-    gate.stop()
+    serve_until_stopped(gate.stop)
     print(f"kafka gate stopped: {json.dumps(gate.stats())}", flush=True)
     return 0
 

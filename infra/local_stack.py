@@ -120,6 +120,7 @@ from pipeline.errors import UserError
 from infra.access import redis_acl_rules
 from infra.credentials import (KAFKA_GATE_ROLES, S3_ROLES, kafka_users_file, new_secret, redis_users_file,
                                write_role_credentials)
+from infra.private_files import write_private_json
 from infra.s3_identities import IDENTITIES_FILE
 from pipeline.clients.run_functions import ensure_loaded
 from pipeline.clients.services import LOOPBACK, ServiceSecurity, Services, free_port, services_env
@@ -338,14 +339,8 @@ def _dir_lock(data_dir: Path) -> Iterator[None]:
 
 
 def _write_state(state: StackState) -> None:
-    path = Path(state.data_dir) / STATE_FILE
-    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    # 0600: the file holds the S3 secret and the Redis passwords.
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-        json.dump(state.to_json(), fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    # 0600: the file holds the S3 secrets and the passwords.
+    write_private_json(Path(state.data_dir) / STATE_FILE, state.to_json(), indent=2, sort_keys=True)
 
 
 def _read_state(data_dir: Path) -> StackState | None:

@@ -86,7 +86,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -96,7 +95,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -106,6 +104,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
 
+from infra.private_files import locked, serve_until_stopped, write_private_json
 from pipeline.config import strip_password
 from pipeline.errors import UserError
 
@@ -713,28 +712,7 @@ def write_users(path: PathLike, users: Mapping[str, GateUser]) -> None:
     path = Path(path)
     body = {"version": USERS_FILE_VERSION, "users": {name: user.to_json() for name, user in sorted(users.items())}}
     parse_users(json.loads(json.dumps(body)))  # never write a file the gate would refuse
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-            json.dump(body, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-@contextlib.contextmanager
-def _users_lock(path: Path):
-    """Serialise read-modify-write of the users file (between processes too)."""
-    with open(os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT, 0o600)) as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    write_private_json(path, body, indent=2, sort_keys=True)
 
 
 def add_user(path: PathLike, name: str, password: str, grant: Grant) -> None:
@@ -744,7 +722,7 @@ def add_user(path: PathLike, name: str, password: str, grant: Grant) -> None:
         raise GateError(f"a gate password must be a random token of >= {MIN_PASSWORD_CHARS} characters "
                         "(use new_password())")
     path = Path(path)
-    with _users_lock(path):
+    with locked(path):
         users = read_users(path) if path.exists() else {}
         users[name] = GateUser(name, password_hash(password), grant)
         write_users(path, users)
@@ -753,7 +731,7 @@ def add_user(path: PathLike, name: str, password: str, grant: Grant) -> None:
 def remove_user(path: PathLike, name: str) -> bool:
     """Remove user ``name`` (its open connections close at the gate's next check); False if absent."""
     path = Path(path)
-    with _users_lock(path):
+    with locked(path):
         users = read_users(path)
         if users.pop(name, None) is None:
             return False
@@ -1330,13 +1308,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GateError as exc:
         print(f"redis-gate: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"redis-gate listening on {gate.address}, forwarding to {gate.upstream.describe()}", flush=True)
-    while not stop.wait(1.0):
-        pass
-    gate.stop()
+    serve_until_stopped(gate.stop)
     print(f"redis-gate stopped: {json.dumps(gate.stats(), sort_keys=True)}", flush=True)
     return 0
 

@@ -52,8 +52,6 @@ the file can neither shadow nor revoke.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -63,9 +61,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 from urllib.parse import unquote
 
+from infra.private_files import locked, write_private_json
 from infra.s3_auth import AuthError, S3Credentials
 from pipeline.errors import UserError
 
@@ -342,33 +341,14 @@ def write_identities(path: str | Path, identities: Iterable[S3Identity]) -> None
     path = Path(path)
     identities = list(identities)
     _check_unique(identities, path)
-    body = json.dumps({"format": FORMAT, "identities": [i.to_json() for i in identities]}, indent=1) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(body)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialise read-modify-write of the file between processes (two `add`s lose none)."""
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    write_private_json(path, {"format": FORMAT, "identities": [i.to_json() for i in identities]}, indent=1)
 
 
 def add_identity(path: str | Path, identity: S3Identity, *, replace: bool = False) -> None:
     """Add ``identity`` to the file (created if missing). An access key already there is an
     error unless ``replace`` (then its secret, role and grants are replaced)."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         identities = read_identities(path)
         keys = [i.access_key for i in identities]
         if identity.access_key not in keys:
@@ -383,7 +363,7 @@ def add_identity(path: str | Path, identity: S3Identity, *, replace: bool = Fals
 def remove_identity(path: str | Path, access_key: str) -> bool:
     """Remove an access key from the file; False if it was not there."""
     path = Path(path)
-    with _locked(path):
+    with locked(path):
         identities = read_identities(path)
         kept = [i for i in identities if i.access_key != access_key]
         if len(kept) == len(identities):
