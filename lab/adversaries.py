@@ -15,7 +15,8 @@ In the attack each joins with the attack's invite, as a stranger does (`heterorl
                      a stale version, the way a draw shared by a version could be beaten: each
                      batch claims the newest version it held before its own (the first of its
                      groups is that version's probe), and once the update log shows a probe
-                     used, every group claims that version while it is within the max delay.
+                     used, every group claims that version while it is within the max delay
+                     (where it can read the update log: through the Kafka gate it cannot).
                      It does not wait for a probe's fate (a young version would age past the
                      max delay meanwhile), so under a draw per version an undrawn version's
                      groups would all be used.
@@ -151,10 +152,11 @@ class BadSignature(Sampler):
 
 
 class StaleProber(Sampler):
-    """Probes which stale groups go unchecked and floods there (the module's docstring). It
-    learns a probe's fate from the run's update log, which the local stack's broker lets any
-    client read (a deployment's Kafka ACLs do not: docs/security.md); its forged rollout ids go
-    into its stats at the end, for the audit to count how many were used."""
+    """Probes which stale groups go unchecked and floods there (the module's docstring). It tries to
+    learn a probe's fate from the run's update log, which a stranger cannot read (the Kafka gate
+    refuses it, docs/security.md): it then never learns it, and probes on, version after version.
+    Its forged rollout ids go into a file at the end (`prober_record`), for the audit to count how
+    many were used."""
 
     PROBATION_MARGIN = 2
     """Honest groups first: this many times `security.probation_groups`, plus 10 (groups dropped
@@ -228,14 +230,16 @@ class StaleProber(Sampler):
 
     def close(self) -> None:
         super().close()
-        try:  # the audit's record of what it forged, beside its totals
-            stats = self.state.sampler_stats().get(self.sampler_id, {})
-            self.state.record_sampler_stats(self.sampler_id, {**stats, "forged_rollout_ids": self.forged_ids,
-                                                              "probes": self.probes, "floods": self.floods,
-                                                              "flooded_groups": self.flooded,
-                                                              "honest_groups_made": self.honest_made})
-        except Exception as e:  # noqa: BLE001 - Redis may be gone
-            self.log.warning("could not record the forged rollout ids: %s", e)
+        # the audit's record of what it forged, in its own directory: Redis takes no value that large
+        # (the run functions bound a sampler's stats), and the audit runs on the same machine
+        record = {"forged_rollout_ids": self.forged_ids, "probes": self.probes, "floods": self.floods,
+                  "flooded_groups": self.flooded, "honest_groups_made": self.honest_made}
+        prober_record(self.cfg.services.data_dir).write_text(json.dumps(record))
+
+
+def prober_record(home: str | Path) -> Path:
+    """Where the stale prober leaves what it forged for `heterorl attack`'s audit (its joined home)."""
+    return Path(home) / "stale_prober.json"
 
 
 ADVERSARY_SAMPLERS = {"forged_rewards": ForgedRewards, "noisy_logprobs": NoisyLogprobs, "other_model": OtherModel,

@@ -42,7 +42,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from lab.adversaries import (FORGED_VERDICT_REFUSALS, SAMPLER_KINDS, ManifestTamperer, Replayer, VerdictForger,
-                             forgeries_in_topic, message_digest)
+                             forgeries_in_topic, message_digest, prober_record)
 from lab.stranger import Stranger
 from heterorl.invites import join_home, make_run_invite, revoke_invite, write_invite_file
 from heterorl.keys import provision_local, run_registry
@@ -167,7 +167,9 @@ def run_attack(cfg: HeteroConfig, out: Path, minutes: float, honest: int, valida
         audit = _audit(data, handles.state.quarantines(), honest_ids, adversary_ids, replayer, tamperer, reports,
                        validators)
         probed = audit["adversaries"]["stale_prober"]
-        probed.update(_prober(reports.get(prober, {}), used_ids, cfg.security, probed["groups_read_before_quarantine"]))
+        record = prober_record(join_home(homes["stale_prober"], read_invite(invite_text)))
+        forged = json.loads(record.read_text()) if record.exists() else {}
+        probed.update(_prober(forged, used_ids, cfg.security, probed["groups_read_before_quarantine"]))
         keys = _adversary_keys(cfg, handles.state.client, adversary_ids, grant.grant_id)
         for kind, held in keys.items():  # beside what each did: the key it did it with
             audit["adversaries"][kind].update(held)
