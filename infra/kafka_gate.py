@@ -147,7 +147,7 @@ from kafka.protocol.sasl import SaslAuthenticateResponse, SaslHandshakeResponse
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint
 
-from infra.private_files import locked, serve_until_stopped, write_private_json
+from infra.private_files import serve_until_stopped, update_locked, write_private_json
 from pipeline.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -368,24 +368,15 @@ def _raw_users(path: Path) -> dict[str, Any]:
 def add_user(path: str | Path, name: str, password: str, grant: KafkaGrant,
              iterations: int = DEFAULT_ITERATIONS) -> None:
     """Add ``name`` (or replace it: a new password closes its open connections) to the users file."""
-    path = Path(path)
     if not USER_NAME.fullmatch(name):
         raise GateError(f"Kafka gate user name {name!r} must match {USER_NAME.pattern}")
-    with locked(path):
-        users = _raw_users(path)
-        users[name] = {"scram_sha_256": scram_verifier(password, iterations=iterations), "grant": grant.to_json()}
-        write_users(path, users)
+    entry = {"scram_sha_256": scram_verifier(password, iterations=iterations), "grant": grant.to_json()}
+    update_locked(path, _raw_users, write_users, lambda users: users.update({name: entry}) or True)
 
 
 def remove_user(path: str | Path, name: str) -> bool:
     """Remove ``name`` from the users file; the gate closes its connections. False: it was not there."""
-    path = Path(path)
-    with locked(path):
-        users = _raw_users(path)
-        if users.pop(name, None) is None:
-            return False
-        write_users(path, users)
-        return True
+    return update_locked(path, _raw_users, write_users, lambda users: users.pop(name, None) is not None)
 
 
 # --------------------------------------------------------------------------- SCRAM (server side)

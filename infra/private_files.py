@@ -17,7 +17,9 @@ import secrets
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 
 def write_private(path: str | Path, text: str) -> None:
@@ -50,6 +52,19 @@ def locked(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def update_locked(path: str | Path, read: Callable[[Path], T], write: Callable[[Path, T], None],
+                  change: Callable[[T], bool]) -> bool:
+    """Read `path`, `change` what was read in place (True: it changed), and write it back if it did,
+    all under the file's lock; whether it changed."""
+    path = Path(path)
+    with locked(path):
+        value = read(path)
+        if not change(value):
+            return False
+        write(path, value)
+        return True
 
 
 def serve_until_stopped(stop: Callable[[], None]) -> None:

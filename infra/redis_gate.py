@@ -104,7 +104,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 from urllib.parse import unquote, urlsplit
 
-from infra.private_files import locked, serve_until_stopped, write_private_json
+from infra.private_files import serve_until_stopped, update_locked, write_private_json
 from pipeline.config import strip_password
 from pipeline.errors import UserError
 
@@ -721,22 +721,14 @@ def add_user(path: PathLike, name: str, password: str, grant: Grant) -> None:
     if len(password) < MIN_PASSWORD_CHARS:
         raise GateError(f"a gate password must be a random token of >= {MIN_PASSWORD_CHARS} characters "
                         "(use new_password())")
-    path = Path(path)
-    with locked(path):
-        users = read_users(path) if path.exists() else {}
-        users[name] = GateUser(name, password_hash(password), grant)
-        write_users(path, users)
+    user = GateUser(name, password_hash(password), grant)
+    update_locked(path, lambda p: read_users(p) if p.exists() else {}, write_users,
+                  lambda users: users.update({name: user}) or True)
 
 
 def remove_user(path: PathLike, name: str) -> bool:
     """Remove user ``name`` (its open connections close at the gate's next check); False if absent."""
-    path = Path(path)
-    with locked(path):
-        users = read_users(path)
-        if users.pop(name, None) is None:
-            return False
-        write_users(path, users)
-        return True
+    return update_locked(path, read_users, write_users, lambda users: users.pop(name, None) is not None)
 
 
 _NO_SUCH_USER_HASH = password_hash("")  # compared against when the name is unknown: same work either way

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 from urllib.parse import unquote
 
-from infra.private_files import locked, write_private_json
+from infra.private_files import update_locked, write_private_json
 from infra.s3_auth import AuthError, S3Credentials
 from pipeline.errors import UserError
 
@@ -347,9 +347,7 @@ def write_identities(path: str | Path, identities: Iterable[S3Identity]) -> None
 def add_identity(path: str | Path, identity: S3Identity, *, replace: bool = False) -> None:
     """Add ``identity`` to the file (created if missing). An access key already there is an
     error unless ``replace`` (then its secret, role and grants are replaced)."""
-    path = Path(path)
-    with locked(path):
-        identities = read_identities(path)
+    def add(identities: list[S3Identity]) -> bool:
         keys = [i.access_key for i in identities]
         if identity.access_key not in keys:
             identities.append(identity)
@@ -357,19 +355,20 @@ def add_identity(path: str | Path, identity: S3Identity, *, replace: bool = Fals
             identities[keys.index(identity.access_key)] = identity  # in place: the file's order stays
         else:
             raise IdentityFileError(f"{path}: access key {identity.access_key!r} is already there")
-        write_identities(path, identities)
+        return True
+
+    update_locked(path, read_identities, write_identities, add)
 
 
 def remove_identity(path: str | Path, access_key: str) -> bool:
     """Remove an access key from the file; False if it was not there."""
-    path = Path(path)
-    with locked(path):
-        identities = read_identities(path)
+    def remove(identities: list[S3Identity]) -> bool:
         kept = [i for i in identities if i.access_key != access_key]
-        if len(kept) == len(identities):
-            return False
-        write_identities(path, kept)
-        return True
+        changed = len(kept) != len(identities)
+        identities[:] = kept
+        return changed
+
+    return update_locked(path, read_identities, write_identities, remove)
 
 
 class IdentityStore:

@@ -248,15 +248,7 @@ class RunState:
 
     def quarantines(self) -> dict[str, dict]:
         """The recorded quarantines; an entry that is not a JSON object (not the learner's) is skipped."""
-        found = {}
-        for key_id, raw in self.client.hgetall(self.prefix + "quarantine").items():
-            try:
-                info = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(info, dict):
-                found[key_id] = info
-        return found
+        return _json_objects(self.client.hgetall(self.prefix + "quarantine"))
 
     # ---- sampler leases --------------------------------------------------------------
     def _lease_key(self, sampler_id: str) -> str:
