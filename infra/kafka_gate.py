@@ -48,9 +48,10 @@ SaslHandshake (17)     0-1        SCRAM-SHA-256 only; v0: raw tokens follow, v1:
 SaslAuthenticate (36)  0-2        SaslAuthenticate (kafka-python 3.0.12 sends SaslHandshake v1,
                                   then SaslAuthenticate v2; ``sasl_handshake_max=0`` offers v0
                                   only, and kafka-python then sends raw tokens)
-Metadata (3)           1-12       topics outside ``describe`` are taken out of the request and
+Metadata (3)           4-12       topics outside ``describe`` are taken out of the request and
                                   answered TOPIC_AUTHORIZATION_FAILED; an all-topics request
-                                  answers only described topics; auto-creation forced off;
+                                  answers only described topics; auto-creation forced off
+                                  (1-3 cannot say it: a topic named would be created);
                                   every broker's host/port rewritten to the gate's advertised
                                   address (a single-broker cluster: all point at the gate)
 Produce (0)            3-9        every topic in ``produce``, no transactional id; per
@@ -80,6 +81,10 @@ addresses the gate would have to rewrite (Produce 10+). A request frame larger t
 user's max_record_bytes + 1 MiB (``max_frame_bytes`` overrides it; 64 KiB before login) is
 refused from its 4-byte size, before its body is read, and the connection closed. Refusals
 are counted per user and reason (``stats()``) and logged once per connection and kind.
+At most ``max_connections`` (1024) connections are open at once, ``max_unauthenticated`` (64)
+of them not logged in yet (others are closed at once), and ``max_user_connections`` (32) of one
+user (the next login fails): so one user makes the gate hold at most 32 x (its request cap + 64
+answers read ahead).
 
 Running it::
 
@@ -171,6 +176,8 @@ DECOMPRESSION_FACTOR = 4  # decompressed bytes per Produce: at most this x (max_
 MAX_RECORDS_CHECKED = 200_000  # records parsed per Produce (CPU: tiny records in a compressed batch)
 UPSTREAM_MAX_FRAME = 512 << 20  # the broker is trusted; this only catches a desynchronised stream
 MAX_PENDING_REPLIES = 64  # requests read ahead of their answers, per connection
+MAX_USER_CONNECTIONS = 32  # logged-in connections of one user at once: its share of the gate's memory
+MAX_UNAUTHENTICATED = 64  # connections not logged in yet, at once
 INLINE_PRODUCE_BYTES = 256 * 1024  # larger Produce requests are always checked on a worker thread
 
 # Kafka error codes the gate answers with.
@@ -515,12 +522,13 @@ def _clamp(key: int, low: int, high: int) -> tuple[int, int]:
 
 # Forwarded to the broker (cut further to the broker's own ranges). Why these caps: Produce
 # 3+ carries magic-2 batches only and 10+ responses may carry broker addresses; Fetch 13+
-# names topics by id, which a grant cannot check; Metadata 0 reads [] as "all topics".
+# names topics by id, which a grant cannot check; Metadata 0 reads [] as "all topics", and
+# before 4 a request cannot say "do not create the topics I name" (from 4 on the gate says it).
 FORWARDED_VERSIONS = {
     PRODUCE: _clamp(PRODUCE, 3, 9),
     FETCH: _clamp(FETCH, 4, 12),
     LIST_OFFSETS: _clamp(LIST_OFFSETS, 1, 9),
-    METADATA: _clamp(METADATA, 1, 12),
+    METADATA: _clamp(METADATA, 4, 12),
     INIT_PRODUCER_ID: _clamp(INIT_PRODUCER_ID, 0, 5),
 }
 # Forwarded for a grant of `everything` only (responses that carry no broker address).
@@ -1387,6 +1395,12 @@ class _Connection:
             if current is None or current.verifier != self.scram.verifier:
                 self.gate._count_login_failure(self.scram.username)
                 raise ScramError("authentication failed")
+            held = sum(1 for c in self.gate._conns if c.user is not None and c.user.name == current.name)
+            if held >= self.gate.max_user_connections:
+                self.gate._count(current.name, "max_user_connections")
+                log.warning("kafka gate: refused a login of %s from %s: it holds %d connections already",
+                            current.name, self.peer, held)
+                raise ScramError(f"user {current.name} holds {held} connections already, the most it may")
         return answer
 
     async def _logged_in(self) -> None:
@@ -1419,12 +1433,15 @@ class KafkaGate:
 
     def __init__(self, listen: tuple[str, int], broker: tuple[str, int], users_file: str | Path,
                  advertised: Optional[tuple[str, int]] = None, max_frame_bytes: Optional[int] = None,
-                 max_connections: int = 1024, sasl_handshake_max: int = GATE_VERSIONS[SASL_HANDSHAKE][1]):
+                 max_connections: int = 1024, sasl_handshake_max: int = GATE_VERSIONS[SASL_HANDSHAKE][1],
+                 max_user_connections: int = MAX_USER_CONNECTIONS, max_unauthenticated: int = MAX_UNAUTHENTICATED):
         self.listen, self.broker = (listen[0], int(listen[1])), (broker[0], int(broker[1]))
         self.users_file = Path(users_file)
         self._advertised = advertised
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
+        self.max_user_connections = max_user_connections
+        self.max_unauthenticated = max_unauthenticated
         self.sasl_handshake_max = sasl_handshake_max
         self._users: dict[str, GateUser] = {}
         self._users_signature: Any = "unread"
@@ -1605,8 +1622,10 @@ class KafkaGate:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._stats_lock:
             self._accepted += 1
-        if len(self._conns) >= self.max_connections:
-            log.warning("kafka gate: %d connections open; refusing another", len(self._conns))
+        waiting = sum(1 for c in self._conns if c.user is None)
+        if len(self._conns) >= self.max_connections or waiting >= self.max_unauthenticated:
+            log.warning("kafka gate: %d connections open, %d not logged in; refusing another", len(self._conns),
+                        waiting)
             writer.transport.abort()
             return
         self._maybe_reload()  # a user added a moment ago can log in at once
@@ -1697,6 +1716,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HOST:PORT clients reach the gate at (default: --listen; required with 0.0.0.0)")
     parser.add_argument("--max-frame-bytes", type=int, default=None, metavar="N",
                         help="largest request accepted (default: the user's max_record_bytes + 1 MiB)")
+    parser.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                        help="connections at once, all users (default %(default)s)")
+    parser.add_argument("--max-user-connections", type=int, default=MAX_USER_CONNECTIONS, metavar="N",
+                        help="logged-in connections at once of one user (default %(default)s)")
+    parser.add_argument("--max-unauthenticated", type=int, default=MAX_UNAUTHENTICATED, metavar="N",
+                        help="connections at once that have not logged in (default %(default)s)")
     parser.add_argument("--log-level", default="INFO", metavar="LEVEL", help="logging level (default INFO)")
     return parser
 
@@ -1705,7 +1730,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     gate = KafkaGate(args.listen, args.broker, args.users, advertised=args.advertise,
-                     max_frame_bytes=args.max_frame_bytes)
+                     max_frame_bytes=args.max_frame_bytes, max_connections=args.max_connections,
+                     max_user_connections=args.max_user_connections, max_unauthenticated=args.max_unauthenticated)
     try:
         gate.start()
     except GateError as exc:

@@ -40,7 +40,7 @@ with more than ``max_args`` (1024) arguments is refused as soon as its header sa
 it is read whole, and the connection is closed (so is one that breaks the protocol).
 Requests are handled one at a time in order: each allowed one is re-encoded and sent upstream,
 exactly one RESP2 reply is read back and passed on unchanged; the gate's own replies keep their
-place, so pipelines (``transaction=False``) work. A reply over ``max_reply_bytes`` (64 MiB; the
+place, so pipelines (``transaction=False``) work. A reply over ``max_reply_bytes`` (8 MiB; the
 gate holds each reply whole) is answered with an error and the connection closed.
 
 Users file (``--users``, JSON, mode 0600: the gate refuses one that others may read)::
@@ -78,7 +78,11 @@ or from Python (its own event loop in a daemon thread)::
 Each client connection gets its own upstream connection, opened when its AUTH succeeds
 (``-ERR upstream unavailable`` and a close if Redis cannot be reached or refuses the gate).
 Connections that do not authenticate within ``auth_timeout_s`` (10 s) are closed; at most
-``max_clients`` (1000) are open at once.
+``max_clients`` (1000) are open at once, ``max_unauthenticated`` (64) of them not logged in
+yet, and ``max_user_connections`` (32) of one user (the next AUTH is refused and closed): so one
+stranger makes the gate hold at most 32 x (64 KiB request + 8 MiB reply). A function grant's
+``max_calls`` bounds how often a user may call it over the gate's life (a stranger's join
+requests: a restart of the gate starts the count again).
 """
 
 from __future__ import annotations
@@ -112,13 +116,19 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024
 DEFAULT_MAX_ARGS = 1024
-DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
-"""A reply larger than this closes the connection: the gate holds each reply whole."""
+DEFAULT_MAX_REPLY_BYTES = 8 * 1024 * 1024
+"""A reply larger than this closes the connection: the gate holds each reply whole (a stranger's
+largest, HGETALL of its run's claims, is well under a megabyte at 1,000 samplers)."""
 MAX_SCAN_COUNT = 1000
 USERS_CHECK_S = 1.0
 AUTH_TIMEOUT_S = 10.0
 UPSTREAM_TIMEOUT_S = 30.0
 MAX_CLIENTS = 1000
+MAX_USER_CONNECTIONS = 32
+"""Connections one user may hold at once: with ``max_reply_bytes`` and ``max_request_bytes`` what
+bounds the memory one stranger makes the gate hold (32 x 8 MiB)."""
+MAX_UNAUTHENTICATED = 64
+"""Connections that have not logged in yet, at once (each may hold ``max_request_bytes``)."""
 UPSTREAM_PASSWORD_ENV = "REDIS_GATE_UPSTREAM_PASSWORD"
 USERS_FILE_VERSION = 1
 MIN_PASSWORD_CHARS = 22
@@ -430,27 +440,33 @@ def key_matches(key: bytes, patterns: Sequence[str]) -> bool:
 @dataclass(frozen=True)
 class FunctionGrant:
     """What FCALL of one function may carry: one key glob per key position, in order, and at most
-    ``max_args`` arguments after the keys, each at most ``max_arg_bytes`` long."""
+    ``max_args`` arguments after the keys, each at most ``max_arg_bytes`` long; ``max_calls``: how
+    many times the user may call it over the gate's life (None: no limit)."""
 
     keys: tuple[str, ...]
     max_args: int = 8
     max_arg_bytes: int = 1024
+    max_calls: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.keys, (str, bytes)) or not all(isinstance(p, str) and p for p in self.keys):
             raise GateError(f"a function grant's keys must be a list of non-empty glob patterns, not {self.keys!r}")
         object.__setattr__(self, "keys", tuple(self.keys))
-        for name in ("max_args", "max_arg_bytes"):
+        for name in ("max_args", "max_arg_bytes", "max_calls"):
             value = getattr(self, name)
+            if name == "max_calls" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise GateError(f"a function grant's {name} must be a non-negative integer, not {value!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": list(self.keys), "max_args": self.max_args, "max_arg_bytes": self.max_arg_bytes}
+        limits = {} if self.max_calls is None else {"max_calls": self.max_calls}
+        return {"keys": list(self.keys), "max_args": self.max_args, "max_arg_bytes": self.max_arg_bytes, **limits}
 
     @classmethod
     def from_json(cls, data: Any) -> "FunctionGrant":
-        _expect_fields(data, required={"keys"}, optional={"max_args", "max_arg_bytes"}, what="a function grant")
+        _expect_fields(data, required={"keys"}, optional={"max_args", "max_arg_bytes", "max_calls"},
+                       what="a function grant")
         return cls(keys=_string_list(data["keys"], "a function grant's keys"),
                    **{k: v for k, v in data.items() if k != "keys"})
 
@@ -897,6 +913,7 @@ class _Core:
         self.users = _UsersFile(gate.users_file)
         self.sessions: set[_Session] = set()
         self.named: dict[tuple[str, str], set[bytes]] = {}  # (user, glob) -> keys it named (Grant.max_distinct)
+        self.calls: dict[tuple[str, str], int] = {}  # (user, function) -> calls (FunctionGrant.max_calls)
         self.connections = 0
         self._upstream_logged_at = -1e9
 
@@ -905,7 +922,8 @@ class _Core:
     async def on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        if len(self.sessions) >= self.gate.max_clients:
+        waiting = sum(1 for s in self.sessions if s.user is None)
+        if len(self.sessions) >= self.gate.max_clients or waiting >= self.gate.max_unauthenticated:
             self.gate._refused_count(ANONYMOUS, "max_clients")
             writer.write(_error("ERR max number of clients reached"))
             with contextlib.suppress(OSError):
@@ -1008,7 +1026,8 @@ class _Core:
             if args[1:] == [b"0"]:
                 return OK
             return self._refuse(session, "command", "NOPERM this user may not run 'SELECT' other than 'SELECT 0'")
-        refusal = check_request(session.user.grant, args) or self._too_many_keys(session.user, args)
+        refusal = (check_request(session.user.grant, args) or self._too_many_keys(session.user, args)
+                   or self._too_many_calls(session.user, args))
         if refusal is not None:
             return self._refuse(session, refusal.reason, refusal.message)
         return await self._forward(session, args)
@@ -1026,6 +1045,21 @@ class _Core:
                 return Refusal("distinct_keys", f"NOPERM this user may name at most {limit} keys like "
                                                 f"'{pattern}'")
             named |= new
+        return None
+
+    def _too_many_calls(self, user: GateUser, args: list[bytes]) -> Optional[Refusal]:
+        """A refusal if this FCALL (a checked one) is past its function's `max_calls` for the user;
+        counted otherwise."""
+        if command_name(args[0]) not in ("FCALL", "FCALL_RO"):
+            return None
+        function = args[1].decode("utf-8")
+        limit = user.grant.functions[function].max_calls
+        if limit is None:
+            return None
+        calls = self.calls.get((user.name, function), 0)
+        if calls >= limit:
+            return Refusal("max_calls", f"NOPERM this user may call '{function}' at most {limit} times")
+        self.calls[(user.name, function)] = calls + 1
         return None
 
     async def _forward(self, session: _Session, args: list[bytes]) -> bytes:
@@ -1056,6 +1090,12 @@ class _Core:
             known = name.decode("utf-8", "replace") in self.users.users
             return self._refuse(session, "wrongpass", WRONGPASS,
                                 who=name.decode("utf-8", "replace") if known else UNKNOWN_USER)
+        held = sum(1 for s in self.sessions if s is not session and s.user is not None and s.user.name == user.name)
+        if held >= self.gate.max_user_connections:
+            session.closing = True
+            return self._refuse(session, "max_user_connections", f"ERR user {user.name} holds "
+                                f"{self.gate.max_user_connections} connections already, the most it may",
+                                who=user.name)
         if session.upstream is None:
             try:
                 session.upstream = await _open_upstream(self.gate.upstream, self.gate.upstream_timeout_s)
@@ -1138,6 +1178,7 @@ class RedisGate:
                  users_file: PathLike = "gate-users.json", *, upstream_password: Optional[str] = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_args: int = DEFAULT_MAX_ARGS,
                  max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES, max_clients: int = MAX_CLIENTS,
+                 max_user_connections: int = MAX_USER_CONNECTIONS, max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  users_check_s: float = USERS_CHECK_S, auth_timeout_s: float = AUTH_TIMEOUT_S,
                  upstream_timeout_s: float = UPSTREAM_TIMEOUT_S):
         self.listen = listen
@@ -1147,6 +1188,8 @@ class RedisGate:
         self.max_args = max_args
         self.max_reply_bytes = max_reply_bytes
         self.max_clients = max_clients
+        self.max_user_connections = max_user_connections
+        self.max_unauthenticated = max_unauthenticated
         self.users_check_s = users_check_s
         self.auth_timeout_s = auth_timeout_s
         self.upstream_timeout_s = upstream_timeout_s
@@ -1283,9 +1326,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"redis://USER[:PASS]@HOST:PORT/DB the gate forwards as; without PASS the password "
                              f"is read from ${UPSTREAM_PASSWORD_ENV} (keeps it out of argv)")
     parser.add_argument("--users", type=Path, required=True, help="users JSON file (mode 0600)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    parser.add_argument("--max-args", type=int, default=DEFAULT_MAX_ARGS)
-    parser.add_argument("--max-clients", type=int, default=MAX_CLIENTS)
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request; a larger one closes the connection (default %(default)s)")
+    parser.add_argument("--max-args", type=int, default=DEFAULT_MAX_ARGS,
+                        help="most arguments in one request (default %(default)s)")
+    parser.add_argument("--max-reply-bytes", type=int, default=DEFAULT_MAX_REPLY_BYTES,
+                        help="largest reply passed on; a larger one closes the connection (default %(default)s)")
+    parser.add_argument("--max-clients", type=int, default=MAX_CLIENTS,
+                        help="connections at once, all users (default %(default)s)")
+    parser.add_argument("--max-user-connections", type=int, default=MAX_USER_CONNECTIONS,
+                        help="connections at once of one user (default %(default)s)")
+    parser.add_argument("--max-unauthenticated", type=int, default=MAX_UNAUTHENTICATED,
+                        help="connections at once that have not logged in (default %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (default WARNING)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -1296,7 +1348,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gate = RedisGate(args.listen, args.upstream_url, args.users,
                          upstream_password=os.environ.get(UPSTREAM_PASSWORD_ENV),
                          max_request_bytes=args.max_request_bytes, max_args=args.max_args,
-                         max_clients=args.max_clients).start()
+                         max_reply_bytes=args.max_reply_bytes, max_clients=args.max_clients,
+                         max_user_connections=args.max_user_connections,
+                         max_unauthenticated=args.max_unauthenticated).start()
     except GateError as exc:
         print(f"redis-gate: {exc}", file=sys.stderr)
         return 2

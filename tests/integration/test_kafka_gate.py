@@ -336,6 +336,37 @@ def test_the_sasl_handshake_v0_flow_works_too(stack, users_file):
     assert b"via raw SASL tokens" in broker_values(stack, ROLLOUTS)
 
 
+def test_one_user_holds_a_bounded_number_of_connections_and_few_wait_for_a_login(stack, users_file):
+    """Each connection may hold a request frame and answers read ahead: a user (a stranger) gets
+    `max_user_connections` of them, and `max_unauthenticated` may wait for a login at once."""
+    host, port = stack.kafka_bootstrap.rsplit(":", 1)
+    with KafkaGate(("127.0.0.1", 0), (host, int(port)), users_file, max_user_connections=2,
+                   max_unauthenticated=1) as small:
+        def logged_in(user: str) -> RawClient:
+            before = small.stats()["open_by_user"].get(user, 0)
+            client, deadline = RawClient(small, user, PASSWORDS[user]), time.monotonic() + 5
+            while small.stats()["open_by_user"].get(user, 0) == before and time.monotonic() < deadline:
+                time.sleep(0.02)  # the gate counts it once its broker connection is open
+            return client
+
+        held = [logged_in("sampler") for _ in range(2)]
+        other = logged_in("validator")  # another user is not held back
+        with pytest.raises(AssertionError, match="holds 2 connections already"):
+            RawClient(small, "sampler", PASSWORDS["sampler"])
+        deadline = time.monotonic() + 5
+        while small.stats()["open"] > 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the refused one is closed (after its answer had time to go out)
+        waiting = socket.create_connection(small.address, timeout=5)  # connected, never logs in
+        time.sleep(0.2)
+        late = socket.create_connection(small.address, timeout=5)
+        assert late.recv(100) == b""  # closed at once
+        for sock in (late, waiting):
+            sock.close()
+        for client in (*held, other):
+            client.close()
+        assert small.stats()["refused"]["sampler"]["max_user_connections"] == 1
+
+
 def test_a_grant_of_everything_creates_topics_and_reads_and_writes_any(gate, stack):
     """The operator's learner on another machine: every request goes through, with the broker's
     address rewritten to the gate's (its clients keep talking to the gate)."""

@@ -297,16 +297,20 @@ def test_removing_the_user_closes_its_connections_and_refuses_new_auth(env):
     vol2.close()
 
 
-def test_a_user_names_no_more_distinct_keys_than_its_grant_allows(env, tmp_path):
+def test_a_user_names_no_more_keys_calls_or_connections_than_its_grant_and_the_gate_allow(env, tmp_path):
     """`max_distinct`: an invite's user may hold as many sampler leases as the invite admits samplers,
-    so a stranger cannot make up sampler ids by the thousand (each holding claims)."""
+    so a stranger cannot make up sampler ids by the thousand (each holding claims); `max_calls`: it
+    cannot flood a stream (join requests) with calls; and it holds at most `max_user_connections`
+    connections, while at most `max_unauthenticated` wait for a login (each costs the gate memory)."""
     users = tmp_path / "limited-users.json"
     password = new_password()
     add_user(users, "two-ids", password, Grant(
         read_keys=("heterorl:run1:*",),
-        functions={"hr_test_set": FunctionGrant(keys=("heterorl:run1:*",), max_args=2, max_arg_bytes=64)},
+        functions={"hr_test_set": FunctionGrant(keys=("heterorl:run1:*",), max_args=2, max_arg_bytes=64),
+                   "hr_test_get": FunctionGrant(keys=("heterorl:run1:*",), max_args=1, max_calls=3)},
         max_distinct={"heterorl:run1:sampler:*": 2}))
-    gate = RedisGate(listen=("127.0.0.1", 0), upstream_url=env.sampler_url, users_file=users).start()
+    gate = RedisGate(listen=("127.0.0.1", 0), upstream_url=env.sampler_url, users_file=users,
+                     max_user_connections=2, max_unauthenticated=1).start()
     try:
         client = redis.Redis.from_url(gate.url("two-ids", password), protocol=2)
         for n in (1, 2, 1, 2):
@@ -314,6 +318,23 @@ def test_a_user_names_no_more_distinct_keys_than_its_grant_allows(env, tmp_path)
         with pytest.raises(redis.ResponseError, match="at most 2 keys like"):
             client.fcall("hr_test_set", 1, "heterorl:run1:sampler:s3", "f", "v")
         client.fcall("hr_test_set", 1, "heterorl:run1:sampler_stats", "f", "v")  # other keys are not counted
+        assert [client.fcall("hr_test_get", 1, "heterorl:run1:sampler_stats", "f") for _ in range(3)] == [b"v"] * 3
+        with pytest.raises(redis.ResponseError, match="may call 'hr_test_get' at most 3 times"):
+            client.fcall("hr_test_get", 1, "heterorl:run1:sampler_stats", "f")
+        second = redis.Redis.from_url(gate.url("two-ids", password), protocol=2)
+        assert second.ping()
+        with pytest.raises(redis.ResponseError, match="holds 2 connections already"):
+            redis.Redis.from_url(gate.url("two-ids", password), protocol=2).ping()
+        host, port = gate.address.rsplit(":", 1)
+        waiting = socket.create_connection((host, int(port)), timeout=5)  # connected, never logs in
+        time.sleep(0.2)
+        late = socket.create_connection((host, int(port)), timeout=5)
+        assert b"max number of clients" in late.recv(200)
+        late.close()
+        waiting.close()
+        second.close()
         client.close()
+        refused = gate.stats()["refused"]
+        assert refused["two-ids"]["max_user_connections"] == 1 and refused["two-ids"]["max_calls"] == 1
     finally:
         gate.stop()

@@ -250,6 +250,9 @@ def test_metadata_hides_topics_turns_off_auto_creation_and_names_the_gate():
     rewritten = MetadataResponse.decode(plan.transform(answer(broker)), version=12, header=True)
     assert [(b.host, b.port) for b in rewritten.brokers] == [GATE]
     assert [(t.name, t.error_code) for t in rewritten.topics] == [("run.rollouts", 0), ("run.learner.control", 29)]
+    # Before v4 a Metadata request cannot turn auto-creation off: naming a topic could create it.
+    old = authorize(encode(MetadataRequest[3](topics=[topic(name="run.rollouts")])), SAMPLER, GATE)
+    assert old.close == "unsupported_version" and old.forward is None
 
 
 def test_an_all_topics_metadata_request_answers_only_described_topics():
@@ -337,7 +340,8 @@ def test_api_versions_offers_only_what_the_gate_checks():
     offered = {k.api_key: (k.min_version, k.max_version) for k in response.api_keys}
     # CreateTopics and DeleteTopics are offered (before login, to everyone) for a grant of `everything`
     # (the operator's learner on another machine); any other user's are refused per topic.
-    assert offered == {0: (3, 9), 1: (4, 12), 2: (1, 9), 3: (1, 12), 17: (0, 1), 18: (0, 4), 19: (2, 7),
+    # Metadata from 4 only: before it a request cannot say "do not create the topics I name".
+    assert offered == {0: (3, 9), 1: (4, 12), 2: (1, 9), 3: (4, 12), 17: (0, 1), 18: (0, 4), 19: (2, 7),
                        20: (1, 6), 22: (0, 5), 36: (0, 2)}
     assert kafka_gate.api_versions_payload(0, 9, broker, sasl_handshake_max=0)  # the v0 raw-token flow
     too_new = ApiVersionsResponse.decode(kafka_gate.api_versions_payload(7, 9, broker), version=0, header=True)
