@@ -122,6 +122,9 @@ class Intake:
         self.by_key = {name: Counter() for name in ("groups", "fresh", "judged", "fresh_judged")}
         """Per key: signed messages read, those of staleness 0 (a quarantine records how many it
         took); with validators, groups whose verdict was applied, and those of staleness 0 when read."""
+        self.judged_by: Counter = Counter()
+        """Per sampler id (as the group's seal names it), groups judged since `take_judged`: the
+        fleet's pacing counts each sampler's groups sent against these (`RunState.count_judged`)."""
         self.verdict_verifier = VerdictVerifier(cfg.run.name, None) if self.validated else None
         self.verdicts: dict[str, dict[str, GroupVerdict]] = {}
         """Valid verdicts whose group has not been decided yet: rollout id -> SHA-256 of the message
@@ -213,6 +216,7 @@ class Intake:
         """Admission of a group whose seal holds (or that needs none), then its content checks."""
         key_id, version = rollout.key_id, self.version
         self.by_key["groups"][key_id] += 1
+        self.judged_by[rollout.sampler_id] += 1
         self.by_key["fresh"][key_id] += rollout.policy_version == version
         if self.strikes.is_quarantined(key_id):
             return self.admission.refuse(rollout, record.partition, record.offset, version, "quarantined")
@@ -382,6 +386,11 @@ class Intake:
     def waiting(self) -> int:
         """Groups in the batch being filled or waiting for their verdicts."""
         return len(self.admission.pending) + len(self.admission.awaiting)
+
+    def take_judged(self) -> dict[str, int]:
+        """`judged_by` since the last call, then zero."""
+        judged, self.judged_by = dict(self.judged_by), Counter()
+        return judged
 
     def resume_offsets(self) -> dict[int, int]:
         """Where a learner resumed from a checkpoint taken now reads on: the next offset per

@@ -351,6 +351,7 @@ class Learner:
         self.source = open_source(self.bootstrap, self.topic, offsets, self.kafka_security, self.lcfg.idle_timeout_s,
                                   self.log)
         self.intake.read_to = self.source.positions()
+        self.swept_at = 0.0
         self.verdict_source = (open_source(self.bootstrap, verdicts_topic(self.topic), {}, self.kafka_security,
                                            self.lcfg.idle_timeout_s, self.log)  # every verdict from the start
                                if self.cfg.validators.enabled else None)
@@ -378,9 +379,16 @@ class Learner:
             if len(records) < self.verdict_source.max_records:
                 return
 
-    def report_position(self) -> None:  # what the learner judged and has not read yet (samplers pace on both)
+    def report_position(self) -> None:
+        """What the learner judged, of whom, and has not read yet (samplers pace on these); and, every
+        heartbeat interval, the claims of samplers gone re-issued (the samplers sweep too, but one that
+        takes the sweep's turn need not)."""
+        self.state.count_judged(self.intake.take_judged())
         self.state.report_learner_offsets(self.intake.read_to, self.source.unread(self.intake.read_to),
                                           self.intake.waiting)
+        if time.monotonic() - self.swept_at >= self.cfg.sampler.heartbeat_interval_s:
+            self.swept_at = time.monotonic()
+            self.state.reissue_expired_claims()
 
     def train_ready(self, last: bool = False, save: bool = True) -> bool:
         """Train the intake's next batch if one is full (`last`: whatever waits); whether a step was

@@ -36,7 +36,8 @@ from typing import Optional
 from infra.kafka_gate import KafkaGrant
 from infra.redis_gate import FunctionGrant, Grant as RedisGrant
 from infra.s3_identities import ADMIN, DELETE, LIST, READ, WRITE, S3Grant
-from pipeline.clients.run_functions import MAX_JSON_BYTES, SAMPLER_FUNCTIONS
+from pipeline.clients.run_functions import (FUNCTION_KEYS, MAX_CALL_INDICES, MAX_FIELDS, MAX_JSON_BYTES,
+                                            SAMPLER_FUNCTIONS)
 from pipeline.clients.topics import MAX_MESSAGE_BYTES
 from pipeline.records.update_log import dead_letter_topic, updates_topic
 from pipeline.trust.verdicts import verdicts_topic
@@ -50,13 +51,14 @@ limit: the samplers' producer sends at most this)."""
 # ---- Redis: keys under heterorl:<run>: ---------------------------------------------------------
 
 SAMPLER_WRITES = ("sampler:*", "samplers_seen", "sampler_last", "sampler_stats", "sampler_owners", "claims",
-                  "reissue", "prompt_cursor", "claim_stats", "claim_counts", "reissued_from", "claims_sweep", "meta",
-                  "join_requests")
+                  "reissue", "prompt_cursor", "claim_stats", "claim_counts", "reissued_from", "completed_by",
+                  "discarded_by", "claims_sweep", "meta", "join_requests")
 """What the run functions a sampler calls write (pipeline/clients/run_functions.py): the sampler role
 needs write access to them for its functions to run (Redis checks the caller's ACL inside them),
 and a stranger, which has no Redis user of its own, reaches them only through those functions."""
-SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions", "used_by_sampler")
-"""What a sampler only reads: the learner's and the root's (signed), and its count of groups used."""
+SAMPLER_READS = ("policy", "learner", "key_registry", "quarantine", "admissions", "used_by_sampler", "judged_by")
+"""What a sampler only reads: the learner's and the root's (signed), its count of groups used and
+the learner's count of each sampler's groups judged (the fleet's pacing)."""
 VALIDATOR_WRITES = ("validator:*", "partition_lease:*", "validator_offsets", "validator_stats")
 """A validator's lease, the partition leases and where its verdicts end (consumers/validator.py)."""
 
@@ -65,8 +67,8 @@ _ROLE_COMMANDS = "-@all +@connection +@read +@write +@transaction -@dangerous -@
 command, and no script of its own (EVAL, SCRIPT, FUNCTION): the run functions are called with
 FCALL (the learner loads them: `+function|load`)."""
 
-STRANGER_READS = (*SAMPLER_READS, "claims", "claim_stats", "claim_counts", "sampler:*", "sampler_last",
-                  "sampler_stats")
+STRANGER_READS = (*SAMPLER_READS, "claims", "claim_stats", "claim_counts", "completed_by", "discarded_by",
+                  "sampler:*", "sampler_last", "sampler_stats")
 """What a stranger's sampler reads through the Redis gate: what it paces on, and its own lease and
 stats (`heterorl join` shows them)."""
 
@@ -89,20 +91,16 @@ def redis_acl_rules(role: str, redis_version: tuple[int, int]) -> str:
     return f"resetkeys {writes} {reads} resetchannels {_ROLE_COMMANDS}"
 
 
-_FUNCTION_KEYS = {  # the keys each sampler function takes, in order (pipeline/clients/run_functions.py)
-    "hr_version": (),
-    "hr_heartbeat": ("sampler:*", "samplers_seen", "sampler_last", "sampler_owners"),
-    "hr_release": ("sampler:*", "samplers_seen", "sampler_last", "sampler_owners"),
-    "hr_record_stats": ("sampler_owners", "sampler_stats"),
-    "hr_claim": ("sampler:*", "reissue", "prompt_cursor", "claims", "claim_stats", "claim_counts", "sampler_owners"),
-    "hr_complete": ("sampler_owners", "claims", "claim_stats", "reissue", "claim_counts", "reissued_from"),
-    "hr_reissue": ("claims", "reissue", "claim_stats", "sampler:*", "claim_counts", "reissued_from"),
-    "hr_sweep_due": ("claims_sweep",),
-    "hr_discarded": ("sampler_owners", "claim_stats"),
-    "hr_epoch_size": ("meta",),
-    "hr_join_request": ("join_requests",),
-}
-assert set(_FUNCTION_KEYS) == set(SAMPLER_FUNCTIONS)
+STRANGER_FUNCTIONS = tuple(name for name in SAMPLER_FUNCTIONS if name != "hr_epoch_size")
+"""The run functions a stranger may call (the epoch size is the operator's samplers' to record)."""
+JOIN_REQUESTS_PER_SAMPLER = 4
+"""Join requests a stranger may send through the Redis gate per sampler its invite admits (a
+request that is refused may be sent again; a flood would push others' requests out of the stream)."""
+
+
+MAX_FUNCTION_ARGS = max(4 + 2 * MAX_FIELDS, 2 + MAX_CALL_INDICES)
+"""Arguments after the keys a stranger's call may carry: a heartbeat's lease fields, or the prompt
+indices of one `hr_complete` (RunState sends no more than that)."""
 
 
 def redis_gate_grant(run: str, samplers: int) -> RedisGrant:
@@ -110,8 +108,10 @@ def redis_gate_grant(run: str, samplers: int) -> RedisGrant:
     run's keys (arguments as large as a lease's last info or a join request), and at most `samplers`
     sampler ids (the invite's joins)."""
     prefix = f"heterorl:{run}:"
-    functions = {name: FunctionGrant(tuple(prefix + k for k in keys), max_args=2 + 2 * 64 + 4,
-                                     max_arg_bytes=MAX_JSON_BYTES) for name, keys in _FUNCTION_KEYS.items()}
+    functions = {name: FunctionGrant(tuple(prefix + k for k in FUNCTION_KEYS[name]), max_args=MAX_FUNCTION_ARGS,
+                                     max_arg_bytes=MAX_JSON_BYTES,
+                                     max_calls=JOIN_REQUESTS_PER_SAMPLER * samplers if name == "hr_join_request" else None)
+                 for name in STRANGER_FUNCTIONS}
     return RedisGrant(read_keys=tuple(prefix + k for k in STRANGER_READS), functions=functions,
                       max_distinct={prefix + "sampler:*": samplers})
 

@@ -617,7 +617,7 @@ class Sampler:
 
     def backlog(self, view: RunView) -> int:
         return self.pacing.backlog(self.outbox.spool.pending(), self.outbox.acked_up_to, view.learner_offsets,
-                                   view.learner_unread, view.in_flight, view.completed, view.learner_pending)
+                                   view.learner_unread, view.in_flight, view.unjudged, view.learner_pending)
 
     def totals(self) -> dict:
         return {"policy_version": self.policy.version, "generated": self.generated, "published": self.outbox.published,

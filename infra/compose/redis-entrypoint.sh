@@ -14,9 +14,10 @@ hash() { printf %s "$1" | sha256sum | cut -d ' ' -f 1; }
 COMMANDS="-@all +@connection +@read +@write +@transaction -@dangerous -@admin -@scripting +fcall +fcall_ro +time"
 SAMPLER_KEYS="~heterorl:*:sampler:* ~heterorl:*:samplers_seen ~heterorl:*:sampler_last ~heterorl:*:sampler_stats \
 ~heterorl:*:sampler_owners ~heterorl:*:claims ~heterorl:*:reissue ~heterorl:*:prompt_cursor ~heterorl:*:claim_stats \
-~heterorl:*:claim_counts ~heterorl:*:reissued_from ~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests \
+~heterorl:*:claim_counts ~heterorl:*:reissued_from ~heterorl:*:completed_by ~heterorl:*:discarded_by \
+~heterorl:*:claims_sweep ~heterorl:*:meta ~heterorl:*:join_requests \
 %R~heterorl:*:policy %R~heterorl:*:learner %R~heterorl:*:key_registry %R~heterorl:*:quarantine \
-%R~heterorl:*:admissions %R~heterorl:*:used_by_sampler"
+%R~heterorl:*:admissions %R~heterorl:*:used_by_sampler %R~heterorl:*:judged_by"
 
 cat > /tmp/users.acl <<ACL
 user default off

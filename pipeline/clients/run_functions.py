@@ -24,14 +24,15 @@ or releases the lease, claims under the id (and only while the lease lives), com
 claims, reports its discards or records its stats. Another process or key naming the same id is
 refused ("held with another token").
 
-Limits (a stranger's worst case, with `MAX_SAMPLERS` ids): a lease of at most `MAX_FIELDS`
-fields of `MAX_FIELD_BYTES`, its last info and stats of at most `MAX_JSON_BYTES` each, a lease
-time of at most `MAX_TTL_MS`, at most `MAX_BATCH` indices per call and `MAX_OWNER_CLAIMS`
-claims held by one sampler, a join request of at most `MAX_JSON_BYTES` and a stream of at most
-`MAX_JOIN_REQUESTS` of them.
+Limits (a stranger's worst case, with `MAX_SAMPLERS` ids; the Redis gate allows an invite
+fewer): a lease of at most `MAX_FIELDS` fields of `MAX_FIELD_BYTES`, its last info and stats of
+at most `MAX_JSON_BYTES` each, a lease time of at most `MAX_TTL_MS`, at most `MAX_BATCH` prompts
+claimed and `MAX_CALL_INDICES` completed per call, `MAX_OWNER_CLAIMS` claims held by one
+sampler, a join request of at most `MAX_JSON_BYTES` and a stream of at most `MAX_JOIN_REQUESTS`
+of them, a sweep token held at most `MAX_SWEEP_MS`.
 
-Keys are passed as KEYS (so the ACL and the gate check them); each function's docstring below
-names them in order. Errors are replies starting `HETERORL `; `RunState` raises them as
+Keys are passed as KEYS (so the ACL and the gate check them), those of `FUNCTION_KEYS` in its
+order and of one run, the lease being the named sampler's own: a function refuses any other. Errors are replies starting `HETERORL `; `RunState` raises them as
 `RunStateRefused`, one line each.
 """
 
@@ -53,12 +54,41 @@ MAX_BATCH = 1024
 MAX_OWNER_CLAIMS = 1024
 MAX_SAMPLERS = 10_000
 MAX_JOIN_REQUESTS = 10_000
+MAX_CALL_INDICES = 128
+"""Prompt indices per `hr_complete` / `hr_reissue` call (RunState splits longer lists): what the
+Redis gate's argument limit for a stranger lets through."""
+MAX_SWEEP_MS = 60_000
+"""The longest a sweep token holds (`hr_sweep_due`)."""
+
+FUNCTION_KEYS = {
+    "hr_version": (),
+    "hr_heartbeat": ("sampler:*", "samplers_seen", "sampler_last", "sampler_owners"),
+    "hr_release": ("sampler:*", "samplers_seen", "sampler_last", "sampler_owners"),
+    "hr_record_stats": ("sampler_owners", "sampler_stats"),
+    "hr_claim": ("sampler:*", "reissue", "prompt_cursor", "claims", "claim_stats", "claim_counts", "sampler_owners"),
+    "hr_complete": ("sampler_owners", "claims", "claim_stats", "reissue", "claim_counts", "reissued_from",
+                    "completed_by"),
+    "hr_reissue": ("claims", "reissue", "claim_stats", "sampler:*", "claim_counts", "reissued_from"),
+    "hr_sweep_due": ("claims_sweep",),
+    "hr_discarded": ("sampler_owners", "claim_stats", "completed_by", "discarded_by"),
+    "hr_epoch_size": ("meta",),
+    "hr_join_request": ("join_requests",),
+    "hr_judged": ("sampler_owners", "judged_by"),
+}
+"""The keys (under `heterorl:<run>:`) each function takes, in order; `sampler:*` is the lease of the
+sampler the call names (its id, or the owner whose claims are re-issued). The functions refuse any
+other keys, and the gate's grants are made from this table too (`infra.access`)."""
+
+_LUA_KEYS = ",\n".join(f"  {name} = {{{', '.join(repr(k) for k in keys)}}}" for name, keys in FUNCTION_KEYS.items())
 
 _BODY = f"""#!lua name={LIBRARY}
 -- heterorl run-state functions, version @VERSION@ (pipeline/clients/run_functions.py says why)
 local MAX_ID, MAX_TTL_MS, MAX_FIELDS, MAX_FIELD_BYTES = {MAX_ID_CHARS}, {MAX_TTL_MS}, {MAX_FIELDS}, {MAX_FIELD_BYTES}
 local MAX_JSON, MAX_BATCH, MAX_OWNER_CLAIMS = {MAX_JSON_BYTES}, {MAX_BATCH}, {MAX_OWNER_CLAIMS}
-local MAX_SAMPLERS, MAX_JOIN = {MAX_SAMPLERS}, {MAX_JOIN_REQUESTS}
+local MAX_SAMPLERS, MAX_JOIN, MAX_INDICES, MAX_SWEEP_MS = {MAX_SAMPLERS}, {MAX_JOIN_REQUESTS}, {MAX_CALL_INDICES}, {MAX_SWEEP_MS}
+local KEYS_OF = {{
+{_LUA_KEYS}
+}}
 
 local function refuse(why) return redis.error_reply('HETERORL ' .. why) end
 
@@ -89,6 +119,26 @@ local function json_object(text)
   return value
 end
 
+-- nil if `keys` are the keys function `name` takes (KEYS_OF), all of one run: `<prefix><key>`,
+-- where `sampler:*` is `sampler:<id>`. So a caller can name neither another sampler's lease
+-- (and claim, or re-issue an owner's claims, under a lease that is not theirs) nor another run's keys.
+local function wrong_keys(name, keys, id)
+  local names = KEYS_OF[name]
+  local last, tail = names[#names], keys[#names]
+  if #keys ~= #names or type(tail) ~= 'string' or #tail <= #last or string.sub(tail, -#last) ~= last then
+    return name .. ' takes the keys ' .. table.concat(names, ', ') .. ' of one run, in this order'
+  end
+  local prefix = string.sub(tail, 1, #tail - #last)
+  for i, key in ipairs(names) do
+    if key == 'sampler:*' then
+      if not valid_id(id) then return 'sampler id must be 1-' .. MAX_ID .. ' letters, digits, _ . : -' end
+      key = 'sampler:' .. id
+    end
+    if keys[i] ~= prefix .. key then return name .. ': key ' .. i .. ' must be ' .. prefix .. key end
+  end
+  return nil
+end
+
 -- nil if the caller may act for `id`: `token` is the one `id` was first held with (`owners`:
 -- id -> SHA-1 of its token, kept for the run); `bind`: a first heartbeat (or release) binds it.
 local function not_owner(owners, id, token, bind)
@@ -110,7 +160,7 @@ end
 -- ARGV: id, token, ttl_ms, last_json, field, value, ...
 local function heartbeat(keys, args)
   local id, token = args[1], args[2]
-  local why = not_owner(keys[4], id, token, true)
+  local why = wrong_keys('hr_heartbeat', keys, id) or not_owner(keys[4], id, token, true)
   if why then return refuse(why) end
   local ttl = integer(args[3], 1, MAX_TTL_MS)
   if ttl == nil then return refuse('lease time must be 1-' .. MAX_TTL_MS .. ' ms') end
@@ -143,7 +193,7 @@ end
 -- KEYS: sampler:<id>, samplers_seen, sampler_last, sampler_owners; ARGV: id, token, reason
 local function release(keys, args)
   local id, token = args[1], args[2]
-  local why = not_owner(keys[4], id, token, true)
+  local why = wrong_keys('hr_release', keys, id) or not_owner(keys[4], id, token, true)
   if why then return refuse(why) end
   local now = now_s()
   local last = json_object(redis.call('HGET', keys[3], id) or '{{}}') or {{}}
@@ -157,7 +207,7 @@ end
 
 -- KEYS: sampler_owners, sampler_stats; ARGV: id, token, stats_json
 local function record_stats(keys, args)
-  local why = not_owner(keys[1], args[1], args[2], false)
+  local why = wrong_keys('hr_record_stats', keys) or not_owner(keys[1], args[1], args[2], false)
   if why then return refuse(why) end
   if json_object(args[3]) == nil then return refuse('stats must be a JSON object of at most ' .. MAX_JSON .. ' bytes') end
   redis.call('HSET', keys[2], args[1], args[3])
@@ -178,7 +228,7 @@ end
 -- on), then fresh ones.
 local function claim(keys, args)
   local id, token = args[1], args[2]
-  local why = not_owner(keys[7], id, token, false)
+  local why = wrong_keys('hr_claim', keys, id) or not_owner(keys[7], id, token, false)
   if why then return refuse(why) end
   if redis.call('EXISTS', keys[1]) == 0 then return refuse('sampler ' .. id .. ' holds no lease (heartbeat first)') end
   local count = integer(args[3], 1, MAX_BATCH)
@@ -209,16 +259,17 @@ local function claim(keys, args)
   return out
 end
 
--- KEYS: sampler_owners, claims, claim_stats, reissue, claim_counts, reissued_from
+-- KEYS: sampler_owners, claims, claim_stats, reissue, claim_counts, reissued_from, completed_by
 -- ARGV: id, token, index...
 -- Only the current owner completes: an index re-issued to someone else stays theirs. A late
 -- completion of an index still waiting in the re-issue queue withdraws it from the queue (the
--- work is done), but only for the sampler it was taken from.
+-- work is done), but only for the sampler it was taken from. `completed_by`: each sampler's
+-- completions, which the fleet's pacing counts against the learner's `judged_by` per sampler.
 local function complete(keys, args)
   local id, token = args[1], args[2]
-  local why = not_owner(keys[1], id, token, false)
+  local why = wrong_keys('hr_complete', keys) or not_owner(keys[1], id, token, false)
   if why then return refuse(why) end
-  if #args - 2 > MAX_BATCH then return refuse('complete at most ' .. MAX_BATCH .. ' prompts at a time') end
+  if #args - 2 > MAX_INDICES then return refuse('complete at most ' .. MAX_INDICES .. ' prompts at a time') end
   local removed, late, withdrawn = 0, 0, 0
   for k = 3, #args do
     local index = index_of(args[k])
@@ -236,6 +287,7 @@ local function complete(keys, args)
   end
   if removed > 0 then
     redis.call('HINCRBY', keys[3], 'completed', removed)
+    redis.call('HINCRBY', keys[7], id, removed)
     if redis.call('HINCRBY', keys[5], id, -removed) <= 0 then redis.call('HDEL', keys[5], id) end
   end
   if late > 0 then redis.call('HINCRBY', keys[3], 'late_completions', late) end
@@ -247,9 +299,12 @@ end
 -- Moves the owner's claims to the re-issue queue only if its lease is gone *now* (leases always
 -- expire: only `heartbeat` writes them) and each index is still the owner's: each moved once.
 local function reissue(keys, args)
+  local owner = args[1]
+  local why = wrong_keys('hr_reissue', keys, owner)
+  if why then return refuse(why) end
   if redis.call('EXISTS', keys[4]) == 1 then return {{}} end
-  if #args - 1 > MAX_BATCH then return refuse('re-issue at most ' .. MAX_BATCH .. ' prompts at a time') end
-  local owner, moved = args[1], {{}}
+  if #args - 1 > MAX_INDICES then return refuse('re-issue at most ' .. MAX_INDICES .. ' prompts at a time') end
+  local moved = {{}}
   for k = 2, #args do
     local index = index_of(args[k])
     if index ~= nil and redis.call('HGET', keys[1], index) == owner then
@@ -266,27 +321,40 @@ local function reissue(keys, args)
   return moved
 end
 
--- KEYS: claims_sweep; ARGV: every_ms. 1 for one caller per interval across the fleet.
+-- KEYS: claims_sweep; ARGV: every_ms (at most MAX_SWEEP_MS). 1 for one caller per interval across
+-- the fleet; the learner sweeps on its own clock as well, so whoever takes the token and never
+-- sweeps delays nothing for long.
 local function sweep_due(keys, args)
-  local every = integer(args[1], 1, MAX_TTL_MS)
-  if every == nil then return refuse('the sweep interval must be 1-' .. MAX_TTL_MS .. ' ms') end
+  local why = wrong_keys('hr_sweep_due', keys)
+  if why then return refuse(why) end
+  local every = integer(args[1], 1, MAX_SWEEP_MS)
+  if every == nil then return refuse('the sweep interval must be 1-' .. MAX_SWEEP_MS .. ' ms') end
   if redis.call('SET', keys[1], '1', 'NX', 'PX', every) then return 1 end
   return 0
 end
 
--- KEYS: sampler_owners, claim_stats; ARGV: id, token, count
--- Groups a sampler completed and then dropped from its spool as too stale to send.
+-- KEYS: sampler_owners, claim_stats, completed_by, discarded_by; ARGV: id, token, count
+-- Groups a sampler completed and then dropped from its spool as too stale to send: counted up to
+-- what it completed (a sampler cannot discard more than it made).
 local function discarded(keys, args)
-  local why = not_owner(keys[1], args[1], args[2], false)
+  local why = wrong_keys('hr_discarded', keys) or not_owner(keys[1], args[1], args[2], false)
   if why then return refuse(why) end
   local count = integer(args[3], 1, MAX_BATCH)
   if count == nil then return refuse('discard 1-' .. MAX_BATCH .. ' groups at a time') end
-  redis.call('HINCRBY', keys[2], 'discarded_at_source', count)
+  local made = tonumber(redis.call('HGET', keys[3], args[1]) or '0')
+  local gone = tonumber(redis.call('HGET', keys[4], args[1]) or '0')
+  count = math.max(0, math.min(count, made - gone))
+  if count > 0 then
+    redis.call('HINCRBY', keys[2], 'discarded_at_source', count)
+    redis.call('HINCRBY', keys[4], args[1], count)
+  end
   return count
 end
 
 -- KEYS: meta; ARGV: epoch_size. Recorded once (for `heterorl status`).
 local function epoch_size(keys, args)
+  local why = wrong_keys('hr_epoch_size', keys)
+  if why then return refuse(why) end
   local size = integer(args[1], 1, 1e15)
   if size == nil then return refuse('the epoch size must be a positive integer') end
   redis.call('HSETNX', keys[1], 'epoch_size', string.format('%d', size))
@@ -295,8 +363,27 @@ end
 
 -- KEYS: join_requests; ARGV: request_json
 local function join_request(keys, args)
+  local why = wrong_keys('hr_join_request', keys)
+  if why then return refuse(why) end
   if json_object(args[1]) == nil then return refuse('a join request is a JSON object of at most ' .. MAX_JSON .. ' bytes') end
   return redis.call('XADD', keys[1], 'MAXLEN', '~', MAX_JOIN, '*', 'request', args[1])
+end
+
+-- KEYS: sampler_owners, judged_by; ARGV: id, count, id, count...  (the learner's: not a sampler's)
+-- Groups the learner judged, by the sampler id their seal names; ids that never held a lease are
+-- left out (a forged id would only grow the hash).
+local function judged(keys, args)
+  local why = wrong_keys('hr_judged', keys)
+  if why then return refuse(why) end
+  local counted = 0
+  for k = 1, #args - 1, 2 do
+    local count = integer(args[k + 1], 1, 1e9)
+    if count ~= nil and valid_id(args[k]) and redis.call('HEXISTS', keys[1], args[k]) == 1 then
+      redis.call('HINCRBY', keys[2], args[k], count)
+      counted = counted + count
+    end
+  end
+  return counted
 end
 
 -- KEYS: the lease; ARGV: holder, ttl_ms. Take or renew it; 0 if another holds it.
@@ -333,6 +420,7 @@ redis.register_function('hr_sweep_due', sweep_due)
 redis.register_function('hr_discarded', discarded)
 redis.register_function('hr_epoch_size', epoch_size)
 redis.register_function('hr_join_request', join_request)
+redis.register_function('hr_judged', judged)
 redis.register_function('hr_hold', hold)
 redis.register_function('hr_let_go', let_go)
 redis.register_function('hr_record_if_held', record_if_held)
@@ -344,7 +432,8 @@ SOURCE = _BODY.replace("@VERSION@", VERSION)
 
 SAMPLER_FUNCTIONS = ("hr_version", "hr_heartbeat", "hr_release", "hr_record_stats", "hr_claim", "hr_complete",
                      "hr_reissue", "hr_sweep_due", "hr_discarded", "hr_epoch_size", "hr_join_request")
-"""What a sampler calls (the Redis gate lets a stranger call these, with its run's keys)."""
+"""What a sampler calls; the Redis gate lets a stranger call these but `hr_epoch_size` (the
+operator's own samplers record it), with its run's keys."""
 
 
 class FunctionsMissing(RuntimeError):

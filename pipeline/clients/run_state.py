@@ -79,7 +79,7 @@ import redis
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
-from pipeline.clients.run_functions import MAX_BATCH, MAX_TTL_MS, sampler_token
+from pipeline.clients.run_functions import FUNCTION_KEYS, MAX_BATCH, MAX_CALL_INDICES, MAX_SWEEP_MS, sampler_token
 from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 
@@ -215,6 +215,11 @@ class RunState:
             self._tokens[sampler_id] = sampler_token(self.run, sampler_id, None)
         return self._tokens[sampler_id]
 
+    def _keys(self, function: str, sampler_id: Optional[str] = None) -> list[str]:
+        """The keys `function` takes (`FUNCTION_KEYS`), this run's; the lease `sampler_id`'s."""
+        return [self.prefix + (f"sampler:{sampler_id}" if name == "sampler:*" else name)
+                for name in FUNCTION_KEYS[function]]
+
     def _call(self, function: str, keys: list[str], args: list) -> object:
         """FCALL `function` with this run's `keys`; RunStateRefused for the functions' refusals,
         and a one-line error if the server lacks them (the learner or `heterorl up` loads them)."""
@@ -254,17 +259,13 @@ class RunState:
     def _lease_key(self, sampler_id: str) -> str:
         return f"{self.prefix}sampler:{sampler_id}"
 
-    def _lease_keys(self, sampler_id: str) -> list[str]:
-        return [self._lease_key(sampler_id), self.prefix + "samplers_seen", self.prefix + "sampler_last",
-                self.prefix + "sampler_owners"]
-
     def renew_sampler_lease(self, sampler_id: str, info: dict, ttl_s: float) -> None:
         """Keep this sampler's lease alive for `ttl_s` more seconds (one function call: readers never
         see half a heartbeat), and remember its info (outside the lease key) so it can still be shown
         once the lease has gone. The heartbeat time is the server's. RunStateRefused if another
         process holds this sampler id."""
         fields = [x for k, v in info.items() for x in (k, v)]
-        self._call("hr_heartbeat", self._lease_keys(sampler_id),
+        self._call("hr_heartbeat", self._keys("hr_heartbeat", sampler_id),
                    [sampler_id, self._token(sampler_id), int(ttl_s * 1000), json.dumps(info, default=str),
                     *fields])
 
@@ -272,12 +273,11 @@ class RunState:
         """End the lease now, noting that the sampler stopped on purpose (so status can
         tell a clean stop from a crash). Its outstanding claims are re-issued by the next
         `reissue_expired_claims`, like those of a sampler whose lease ran out."""
-        self._call("hr_release", self._lease_keys(sampler_id), [sampler_id, self._token(sampler_id), reason])
+        self._call("hr_release", self._keys("hr_release", sampler_id), [sampler_id, self._token(sampler_id), reason])
 
     def record_sampler_stats(self, sampler_id: str, stats: dict) -> None:
         """A stopping sampler's totals (generated, published, waits, refreshes), kept for the run."""
-        self._call("hr_record_stats", [self.prefix + "sampler_owners", self.prefix + "sampler_stats"],
-                   [sampler_id, self._token(sampler_id), json.dumps(stats)])
+        self._call("hr_record_stats", self._keys("hr_record_stats"), [sampler_id, self._token(sampler_id), json.dumps(stats)])
 
     def sampler_stats(self) -> dict[str, dict]:
         """Each sampler's recorded totals; an entry that is no JSON object is left out."""
@@ -344,9 +344,7 @@ class RunState:
         if count <= 0:
             return []
         self._record_epoch_size()
-        keys = [self._lease_key(sampler_id), *(self.prefix + k for k in ("reissue", "prompt_cursor", "claims",
-                                                                          "claim_stats", "claim_counts",
-                                                                          "sampler_owners"))]
+        keys = self._keys("hr_claim", sampler_id)
         limit = "" if in_flight_limit is None else max(0, int(in_flight_limit))
         try:
             claimed = self._call("hr_claim", keys, [sampler_id, self._token(sampler_id), int(count), limit,
@@ -358,10 +356,12 @@ class RunState:
         return [int(i) for i in claimed]
 
     def _record_epoch_size(self) -> None:
-        """Once per RunState: lets `heterorl status` report epochs without being told the size."""
+        """Once per RunState: lets `heterorl status` report epochs without being told the size (a
+        stranger's sampler may not: the operator's own record it)."""
         if self.epoch_size is not None and not self._epoch_size_recorded:
-            self._call("hr_epoch_size", [self.prefix + "meta"], [self.epoch_size])
             self._epoch_size_recorded = True
+            with contextlib.suppress(RunStateRefused):
+                self._call("hr_epoch_size", self._keys("hr_epoch_size"), [self.epoch_size])
 
     def complete_prompts(self, sampler_id: str, indices: list[int]) -> int:
         """Release claims whose groups Kafka acknowledged (or that were deliberately
@@ -370,12 +370,11 @@ class RunState:
         counted as `late_completions`. A late one still waiting in the re-issue queue is
         taken out of it (counted as `reissue_withdrawn`), so nobody does it again."""
         unique = list(dict.fromkeys(int(i) for i in indices))
-        keys = [self.prefix + k for k in ("sampler_owners", "claims", "claim_stats", "reissue", "claim_counts",
-                                          "reissued_from")]
+        keys = self._keys("hr_complete")
         done = 0
-        for start in range(0, len(unique), MAX_BATCH):
+        for start in range(0, len(unique), MAX_CALL_INDICES):
             done += int(self._call("hr_complete", keys, [sampler_id, self._token(sampler_id),
-                                                         *unique[start:start + MAX_BATCH]]))
+                                                         *unique[start:start + MAX_CALL_INDICES]]))
         return done
 
     def reissue_expired_claims(self) -> list[int]:
@@ -400,8 +399,8 @@ class RunState:
         `every_s` seconds across the whole fleet (a token, SET NX PX). The sweep costs one
         command per claim owner, so with every sampler sweeping at every heartbeat Redis's work
         grew with the square of the fleet (`heterorl loadtest`, docs/loadtest.md)."""
-        every_ms = min(max(1, int(every_s * 1000)), MAX_TTL_MS)
-        return bool(self._call("hr_sweep_due", [self.prefix + "claims_sweep"], [every_ms]))
+        every_ms = min(max(1, int(every_s * 1000)), MAX_SWEEP_MS)
+        return bool(self._call("hr_sweep_due", self._keys("hr_sweep_due"), [every_ms]))
 
     def _claims_by_owner(self) -> dict[str, list[int]]:
         """Claimed index -> owner, by owner (an entry no claim function wrote, which only a user with
@@ -413,18 +412,17 @@ class RunState:
         return by_owner
 
     def _reissue_claims_of(self, owner: str, indices: list[int]) -> list[int]:
-        keys = [self.prefix + "claims", self.prefix + "reissue", self.prefix + "claim_stats", self._lease_key(owner),
-                self.prefix + "claim_counts", self.prefix + "reissued_from"]
+        keys = self._keys("hr_reissue", owner)
         moved: list[int] = []
-        for start in range(0, len(indices), MAX_BATCH):
-            moved += [int(i) for i in self._call("hr_reissue", keys, [owner, *indices[start:start + MAX_BATCH]])]
+        for start in range(0, len(indices), MAX_CALL_INDICES):
+            moved += [int(i) for i in self._call("hr_reissue", keys, [owner, *indices[start:start + MAX_CALL_INDICES]])]
         return moved
 
     def note_discarded_at_source(self, sampler_id: str, count: int) -> None:
         """`count` completed groups were dropped from `sampler_id`'s spool as too stale to send: the
         fleet's backlog must stop counting them, or at a small max delay the samplers would wait for
         the learner to read groups that will never arrive (and the learner for new ones)."""
-        keys = [self.prefix + "sampler_owners", self.prefix + "claim_stats"]
+        keys = self._keys("hr_discarded")
         while count > 0:
             self._call("hr_discarded", keys, [sampler_id, self._token(sampler_id), min(count, MAX_BATCH)])
             count -= MAX_BATCH
@@ -501,7 +499,7 @@ class RunState:
     # ---- joins -------------------------------------------------------------------------
     def request_join(self, request: dict) -> None:
         """Add a volunteer's signed join request (`heterorl join`) to the stream the learner reads."""
-        self._call("hr_join_request", [self.prefix + "join_requests"], [json.dumps(request)])
+        self._call("hr_join_request", self._keys("hr_join_request"), [json.dumps(request)])
 
     # ---- learner progress ------------------------------------------------------------
     def report_learner(self, progress: dict) -> None:
@@ -517,6 +515,14 @@ class RunState:
         for sampler_id, n in by_sampler.items():
             pipe.hincrby(self.prefix + "used_by_sampler", sampler_id, n)
         pipe.execute()
+
+    def count_judged(self, by_sampler: dict[str, int]) -> None:
+        """Add each sampler's groups the learner judged (read and decided on: used, dropped or
+        refused) to `judged_by`, against which the fleet's pacing counts what each sent
+        (`fleet_unjudged`); ids that never held a lease are left out (`hr_judged`)."""
+        pairs = [x for sampler_id, n in by_sampler.items() if n > 0 for x in (sampler_id, n)]
+        for start in range(0, len(pairs), 2 * MAX_CALL_INDICES):
+            self._call("hr_judged", self._keys("hr_judged"), pairs[start:start + 2 * MAX_CALL_INDICES])
 
     def used_by(self, sampler_id: str) -> int:
         return int(self.client.hget(self.prefix + "used_by_sampler", sampler_id) or 0)
@@ -590,20 +596,22 @@ class RunState:
             pipe.hlen(self.prefix + "claims")
         else:
             pipe.hvals(self.prefix + "claim_counts")
-        pipe.hmget(self.prefix + "claim_stats", ["completed", "discarded_at_source"])
+        for name in ("completed_by", "discarded_by", "judged_by"):
+            pipe.hgetall(self.prefix + name)
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
         replies = pipe.execute(raise_on_error=False)  # a pointer of the wrong type is the pointer's problem
-        for reply in replies[:3] + [r for r in replies[3:] if not wrong_type(r)]:
+        for reply in replies[:5] + [r for r in replies[5:] if not wrong_type(r)]:
             if isinstance(reply, Exception):
                 raise reply
-        (offsets, unread, pending, learner_version), in_flight, (completed, discarded), *policy = replies
+        (offsets, unread, pending, learner_version), in_flight, completed_by, discarded_by, judged_by, *policy = replies
         if allowance is not None:
             in_flight = sum(min(int(n), allowance) for n in in_flight if n.lstrip("-").isdigit())
-        completed = int(completed or 0) - int(discarded or 0)  # what can still reach the learner
+        unjudged = fleet_unjudged(completed_by, discarded_by, judged_by,
+                                  None if allowance is None else UNJUDGED_BATCHES * allowance)
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet
         position = dict(learner_offsets=_offsets(offsets), learner_unread=unread, in_flight=int(in_flight),
-                        completed=completed, learner_pending=int(json.loads(pending or "0") or 0),
+                        unjudged=unjudged, learner_pending=int(json.loads(pending or "0") or 0),
                         learner_version=json.loads(learner_version) if learner_version is not None else None)
         try:
             if policy and isinstance(policy[0], Exception):
@@ -634,9 +642,9 @@ class RunView:
     """Messages in the topic the learner has not judged yet, as it last reported (None: not known)."""
     in_flight: int = 0
     """Prompts claimed by the fleet whose groups are not spooled yet (being generated or in transit)."""
-    completed: Optional[int] = None
-    """Prompts whose groups the fleet has spooled since the run began and not discarded as too
-    stale to send (`claim_stats.completed - claim_stats.discarded_at_source`)."""
+    unjudged: Optional[int] = None
+    """Groups the fleet has sent (their claims completed) and not discarded as too stale, that the
+    learner has not judged yet, as of its last report (`fleet_unjudged`; None: not known)."""
     learner_pending: int = 0
     """Groups the learner judged into its partly filled batch, as it last reported."""
     learner_version: Optional[int] = None
@@ -652,6 +660,31 @@ class RunView:
         if self.newest_version is None:
             return None
         return max(self.newest_version, self.learner_version or 0)
+
+
+UNJUDGED_BATCHES = 4
+"""A sampler's groups sent and not yet judged count toward the fleet's backlog up to this many of
+its batches (`fleet_unjudged`)."""
+
+
+def fleet_unjudged(completed_by: dict[str, str], discarded_by: dict[str, str], judged_by: dict[str, str],
+                   each_at_most: Optional[int] = None) -> int:
+    """The groups the fleet sent that the learner has not judged yet, summed over sampler ids: what
+    each completed (`hr_complete`), less what it discarded as too stale to send and what the
+    learner judged of its groups (`count_judged`), each id's at least 0 and at most `each_at_most`
+    (None: no bound). Per sampler, so that one which completes claims without sending anything
+    (a stranger: nothing stops it) holds the fleet's pacing back by at most `each_at_most` groups,
+    not by everything it ever completed; and its groups do not count against anyone else's."""
+    total = 0
+    for sampler_id, raw in completed_by.items():
+        counts = [_count(raw), _count(discarded_by.get(sampler_id)), _count(judged_by.get(sampler_id))]
+        left = max(0, counts[0] - counts[1] - counts[2])
+        total += left if each_at_most is None else min(left, each_at_most)
+    return total
+
+
+def _count(raw: Optional[str]) -> int:
+    return int(raw) if raw is not None and raw.isascii() and raw.isdigit() else 0
 
 
 def _json_objects(raw: dict[str, str]) -> dict[str, dict]:

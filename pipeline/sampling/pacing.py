@@ -93,22 +93,23 @@ class Pacing:
 
     @staticmethod
     def backlog(spooled_here: int, acked_up_to: dict[int, int], learner_offsets: dict[int, int],
-                learner_unread: Optional[int] = None, in_flight: int = 0, completed: Optional[int] = None,
+                learner_unread: Optional[int] = None, in_flight: int = 0, unjudged: Optional[int] = None,
                 learner_pending: int = 0) -> int:
         """Groups ahead of the next one this sampler would make, the whole fleet's:
         - `in_flight`: prompts claimed and not yet spooled (being generated or in transit);
         - the groups spooled or sent but not yet judged by the learner: the most of what we know
           (spooled here + acknowledged to us past the learner's position), the learner's own
-          `learner_unread` (as of its last report), and `completed` (prompts the fleet has
-          spooled) minus the messages the learner has judged (live: the learner reports only
-          between steps, and what arrives during a step would otherwise go unseen);
+          `learner_unread` (as of its last report), and `unjudged`, the groups the fleet has
+          spooled that the learner has not judged, per sampler (`run_state.fleet_unjudged`; live:
+          the learner reports only between steps, and what arrives during a step would otherwise
+          go unseen);
         - `learner_pending`: groups the learner judged into its partly filled batch.
 
         Counting the whole fleet matters: each sampler alone sees only its own groups, so with
         many samplers the groups in flight and those sent by others went uncounted, the queue
         grew past the max delay and most of it was dropped (`heterorl loadtest`, docs/loadtest.md)."""
         ours = sum(max(0, end - learner_offsets.get(p, 0)) for p, end in acked_up_to.items())
-        fleet = 0 if completed is None else completed - sum(learner_offsets.values())
+        fleet = unjudged or 0
         return in_flight + max(spooled_here + max(ours, learner_unread or 0), fleet) + learner_pending
 
     def in_flight_limit(self, newest: Optional[int], current: Optional[int], backlog_outside_claims: int,

@@ -295,6 +295,8 @@ def test_a_run_across_hosts_as_the_docs_say(hosts, tmp_path):
         # admitted by the learner, its groups trained on and their log-probs checked (a stranger's)
         assert f"admitted sampler {sampler_id!r}" in learner_log
         assert redis_seen["used"].get(sampler_id, 0) > 0, (volunteer, redis_seen)
+        # and counted as judged, of its id: the fleet's pacing counts what each sent against this
+        assert redis_seen["judged"].get(sampler_id, 0) >= redis_seen["used"][sampler_id], (volunteer, redis_seen)
         assert checked.get(sampler_id, {}).get("groups", 0) > 0, (volunteer, checked)
         assert "released_at" in redis_seen["last"][sampler_id], (volunteer, redis_seen)
     # What the learner counts (used, dropped, refused by reason) is where samplers cannot read it
@@ -321,6 +323,7 @@ client = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
 prefix = f"heterorl:{sys.argv[1]}:"
 last = {s: json.loads(client.hget(prefix + "sampler_last", s) or "{}") for s in sys.argv[2:]}
 print(json.dumps({"used": {k: int(v) for k, v in client.hgetall(prefix + "used_by_sampler").items()}, "last": last,
+                  "judged": {k: int(v) for k, v in client.hgetall(prefix + "judged_by").items()},
                   "learner": sorted(client.hgetall(prefix + "learner")),
                   "learner_stats": sorted(client.hgetall(prefix + "learner_stats"))}))
 """

@@ -241,13 +241,18 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     state.report_learner_offsets({0: 17}, unread=40)
     view = state.sampler_view(with_policy=False)
     assert view.in_flight == 5 and view.learner_unread == 40 and view.learner_offsets == {0: 17}
-    state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight, counted as completed
+    state.complete_prompts("a", [0, 1, 2])  # spooled: no longer in flight, not judged yet
     view = state.sampler_view()
-    assert view.in_flight == 2 and view.completed == 3 and view.learner_pending == 0
+    assert view.in_flight == 2 and view.unjudged == 3 and view.learner_pending == 0
     state.report_learner_offsets({0: 17}, unread=None, pending=5)
     assert state.sampler_view().learner_unread is None and state.sampler_view().learner_pending == 5
     state.note_discarded_at_source("a", 2)  # spooled, then too stale to send: they will never reach the learner
-    assert state.sampler_view().completed == 1
+    assert state.sampler_view().unjudged == 1
+    state.note_discarded_at_source("a", 5)  # no sampler discards more than it completed
+    assert state.sampler_view().unjudged == 0 and int(state.client.hget(state.prefix + "discarded_by", "a")) == 3
+    state.complete_prompts("b", [3, 4])
+    state.count_judged({"b": 1, "never-seen": 7})  # the learner judged one of b's; an id with no lease is left out
+    assert state.sampler_view().unjudged == 1 and "never-seen" not in state.client.hgetall(state.prefix + "judged_by")
     stats = state.claim_stats()
     assert stats["claimed"] - stats["reissued"] == stats["completed"] + stats["outstanding"]  # claims unaffected
 

@@ -52,9 +52,7 @@ def test_a_sampler_id_is_held_by_its_token_alone(state):
 
 def test_leases_always_expire_and_claims_need_one(state):
     with pytest.raises(RunStateRefused, match="holds no lease|never held"):
-        state._call("hr_claim", [state._lease_key("ghost"), *(state.prefix + k for k in (
-            "reissue", "prompt_cursor", "claims", "claim_stats", "claim_counts", "sampler_owners"))],
-            ["ghost", state._token("ghost"), 5, ""])
+        state._call("hr_claim", state._keys("hr_claim", "ghost"), ["ghost", state._token("ghost"), 5, ""])
     assert state.claim_prompts("ghost", 5) == []  # a sampler whose lease lapsed: no room until it renews
     for forever in (10**9, 0):  # "no expiry", as the stranger asked, or none at all
         with pytest.raises(RunStateRefused, match="lease time must be"):
@@ -78,11 +76,10 @@ def test_what_one_sampler_holds_is_bounded_and_counted_as_one_batch(state):
                     lambda: state.renew_sampler_lease("honest", {f"f{k}": k for k in range(70)}, 30.0),
                     lambda: state.record_sampler_stats("honest", {"blob": "y" * 20_000}),
                     lambda: state.renew_sampler_lease("bad id!", {}, 30.0),
-                    lambda: state._call("hr_join_request", [state.prefix + "join_requests"], ["z" * 20_000]),
-                    lambda: state._call("hr_complete", [state.prefix + k for k in (
-                        "sampler_owners", "claims", "claim_stats", "reissue", "claim_counts", "reissued_from")],
-                        ["honest", state._token("honest"), "abc"])):
-        with pytest.raises(RunStateRefused):
+                    lambda: state._call("hr_join_request", state._keys("hr_join_request"), ["z" * 20_000]),
+                    lambda: state._call("hr_complete", state._keys("hr_complete"),
+                                        ["honest", state._token("honest"), "abc"])):
+        with pytest.raises(RunStateRefused, match="at most|must be|non-negative integers|JSON object"):
             refused()
 
 
@@ -100,3 +97,26 @@ def test_only_the_dead_are_swept_and_a_late_completion_withdraws_only_its_own(st
     assert state.complete_prompts("alive", dead) == 0 and state.claim_stats()["reissue_queue"] == 2
     assert state.complete_prompts("dead", dead) == 0 and state.claim_stats()["reissue_queue"] == 0
     assert state.complete_prompts("alive", alive) == 3
+
+
+def test_a_function_takes_its_own_keys_of_one_run_and_the_named_samplers_lease_only(state):
+    """Review of issue 77's gate: a stranger whose gate admits one lease key named it in every call,
+    heartbeating as new ids under it, and re-issued a live sampler's claims by naming a lease that
+    was not the owner's. The functions check the keys themselves now."""
+    state.renew_sampler_lease("honest", {"host": "h"}, 30.0)
+    held = state.claim_prompts("honest", 3)
+    state.renew_sampler_lease("mine", {"host": "m"}, 30.0)
+    mine = state._keys("hr_heartbeat", "mine")
+    with pytest.raises(RunStateRefused, match="key 1 must be .*sampler:new-id"):  # a new id under my lease key
+        state._call("hr_heartbeat", mine, ["new-id", state._token("new-id"), 30000, "{}"])
+    with pytest.raises(RunStateRefused, match="key 4 must be .*sampler:honest"):  # honest's claims, "its" lease mine
+        state._call("hr_reissue", state._keys("hr_reissue", "ghost"), ["honest", *held])
+    other_run = [k.replace(state.prefix, "heterorl:another-run:") for k in state._keys("hr_complete")]
+    with pytest.raises(RunStateRefused, match="must be"):  # keys of two runs in one call
+        state._call("hr_complete", [*state._keys("hr_complete")[:3], *other_run[3:]], ["mine", state._token("mine")])
+    with pytest.raises(RunStateRefused, match="takes the keys"):
+        state._call("hr_sweep_due", [state.prefix + "claims"], [1000])
+    with pytest.raises(RunStateRefused, match="sweep interval must be"):  # nobody holds the sweep for 10 minutes
+        state._call("hr_sweep_due", state._keys("hr_sweep_due"), [MAX_TTL_MS])
+    assert state.client.hexists(state.prefix + "sampler_owners", "new-id") is False
+    assert state.claim_stats()["outstanding"] == 3 and state.complete_prompts("honest", held) == 3

@@ -59,7 +59,7 @@ def run(local_stack, tmp_path_factory):
     honest.renew_sampler_lease("honest-0", {"host": "h"}, 60.0)
     text, grant, _ = invites.make_run_invite(cfg, with_services(cfg, stack_services(local_stack, "sampler")), 2, 1.0)
     yield type("Run", (), dict(cfg=cfg, name=name, admin=admin, s3=s3, honest=honest, grant=grant,
-                               services=read_invite(text).services))
+                               services=read_invite(text).services, admin_redis=connect_redis(admin.redis_url)))
 
 
 def kafka_login(services: dict) -> dict:
@@ -177,6 +177,43 @@ def test_rows_7_to_11_redis(run):
     assert len(held) <= MAX_OWNER_CLAIMS and vol.claim_prompts("vol-1", 1024) == []
     assert run.honest.sampler_view(allowance=8).in_flight == 8  # counted as one batch of the fleet's
     assert run.honest.sampler_lease("honest-0")["host"] == "h"
+
+
+def test_a_stranger_using_the_functions_as_given_cannot_stall_or_rob_the_fleet(run):
+    """The second review of issue 77: what a stranger did through the functions themselves. Claiming
+    and completing without sending held every honest sampler's pacing back for good (the fleet
+    counted everything completed); naming its one admitted lease key it heartbeat as new ids, and
+    named it as the lease of an honest sampler whose claims it then had re-issued; it held the sweep
+    for ten minutes; it flooded the join stream; it set the run's epoch size."""
+    client = stranger_redis(run.services)
+    prefix = f"heterorl:{run.name}:"
+    vol = RunState(client, run.name)
+    vol.hold_as("vol-1", sampler_token(run.name, "vol-1", b"volunteer seed"))
+    vol.renew_sampler_lease("vol-1", {"host": "v"}, 30.0)
+    before = run.honest.sampler_view(allowance=8).unjudged
+    completed = vol.complete_prompts("vol-1", [int(i) for i, owner in client.hgetall(prefix + "claims").items()
+                                               if owner == "vol-1"])  # what it hoarded before
+    for _ in range(5):  # 5,000 more prompts completed, nothing sent
+        completed += vol.complete_prompts("vol-1", vol.claim_prompts("vol-1", 1024))
+    assert completed >= 5 * 1024 and int(client.hget(prefix + "completed_by", "vol-1")) == completed
+    assert run.honest.sampler_view(allowance=8).unjudged <= before + 4 * 8  # four of its batches at most
+    held = run.honest.claim_prompts("honest-0", 2)
+    refused = {
+        "key 1 must be": lambda: vol._call("hr_heartbeat", vol._keys("hr_heartbeat", "vol-1"),
+                                           ["vol-99", "t" * 32, 30000, "{}"]),
+        "key 4 must be": lambda: vol._call("hr_reissue", vol._keys("hr_reissue", "vol-1"), ["honest-0", *held]),
+        "sweep interval": lambda: vol._call("hr_sweep_due", vol._keys("hr_sweep_due"), [600_000]),
+        "may not call function 'hr_epoch_size'": lambda: vol._call("hr_epoch_size", vol._keys("hr_epoch_size"), [7]),
+    }
+    for why, attempt in refused.items():
+        with pytest.raises(RunStateRefused, match=why):
+            attempt()
+    vol.epoch_size = 7
+    assert vol.claim_prompts("vol-1", 1) and b"epoch_size" not in run.admin_redis.hkeys(prefix + "meta")
+    with pytest.raises(RunStateRefused, match="at most 8 times"):  # an invite of two joins: 8 requests
+        for n in range(20):
+            vol.request_join({"n": n})
+    assert run.honest.complete_prompts("honest-0", held) == 2  # its claims stayed its own
 
 
 def test_row_13_revoking_the_invite_ends_its_access_everywhere(run):

@@ -35,7 +35,9 @@ def test_every_row_names_a_test_that_exists():
 
 def test_a_stranger_gets_one_run_and_no_more():
     grant = redis_gate_grant("r1", samplers=2)
-    assert set(grant.functions) == set(SAMPLER_FUNCTIONS)  # the functions only: nothing written directly
+    assert set(grant.functions) == set(SAMPLER_FUNCTIONS) - {"hr_epoch_size"}  # the functions only: nothing
+    # written directly, and not the run's epoch size; a stranger's join requests are counted
+    assert grant.functions["hr_join_request"].max_calls == 8 and grant.functions["hr_claim"].max_calls is None
     assert all(k.startswith("heterorl:r1:") for f in grant.functions.values() for k in f.keys)
     assert all(k.startswith("heterorl:r1:") for k in grant.read_keys)
     assert "heterorl:r1:learner_stats" not in grant.read_keys and len(STRANGER_READS) == len(grant.read_keys)

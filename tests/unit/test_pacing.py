@@ -2,6 +2,7 @@
 
 import time
 
+from pipeline.clients.run_state import fleet_unjudged
 from pipeline.sampling.pacing import Pacing, StepPeriod, too_far_behind
 
 
@@ -26,9 +27,9 @@ def test_backlog_is_the_fleets_not_this_samplers():
     assert Pacing.backlog(3, {0: 100, 1: 5}, {0: 90}, learner_unread=40) == 3 + 40
     # A stale report (the learner read on since) never hides what the broker acknowledged to us.
     assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2) == 10
-    # What the fleet spooled (live) minus what the learner judged: groups sent during a learner step,
+    # What the fleet spooled (live) that the learner has not judged: groups sent during a learner step,
     # which its last report cannot know; and the groups waiting in its partly filled batch.
-    assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2, completed=150, learner_pending=20) == 60 + 20
+    assert Pacing.backlog(0, {0: 100}, {0: 90}, learner_unread=2, unjudged=60, learner_pending=20) == 60 + 20
     # Groups being generated anywhere in the fleet (claimed prompts not yet spooled) are ahead too.
     assert Pacing.backlog(0, {}, {}, learner_unread=0, in_flight=48) == 48
     # 64 samplers each with a batch in flight fill the learner's max delay before any reaches the topic.
@@ -245,3 +246,13 @@ def test_a_pointer_that_moved_back_or_is_not_the_learners_is_not_followed():
     assert pointer_problem("far", RunView(12, "far/v12/manifest.json", {}), None, None) is None
     unsigned = pointer_problem("far", RunView(12, "far/v12/manifest.json", {}), 9, SigningKey.generate().public)
     assert unsigned is not None and "sign" in unsigned
+
+
+def test_the_fleets_unjudged_groups_are_counted_per_sampler_and_bounded_each():
+    completed = {"honest": "40", "hoarder": "5000", "quiet": "3", "odd": "x"}
+    discarded = {"honest": "5"}
+    judged = {"honest": "30", "quiet": "9"}  # judged more than it completed (a resent copy): 0, not -6
+    assert fleet_unjudged(completed, discarded, judged) == 5 + 5000
+    # each sampler's at most four batches: one that completes claims and sends nothing holds back 32
+    assert fleet_unjudged(completed, discarded, judged, each_at_most=32) == 5 + 32
+    assert fleet_unjudged({}, {}, {"ghost": "4"}) == 0
