@@ -201,6 +201,8 @@ class Intake:
             admitted = self.admission.admit_message(record.partition, record.offset, record.value, version, now)
         except Rejected as e:
             self.admission.reject(record.partition, record.offset, e.code, e.reason)
+            if e.sampler_id:  # judged, by the id it names (a forged one can only undercount that id's backlog)
+                self.judged_by[e.sampler_id] += 1
             if e.attributable:
                 self.strike(e.key_id, e.sampler_id, e.code, e.reason)
             self.dead_letter(record, f"rejected: {e.reason}")

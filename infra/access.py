@@ -68,7 +68,7 @@ command, and no script of its own (EVAL, SCRIPT, FUNCTION): the run functions ar
 FCALL (the learner loads them: `+function|load`)."""
 
 STRANGER_READS = (*SAMPLER_READS, "claims", "claim_stats", "claim_counts", "completed_by", "discarded_by",
-                  "sampler:*", "sampler_last", "sampler_stats")
+                  "samplers_seen", "sampler:*", "sampler_last", "sampler_stats")
 """What a stranger's sampler reads through the Redis gate: what it paces on, and its own lease and
 stats (`heterorl join` shows them)."""
 

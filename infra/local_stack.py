@@ -282,7 +282,7 @@ def _redis_url(port: int, user: str = "", password: str | None = None, host: str
     return f"redis://{auth}{host}:{port}/0"
 
 
-def stack_env(state: StackState, role: str = "admin", remote: Optional[bool] = None) -> dict[str, str]:
+def stack_env(state: StackState, role: str = "admin", remote: bool | None = None) -> dict[str, str]:
     """Environment variables that point heterorl (and standard tools) at ``state`` as ``role``:
     `remote` (default: the stack serves other machines, `heterorl up --host`) through the Kafka
     gate, with the role's login (`KAFKA_SASL_*`)."""

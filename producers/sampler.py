@@ -148,17 +148,20 @@ class Outbox:
         self.claim_of.update((r.rollout_id, i) for r, i in zip(rollouts, claims))
 
     def confirm_claims(self, state, sampler_id: str) -> None:
-        """Prompts whose groups are safely on disk are done: nobody needs to redo them. Groups
-        discarded from the spool since the last call are reported, so the fleet's backlog drops them."""
-        discarded = self.discarded_at_source - self.discards_reported
-        if discarded:
-            state.note_discarded_at_source(sampler_id, discarded)
-            self.discards_reported += discarded
+        """Prompts whose groups are safely on disk are done: nobody needs to redo them. Then the
+        groups discarded from the spool since the last call are reported, so the fleet's backlog
+        drops them: after their completions, as the run functions count a sampler's discards
+        only against what it completed (a group spooled and discarded within one turn was
+        otherwise never subtracted, and at a small max delay the fleet paced itself to a halt)."""
         if self.spooled_ids:
             state.complete_prompts(sampler_id, [self.claim_of[r] for r in self.spooled_ids if r in self.claim_of])
             for r in self.spooled_ids:
                 self.claim_of.pop(r, None)
             self.spooled_ids.clear()
+        discarded = self.discarded_at_source - self.discards_reported
+        if discarded:
+            state.note_discarded_at_source(sampler_id, discarded)
+            self.discards_reported += discarded
 
     def spool_due(self, everything: bool = False) -> bool:
         """Move groups whose transit is over into the spool; False if the spool is full."""
@@ -483,7 +486,7 @@ class Sampler:
         now = time.monotonic()
         poll_policy = (now - self.policy_read_at >= self.scfg.weight_poll_interval_s or not self.policy.loaded
                        or self.pauses.last == "next_version")  # the learner's next version is all it waits for
-        view = self.state.sampler_view(with_policy=poll_policy, allowance=self.scfg.prompts_per_batch)
+        view = self.state.sampler_view(poll_policy, self.scfg.prompts_per_batch, self.scfg.lease_ttl_s)
         if view.pointer_error is not None:  # nothing new is published: keep what we knew, say why once
             self.refuse_pointer(view, view.pointer_error)
         polled = poll_policy and view.pointer_error is None  # a bad pointer is no news: the known one stays

@@ -79,7 +79,8 @@ import redis
 
 from pipeline.config import strip_password
 from pipeline.errors import UserError
-from pipeline.clients.run_functions import FUNCTION_KEYS, MAX_BATCH, MAX_CALL_INDICES, MAX_SWEEP_MS, sampler_token
+from pipeline.clients.run_functions import (FUNCTION_KEYS, MAX_BATCH, MAX_CALL_INDICES, MAX_SWEEP_MS, MAX_TTL_MS,
+                                             sampler_token)
 from pipeline.clients.services import CredentialsRefused, ServiceSecurity, ServiceUnavailable
 
 
@@ -584,12 +585,16 @@ class RunState:
         raw = self.client.hget(self.prefix + "learner", "offsets")
         return _offsets(raw)
 
-    def sampler_view(self, with_policy: bool = True, allowance: Optional[int] = None) -> "RunView":
+    def sampler_view(self, with_policy: bool = True, allowance: Optional[int] = None,
+                     live_within_s: Optional[float] = None) -> "RunView":
         """What a sampler paces itself on, in one round trip: the learner's position and (unless
         not `with_policy`: then None) the newest policy. `allowance`: the fleet's claims in flight
         count each sampler's up to this many (its batch: `claim_prompts` judges so too), so one
         that claims and never delivers holds the fleet back no more than a sampler at work;
-        None: every claim counts."""
+        None: every claim counts. `live_within_s`: the groups sent and not judged count only for
+        samplers heard from (heartbeat or release, by the server's clock) this recently, so what
+        a sampler gone for good left unsent stops holding the fleet back once its lease would
+        have run out; None: every sampler's count."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.prefix + "learner", ["offsets", "unread", "pending", "policy_version"])
         if allowance is None:
@@ -598,15 +603,22 @@ class RunState:
             pipe.hvals(self.prefix + "claim_counts")
         for name in ("completed_by", "discarded_by", "judged_by"):
             pipe.hgetall(self.prefix + name)
+        pipe.zrange(self.prefix + "samplers_seen", 0, -1, withscores=True)
+        pipe.time()
         if with_policy:
             pipe.hgetall(self.prefix + "policy")
         replies = pipe.execute(raise_on_error=False)  # a pointer of the wrong type is the pointer's problem
-        for reply in replies[:5] + [r for r in replies[5:] if not wrong_type(r)]:
+        for reply in replies[:7] + [r for r in replies[7:] if not wrong_type(r)]:
             if isinstance(reply, Exception):
                 raise reply
-        (offsets, unread, pending, learner_version), in_flight, completed_by, discarded_by, judged_by, *policy = replies
+        ((offsets, unread, pending, learner_version), in_flight, completed_by, discarded_by, judged_by, seen,
+         (server_s, server_us), *policy) = replies
         if allowance is not None:
             in_flight = sum(min(int(n), allowance) for n in in_flight if n.lstrip("-").isdigit())
+        if live_within_s is not None:
+            since = server_s + server_us / 1e6 - live_within_s
+            live = {sampler_id for sampler_id, heard_at in seen if heard_at >= since}
+            completed_by = {k: v for k, v in completed_by.items() if k in live}
         unjudged = fleet_unjudged(completed_by, discarded_by, judged_by,
                                   None if allowance is None else UNJUDGED_BATCHES * allowance)
         unread = json.loads(unread) if unread is not None else None  # null: the learner does not know yet

@@ -253,6 +253,9 @@ def test_a_sampler_sees_the_fleets_groups_in_flight_and_the_learners_unread_coun
     state.complete_prompts("b", [3, 4])
     state.count_judged({"b": 1, "never-seen": 7})  # the learner judged one of b's; an id with no lease is left out
     assert state.sampler_view().unjudged == 1 and "never-seen" not in state.client.hgetall(state.prefix + "judged_by")
+    # b's unsent group counts while b was heard from within the window, not once b is gone for good
+    state.client.zadd(state.prefix + "samplers_seen", {"b": float(state.client.time()[0]) - 30})
+    assert state.sampler_view(live_within_s=60).unjudged == 1 and state.sampler_view(live_within_s=10).unjudged == 0
     stats = state.claim_stats()
     assert stats["claimed"] - stats["reissued"] == stats["completed"] + stats["outstanding"]  # claims unaffected
 
@@ -266,3 +269,29 @@ def test_claims_beyond_the_fleets_limit_are_refused_atomically(state):
     assert len(state.claim_prompts("unlimited", 2)) == 2  # without a limit, as before
     assert state.claim_prompts("partly", 4, in_flight_limit=22) == [] and len(state.claim_prompts(
         "partly", 4, in_flight_limit=25)) == 3  # 22 held: room for 3 of the 4
+
+
+def test_a_group_spooled_and_discarded_in_one_turn_leaves_nothing_unjudged(state, tmp_path):
+    """The sampler's outbox completes a group's claim when it is spooled and reports it discarded
+    when it grew too stale to send; both within one turn must leave the fleet's count of groups
+    sent and not judged at zero (reported the other way round, the discard was refused, the
+    count stayed, and at a small max delay the whole fleet paced itself to a halt)."""
+    import logging
+
+    from pipeline.clients.spool import RolloutSpool
+    from pipeline.config import DelayModelConfig
+    from pipeline.sampling.delays import transit_stream
+    from producers.sampler import Outbox
+    from tests.unit.test_rollout import make_rollout
+
+    lease(state, "a")
+    claimed = state.claim_prompts("a", 2)
+    outbox = Outbox(RolloutSpool(tmp_path, max_bytes=1 << 20, max_groups=10),
+                    lambda: None, transit_stream(DelayModelConfig(), "a"), 1.0, logging.getLogger("test"), "none")
+    outbox.add([make_rollout(prompt_id=f"p{i}") for i in claimed], claimed)
+    assert outbox.spool_due()
+    outbox.sink = object()  # every group is stale: nothing is sent
+    outbox.deliver(is_stale=lambda rollout: True)
+    outbox.confirm_claims(state, "a")
+    assert outbox.discarded_at_source == 2 and state.sampler_view().unjudged == 0
+    assert state.claim_stats()["completed"] == 2

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import stat
+import time
 
 import msgpack
 import numpy as np
@@ -308,3 +309,29 @@ def test_groups_the_rules_cannot_read_are_malformed_not_a_crash(over, reason):
 def test_an_unsigned_group_claims_no_key():
     verifier = RolloutVerifier(RUN, None, require_signatures=False)
     assert verifier.check(encode_rollout(make_rollout(key_id="a4aef1d86ef55e62", run=RUN, seq=1)), NOW).key_id == ""
+
+
+def test_every_group_the_learner_reads_counts_as_judged_for_the_sampler_it_names():
+    """The fleet paces on each sampler's groups sent less those the learner judged
+    (`run_state.fleet_unjudged`): a group rejected at its seal was judged too, or a sampler whose
+    key is not (yet) registered would hold every sampler back by what it sent."""
+    from types import SimpleNamespace
+
+    from consumers.intake import Intake
+    from pipeline.clients.topics import RawRecord
+    from pipeline.config import load_config
+    from pipeline.records.metrics import StageClock
+    from tests.unit.test_past_policies import State
+
+    cfg = load_config(None, ["security.require_signatures=true"], env={})
+    intake = Intake(cfg, Admission(cfg.learner), SimpleNamespace(check=lambda *a, **k: []), state=State(),
+                    registry=None, dead_letter=lambda *a: None, clock=StageClock(), fresh_in_step=True)
+    known, unknown = SigningKey.generate(), SigningKey.generate()
+    intake.verifier.registry = KeyRegistry.empty(cfg.run.name).with_key(entry(known, "s1", time.time() + 3600))
+    messages = [sealed(known, 1, run=cfg.run.name, policy_version=0),
+                sealed(unknown, 1, run=cfg.run.name, sampler_id="s2", policy_version=0),
+                b"not a rollout"]
+    for offset, value in enumerate(messages):
+        intake.offer(RawRecord(0, offset, value, [], 0), 0, "t")
+    assert intake.take_judged() == {"s1": 1, "s2": 1} and intake.take_judged() == {}
+    assert intake.verifier.rejected["unknown_key"] == 1
