@@ -213,8 +213,22 @@ class RawRecord:
     timestamp_ms: int
 
 
+GAP_WAIT_S = 5.0
+"""How long a reader waits for the messages of a gap in a partition's offsets before it reads on
+past them (`TopicReader.poll`)."""
+GAP_RETRY_S = 0.05
+
+
 class TopicReader:
-    """Reads every partition of a topic from given offsets, without a consumer group."""
+    """Reads every partition of a topic from given offsets, without a consumer group.
+
+    A learner once judged offsets 0-96 and 110 on, never 97-109, though the log held all of them
+    when the run ended (`heterorl attack` on the local broker, Tansu, whose log is objects in S3;
+    a replayed copy of one of the 13 was then used as if new). A fetch at the tail of the log that
+    returned a later batch before an earlier one was served is what fits. So a poll that skips
+    offsets goes back for them: the records past the gap are not returned, the partition is read
+    again from its first missing offset, and only after `GAP_WAIT_S` with the gap still there
+    (a log with offsets that hold no message) does the reader read on past it, with a warning."""
 
     def __init__(self, bootstrap: str, topic: str, start_offsets: Optional[dict[int, int]] = None,
                  max_records: int = 64, security: Optional[ServiceSecurity] = None):
@@ -228,6 +242,11 @@ class TopicReader:
         self.all_partitions = partitions
         """Every partition of the topic (`assign` may read a subset)."""
         self.partitions: list[TopicPartition] = []
+        self.expected: dict[int, int] = {}
+        """The next offset each partition's messages must start at (unknown until its first read,
+        when it starts at the beginning)."""
+        self.gap_since: dict[int, float] = {}
+        """When each partition's current gap was first seen (monotonic seconds)."""
         self.assign({p: (start_offsets or {}).get(p) for p in partitions})
 
     def assign(self, start_offsets: dict[int, Optional[int]]) -> None:
@@ -235,17 +254,45 @@ class TopicReader:
         A validator calls it whenever the partitions it holds change."""
         self.partitions = [TopicPartition(self.topic, p) for p in sorted(start_offsets)]
         self.consumer.assign(self.partitions)
+        self.expected, self.gap_since = {}, {}
         for tp in self.partitions:
             if start_offsets[tp.partition] is not None:
                 self.consumer.seek(tp, int(start_offsets[tp.partition]))
+                self.expected[tp.partition] = int(start_offsets[tp.partition])
             else:
                 self.consumer.seek_to_beginning(tp)
 
     def poll(self, timeout_s: float) -> list[RawRecord]:
+        """The next records, partition by partition, in offset order, none skipped (the class says how)."""
         batches = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=self.max_records)
-        records = [RawRecord(r.partition, r.offset, r.value, list(r.headers or []), r.timestamp)
-                   for tp in sorted(batches, key=lambda t: t.partition) for r in batches[tp]]
+        records = []
+        for tp in sorted(batches, key=lambda t: t.partition):
+            records += self._in_order(tp, [RawRecord(r.partition, r.offset, r.value, list(r.headers or []),
+                                                     r.timestamp) for r in batches[tp]])
         return records
+
+    def _in_order(self, tp: TopicPartition, fetched: list[RawRecord]) -> list[RawRecord]:
+        """Of one partition's fetched records, those up to the first gap in its offsets; at a gap,
+        the partition is read again from the first offset missing, until `GAP_WAIT_S` passed."""
+        expected = self.expected.get(tp.partition)
+        kept = []
+        for record in fetched:
+            if expected is not None and record.offset < expected:
+                continue  # read before (a fetch from before a seek back)
+            if expected is not None and record.offset > expected:
+                since = self.gap_since.setdefault(tp.partition, time.monotonic())
+                if time.monotonic() - since < GAP_WAIT_S:
+                    self.consumer.seek(tp, expected)
+                    time.sleep(GAP_RETRY_S)  # not a fetch loop at full speed meanwhile
+                    break
+                log.warning("%s[%d]: no message at offsets %d-%d after %.0fs; reading on at %d", self.topic,
+                            tp.partition, expected, record.offset - 1, GAP_WAIT_S, record.offset)
+            self.gap_since.pop(tp.partition, None)
+            kept.append(record)
+            expected = record.offset + 1
+        if expected is not None:
+            self.expected[tp.partition] = expected
+        return kept
 
     def unread(self, judged: dict[int, int]) -> Optional[int]:
         """Messages past `judged` (next offset per partition), by the high watermarks of the latest
