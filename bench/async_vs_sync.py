@@ -14,19 +14,26 @@ accuracy against wall-clock minutes.
     through S3, with the learner's checks of every group.
 
 Both use the same config (model, task, batch, loss, precisions) and start from the same base
-model, side by side in one run, because this machine is noisy.
+model, one after the other in one run, because this machine is noisy. Each runs as a command
+of its own, and its clock starts when the bench starts that command: imports, model loading,
+the base evaluation and the servers' start are all counted (`lane_clock`).
 
-Without `--eval-every`: steps per minute between the first and the last optimizer step of
-each (start-up, model warm-up and evaluation excluded), and their ratio.
+Every lane reports:
+- `first_step_s`: seconds from its command's start to its first optimizer step;
+- `to_last_step_min`: minutes from its command's start to its last step (the wall time to
+  version N, start-up included);
+- `steady_steps_per_min`: steps per minute from its first step to its last (start-up left out).
+Minutes a lane spends evaluating after its first step are not counted in either: the loop
+evaluates inline, the product on a shared CPU after training (`eval.after_training`).
+
+Without `--eval-every`: those figures for the product and the loop (one thread, every core),
+and their ratios.
 
 With `--eval-every K` (the accuracy race): both score the held-out split (`eval.*` of the
-config) before the first step, every K steps and after the last; the asynchronous run as
-`heterorl train` evaluates, the synchronous loop (every core) inline. Each evaluation is
-placed at the minute its version was made, counted from the end of the evaluation before
-training, without the minutes spent evaluating: the loop's own are subtracted from its clock,
-and the product on a shared CPU evaluates after training (`eval.after_training`), so neither
-clock holds any. Prints both curves, the ratio of minutes to the last version, and where each
-run's minutes went; writes DIR/accuracy_vs_time.json and .png.
+config) before the first step, every K steps and after the last, each evaluation placed at
+the minute (since its command's start) its version was made. `--target-accuracy A` adds the
+wall time to the first held-out sampled accuracy of at least A. Prints both curves, the ratios,
+and where each run's minutes went; writes DIR/accuracy_vs_time.json and .png.
 """
 
 from __future__ import annotations
@@ -87,15 +94,45 @@ class GpuUtilization:
                 "samples_at_most_12_percent": sum(u <= 12 for u in inside)}
 
 
-def steps_per_minute(step_times: list[float]) -> float:
+def steps_per_minute(step_times: list[float], pauses: list[tuple[float, float]] = ()) -> float:
+    """Steps per minute from the first step to the last, without the `pauses` (start, end) between."""
     if len(step_times) < 2:
         raise ValueError("need at least two steps to measure a rate")
-    return 60.0 * (len(step_times) - 1) / (step_times[-1] - step_times[0])
+    return 60.0 * (len(step_times) - 1) / (step_times[-1] - step_times[0] - paused_before(step_times[-1], pauses,
+                                                                                       since=step_times[0]))
+
+
+def paused_before(t: float, pauses: list[tuple[float, float]], since: float = float("-inf")) -> float:
+    """Seconds of the `pauses` (start, end) that fall between `since` and `t`."""
+    return sum(max(0.0, min(end, t) - max(start, since)) for start, end in pauses)
+
+
+def lane_clock(launched: float, step_times: list[float], evals: list[dict], pauses: list[tuple[float, float]] = (),
+               target_accuracy: Optional[float] = None) -> dict:
+    """One lane's clock, started at its command's start (`launched`, Unix seconds), as the module
+    docstring says: time to its first step, minutes to its last, its steady rate, each evaluation's
+    minute (`evals[i]["time"]`: when its version was made; without its `pauses`, the lane's own
+    evaluations after the first step) and, given `target_accuracy`, the minutes to the first
+    evaluation whose sampled accuracy reaches it (None: never)."""
+    def minutes(t: float) -> float:
+        return (t - launched - paused_before(t, pauses)) / 60
+
+    placed = [{**{k: v for k, v in e.items() if k != "time"}, "minutes": round(minutes(e["time"]), 3)}
+              for e in evals]
+    clock = {"first_step_s": round(step_times[0] - launched, 2), "to_last_step_min": round(minutes(step_times[-1]), 3),
+             "steady_steps_per_min": round(steps_per_minute(step_times, pauses), 3) if len(step_times) > 1 else None,
+             "evals": placed}
+    if target_accuracy is not None:
+        reached = [e["minutes"] for e in placed if e["accuracy_sampled"] >= target_accuracy]
+        clock["to_target_min"] = reached[0] if reached else None
+    return clock
 
 
 def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) -> dict:
-    """The synchronous loop: `times` of each step; with `eval_every`, `evals` (step, seconds since
-    the clock started, accuracies) and the seconds spent generating, training and evaluating."""
+    """The synchronous loop, in this process: `times` of each step (Unix seconds); with
+    `eval_every`, `evals` (step, `time` its version was made, accuracies), the `pauses` its
+    evaluations after the first step took, and the seconds spent generating, training and
+    evaluating. `race_sync` runs it as a command of its own, so that its clock counts its start."""
     import torch
 
     from pipeline.learning.engine import make_deepspeed_engine
@@ -113,17 +150,15 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     torch.manual_seed(cfg.run.seed)
     task = make_task_from_config(cfg)
     base = resolve_base_model(cfg)
-    clock, evals = StageClock(), []
+    clock, evals, pauses = StageClock(), [], []
     if eval_every:
         model, tokenizer = load_policy(base, dtype=DTYPES[cfg.sampler.precision], attention=cfg.model.attention)
-        evals.append({"step": 0, "minutes": 0.0, **evaluate_model(cfg, model, tokenizer, task)})
+        evals.append({"step": 0, **evaluate_model(cfg, model, tokenizer, task), "time": time.time()})
         del model
-    started = time.time()
     model, tokenizer = load_policy(base, attention=learner_attention(cfg))
     engine = make_deepspeed_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
-    times, index, evaluating_s = [], 0, 0.0
-    windows, window_start = [], time.time()  # wall-clock stretches of learning (evaluations excluded)
+    times, index = [], 0
     for step in range(steps):
         groups = []
         with clock.stage("generate"):
@@ -145,26 +180,45 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
         print(f"  sync step {step + 1}/{steps} loss {result['loss']:.4f} reward {result['reward_mean']:.3f}",
               file=sys.stderr)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            # minutes of learning: the loop's own evaluations so far are not counted (the product,
-            # sharing a CPU, evaluates after training; with a GPU, beside it on its own cores)
-            made_at = (time.time() - started - evaluating_s) / 60
-            evaluation_started = time.time()
-            windows.append((window_start, evaluation_started))
+            # the loop's own evaluations are a pause of its clock (the product, sharing a CPU,
+            # evaluates after training; with a GPU, beside it on its own cores)
             with clock.stage("evaluate"):
-                evals.append({"step": step + 1, "minutes": made_at, **evaluate_model(cfg, engine.module, tokenizer, task)})
-            evaluating_s += time.time() - evaluation_started
-            window_start = time.time()
+                evals.append({"step": step + 1, "time": times[-1], **evaluate_model(cfg, engine.module, tokenizer, task)})
+            pauses.append((times[-1], time.time()))
             print(f"  sync v{step + 1}: held-out accuracy {evals[-1]['accuracy_sampled']:.3f} "
-                  f"(greedy {evals[-1]['accuracy_greedy']:.3f}) at {made_at:.1f} min", file=sys.stderr)
-    windows.append((window_start, time.time()))
-    return {"times": times, "evals": evals, "seconds": clock.take(), "wall_s": time.time() - started,
-            "training_windows": windows}
+                  f"(greedy {evals[-1]['accuracy_greedy']:.3f})", file=sys.stderr)
+    return {"times": times, "evals": evals, "pauses": pauses, "seconds": clock.take(),
+            "training_windows": training_windows(times, pauses)}
+
+
+def training_windows(times: list[float], pauses: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The wall-clock stretches from the first step to the last, without the `pauses`."""
+    windows, start = [], times[0]
+    for pause_start, pause_end in pauses:
+        if pause_start >= start:
+            windows.append((start, pause_start))
+            start = pause_end
+    return windows + [(start, times[-1])] if start < times[-1] else windows
+
+
+def race_sync(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
+              eval_every: Optional[int] = None) -> tuple[float, dict]:
+    """The loop as a command of its own (this script's `--lane sync`): (the moment it was
+    started, its `run_sync` result)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--lane", "sync", "--config", config, "--steps", str(steps),
+           "--threads", str(threads), "--result", str(result_file)]
+    cmd += ["--eval-every", str(eval_every)] if eval_every else []
+    for o in overrides:
+        cmd += ["--set", o]
+    launched = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return launched, json.loads(result_file.read_text())
 
 
 def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path,
-              eval_every: Optional[int] = None) -> dict:
-    """`heterorl train`: `times` of each step; with `eval_every`, `evals` as in run_sync and where
-    the learner's and the samplers' time went."""
+              eval_every: Optional[int] = None) -> tuple[float, dict]:
+    """`heterorl train`: (the moment its command was started, its result: `times` of each step;
+    with `eval_every`, `evals` as in run_sync and where the learner's and the samplers' time went)."""
     from pipeline.records.metrics import read_metrics
 
     cmd = [sys.executable, "-m", "heterorl", "train", "--config", config, "--out", str(out),
@@ -173,15 +227,15 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
                                                                      "eval.n_samples=1", "--set", "eval.every=null"]
     for o in overrides:
         cmd += ["--set", o]
+    launched = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True)
     learner = read_metrics(out / "metrics.jsonl", "learner")
-    result = {"times": [r["time"] for r in learner], "evals": [], "seconds": {}}
+    result = {"times": [r["time"] for r in learner], "evals": [], "pauses": [], "seconds": {}}
     if not eval_every:
-        return result
+        return launched, result
     evals = sorted(read_metrics(out / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
-    started = evals[0]["time"]  # the evaluation before training ends as the processes start
-    made = {r["step"]: r["time"] for r in learner}
-    result["evals"] = [{"step": r["policy_version"], "minutes": (made.get(r["policy_version"], started) - started) / 60,
+    made = {r["step"]: r["time"] for r in learner}  # v0: when the evaluation before training ended
+    result["evals"] = [{"step": r["policy_version"], "time": made.get(r["policy_version"], r["time"]),
                         **{k: v for k, v in r.items() if k.startswith(("accuracy", "mean_", "truncated"))}}
                        for r in evals]
     for r in learner:  # the learner's own stages (its log: where each step's time went)
@@ -194,13 +248,12 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
         values = [float(v[key]) for v in stats.values() if isinstance(v, dict) and key in v]
         if values:
             result["seconds"][f"samplers_{key}_mean"] = sum(values) / len(values)
-    result["wall_s"] = learner[-1]["time"] - started
-    result["training_windows"] = [(started, learner[-1]["time"])]
+    result["training_windows"] = training_windows(result["times"], [])
     result["summary"] = {k: summary[k] for k in ("groups_used", "groups_dropped", "mean_staleness_used",
                                                  "max_staleness_used") if k in summary}
     learner_summary = json.loads((out / "learner_summary.json").read_text())
     result["summary"]["outside_optimizer_share"] = learner_summary.get("outside_optimizer_share")
-    return result
+    return launched, result
 
 
 def plot_race(results: dict, path: Path) -> None:
@@ -216,7 +269,7 @@ def plot_race(results: dict, path: Path) -> None:
                 label=f"{name}: sampled")
         ax.plot([e["minutes"] for e in evals], [e["accuracy_greedy"] for e in evals], "s--", color=color,
                 alpha=0.6, label=f"{name}: greedy")
-    ax.set_xlabel("wall-clock minutes since training started")
+    ax.set_xlabel("wall-clock minutes since its command started")
     ax.set_ylabel("held-out accuracy")
     ax.set_ylim(0, 1)
     ax.legend()
@@ -226,30 +279,51 @@ def plot_race(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def race(args, cfg, cores: int) -> dict:
-    """The accuracy race: both modes, their curves and where their minutes went."""
+def print_clocks(results: dict) -> None:
+    """Each lane's clock, then the product's against each loop's."""
+    print(f"\n{'lane':34s} {'first step s':>12s} {'to last min':>12s} {'steady steps/min':>17s}")
+    for name, r in results.items():
+        rate = f"{r['steady_steps_per_min']:17.2f}" if r["steady_steps_per_min"] is not None else f"{'-':>17s}"
+        print(f"{name:34s} {r['first_step_s']:12.1f} {r['to_last_step_min']:12.2f} {rate}")
+    (product_name, product), *loops = results.items()
+    for name, loop in loops:
+        print(f"{product_name} against {name}: {product['to_last_step_min'] / loop['to_last_step_min']:.2f}x its "
+              f"minutes to the last step, {product['first_step_s'] / loop['first_step_s']:.2f}x its time to the "
+              f"first step, {product['steady_steps_per_min'] / loop['steady_steps_per_min']:.2f}x its steady rate")
+
+
+def race(args, cores: int) -> dict:
+    """The accuracy race: both lanes, their clocks, curves and where their minutes went."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with GpuUtilization() as gpu:
-        asynchronous = run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
-                                 eval_every=args.eval_every)
-        synchronous = run_sync(cfg, args.steps, cores, eval_every=args.eval_every)
+        lanes = [run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
+                           eval_every=args.eval_every),
+                 race_sync(args.config, args.steps, cores, args.overrides, out / "sync.json", args.eval_every)]
     samplers = f"{args.samplers} sampler{'s' if args.samplers != 1 else ''}"
-    results = {f"asynchronous ({samplers})": asynchronous, f"synchronous ({cores} threads)": synchronous}
-    for name, result in results.items():
+    results = {}
+    for name, (launched, result) in zip((f"asynchronous ({samplers})", f"synchronous ({cores} threads)"), lanes):
         result["gpu_utilization"] = gpu.mean(result.pop("training_windows", []))
+        results[name] = {**result, **lane_clock(launched, result["times"], result["evals"], result["pauses"],
+                                                args.target_accuracy)}
+    for name, result in results.items():
         util = result["gpu_utilization"]
-        print(f"\n{name}: {len(result['times'])} steps in {result['wall_s'] / 60:.1f} min" +
+        print(f"\n{name}: {len(result['times'])} steps, {result['to_last_step_min']:.1f} min from its command's start" +
               (f", GPU {util['mean_percent']:.0f} % busy while training ({util['samples']} samples, "
                f"{util['samples_at_most_12_percent']} at <= 12 %)" if util else ""))
         print("  step  minutes  sampled  greedy")
         for e in result["evals"]:
             print(f"  {e['step']:4d}  {e['minutes']:7.1f}  {e['accuracy_sampled']:7.3f}  {e['accuracy_greedy']:6.3f}")
+        if args.target_accuracy is not None:
+            reached = result["to_target_min"]
+            print(f"  held-out sampled accuracy {args.target_accuracy} reached "
+                  + (f"at {reached:.1f} min" if reached is not None else "never"))
         print("  where the time went (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result["seconds"].items())))
         if result.get("summary", {}).get("outside_optimizer_share") is not None:
             print(f"  the learner's busy time outside the optimizer step: "
                   f"{100 * result['summary']['outside_optimizer_share']:.1f} %")
-    (a_last, *_), (s_last, *_) = (r["evals"][::-1] for r in (asynchronous, synchronous))
+    print_clocks(results)
+    (a_last, *_), (s_last, *_) = (r["evals"][::-1] for r in results.values())
     if a_last["step"] == s_last["step"] and s_last["minutes"] > 0:
         print(f"\nat v{a_last['step']}: {a_last['minutes']:.1f} min against {s_last['minutes']:.1f} "
               f"(ratio {a_last['minutes'] / s_last['minutes']:.2f}x), held-out sampled accuracy "
@@ -257,8 +331,8 @@ def race(args, cfg, cores: int) -> dict:
               f"(difference {a_last['accuracy_sampled'] - s_last['accuracy_sampled']:+.3f})")
     plot_race(results, out / "accuracy_vs_time.png")
     report = {"config": args.config, "steps": args.steps, "eval_every": args.eval_every, "cores": cores,
-              "overrides": args.overrides, **{name: {k: v for k, v in r.items() if k != "times"}
-                                               for name, r in results.items()}}
+              "overrides": args.overrides, "target_accuracy": args.target_accuracy,
+              **{name: {k: v for k, v in r.items() if k not in ("times", "pauses")} for name, r in results.items()}}
     (out / "accuracy_vs_time.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out / 'accuracy_vs_time.json'} and {out / 'accuracy_vs_time.png'}")
     return report
@@ -275,40 +349,46 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, metavar="K",
                         help="the accuracy race: held-out accuracy every K steps against wall-clock minutes "
                              "(needs --out)")
+    parser.add_argument("--target-accuracy", type=float, metavar="A",
+                        help="in the race, also the minutes to the first held-out sampled accuracy >= A")
     parser.add_argument("--out", metavar="DIR", help="the accuracy race's runs, JSON and PNG")
+    parser.add_argument("--lane", choices=["sync"],
+                        help="internal: run only the plain loop in this process and write its result to --result "
+                             "(the bench starts each lane as a command of its own)")
+    parser.add_argument("--threads", type=int, default=1, help="with --lane sync: torch threads of the loop")
+    parser.add_argument("--result", metavar="FILE", help="with --lane sync: where the loop's result goes (JSON)")
     args = parser.parse_args()
-    if args.eval_every and not args.out:
+    if args.eval_every and not args.out and not args.lane:
         parser.error("--eval-every needs --out DIR")
+    if args.lane and not args.result:
+        parser.error("--lane sync needs --result FILE")
 
     from heterorl.config_files import config_path
     from pipeline.config import load_config
 
     args.config = str(config_path(args.config).resolve())
-    cfg = load_config(args.config, args.overrides)
+    if args.lane:
+        result = run_sync(load_config(args.config, args.overrides), args.steps, args.threads, args.eval_every)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
     cores = os.cpu_count() or 1
     if args.eval_every:
-        race(args, cfg, cores)
+        race(args, cores)
         return 0
     print(f"machine: {cores} cores. async: 1 learner + {args.samplers} sampler process(es), 1 torch thread "
           f"each, plus the local servers. sync: 1 process, 1 thread, then {cores} threads", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        async_rate = steps_per_minute(run_async(args.config, args.steps, args.samplers, args.overrides,
-                                                Path(tmp) / "run")["times"])
-    sync_one = steps_per_minute(run_sync(cfg, args.steps, 1)["times"])
-    sync_all = steps_per_minute(run_sync(cfg, args.steps, cores)["times"])
-    result = {"steps": args.steps, "groups_per_step": cfg.learner.groups_per_step, "samplers": args.samplers,
-              "cores": cores, "async_steps_per_min": round(async_rate, 2),
-              "sync_1_thread_steps_per_min": round(sync_one, 2),
-              f"sync_{cores}_threads_steps_per_min": round(sync_all, 2),
-              "async_over_sync_1_thread": round(async_rate / sync_one, 3),
-              f"async_over_sync_{cores}_threads": round(async_rate / sync_all, 3)}
-    print(f"\nasynchronous ({args.samplers} sampler(s), 1 thread/process): {async_rate:7.2f} steps/min")
-    print(f"synchronous, 1 thread                      : {sync_one:7.2f} steps/min   "
-          f"ratio async/sync {async_rate / sync_one:.2f}x")
-    print(f"synchronous, {cores} threads                     : {sync_all:7.2f} steps/min   "
-          f"ratio async/sync {async_rate / sync_all:.2f}x")
+        lanes = {f"asynchronous ({args.samplers} sampler(s))":
+                 run_async(args.config, args.steps, args.samplers, args.overrides, Path(tmp) / "run"),
+                 "synchronous, 1 thread": race_sync(args.config, args.steps, 1, args.overrides, Path(tmp) / "s1.json"),
+                 f"synchronous, {cores} threads":
+                 race_sync(args.config, args.steps, cores, args.overrides, Path(tmp) / "sN.json")}
+    results = {name: lane_clock(launched, r["times"], [], r["pauses"]) for name, (launched, r) in lanes.items()}
+    print_clocks(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps({"steps": args.steps, "groups_per_step": load_config(
+            args.config, args.overrides).learner.groups_per_step, "samplers": args.samplers, "cores": cores,
+            "lanes": {name: {k: v for k, v in r.items() if k != "evals"} for name, r in results.items()}}, indent=2))
     return 0
 
 

@@ -159,9 +159,11 @@ def test_the_summary_of_a_race(tmp_path):
                              {"step": 40, "minutes": minutes, "accuracy_sampled": 0.3}]
     (tmp_path / "accuracy_vs_time.json").write_text(json.dumps({
         "asynchronous (1 sampler)": {"evals": evals(2.0), "summary": {"outside_optimizer_share": 0.05},
+                                     "first_step_s": 30.0, "steady_steps_per_min": 36.0,
                                      "gpu_utilization": {"mean_percent": 40, "samples": 100,
                                                          "samples_at_most_12_percent": 10}},
-        "synchronous (16 threads)": {"evals": evals(1.0), "gpu_utilization": None}}))
+        "synchronous (16 threads)": {"evals": evals(1.0), "gpu_utilization": None, "first_step_s": 4.0,
+                                     "steady_steps_per_min": 48.0}}))
     (run_dir / "summary.json").write_text(json.dumps({"precision": "precision: learner bf16, sampling bf16 (GPU)"}))
     (run_dir / "learner_summary.json").write_text(json.dumps({
         "final_policy_version": 40, "start_policy_version": 0, "versions_skipped": [7, 9],
@@ -175,6 +177,7 @@ def test_the_summary_of_a_race(tmp_path):
     lines = gpu_check_summary.summary_lines(tmp_path)
     assert len(lines) == 5
     assert "v40 in 2.0 min" in lines[0] and "(2.00x)" in lines[0]
+    assert "first step after 30.0 s against 4.0 s, steady 36.0 steps/min against 48.0 (0.75x)" in lines[0]
     assert "5.0 %" in lines[1]
     assert "40 % busy" in lines[2] and "no nvidia-smi samples" in lines[2]
     assert "learner bf16, sampling bf16" in lines[3] and "median 2.00e-04" in lines[3] and "p99 up to 3.00e-03" in lines[3]

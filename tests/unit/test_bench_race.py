@@ -1,0 +1,42 @@
+"""The race's clocks (bench/async_vs_sync.py): every lane timed from its command's start."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from async_vs_sync import lane_clock, steps_per_minute, training_windows  # noqa: E402
+
+LAUNCHED = 1_000.0
+
+
+def test_a_lane_is_timed_from_its_command_s_start_without_its_own_evaluations_after_the_first_step():
+    # started at 1000 s; its first step at 1030 s (imports, loading, the base evaluation: start-up);
+    # then a step every 6 s, with a 60 s evaluation after step 3
+    times = [1030.0, 1036.0, 1042.0, 1108.0, 1114.0]
+    pauses = [(1042.0, 1102.0)]
+    evals = [{"step": 0, "time": 1010.0, "accuracy_sampled": 0.1},
+             {"step": 3, "time": 1042.0, "accuracy_sampled": 0.3},
+             {"step": 5, "time": 1114.0, "accuracy_sampled": 0.5}]
+    clock = lane_clock(LAUNCHED, times, evals, pauses, target_accuracy=0.25)
+    assert clock["first_step_s"] == 30.0
+    assert clock["to_last_step_min"] == pytest.approx((114 - 60) / 60, abs=1e-3)
+    assert clock["steady_steps_per_min"] == pytest.approx(60 * 4 / 24)  # 4 steps in 24 s of training
+    assert [e["minutes"] for e in clock["evals"]] == pytest.approx([10 / 60, 42 / 60, 54 / 60], abs=1e-3)
+    assert all("time" not in e for e in clock["evals"])
+    assert clock["to_target_min"] == pytest.approx(42 / 60, abs=1e-3)
+    assert lane_clock(LAUNCHED, times, evals, pauses, target_accuracy=0.9)["to_target_min"] is None
+
+
+def test_the_steady_rate_and_the_training_windows_leave_the_pauses_out():
+    times, pauses = [0.0, 10.0, 20.0, 50.0], [(20.0, 40.0), (50.0, 70.0)]  # the last: after the last step
+    assert steps_per_minute(times, pauses) == pytest.approx(60 * 3 / 30)
+    assert steps_per_minute(times) == pytest.approx(60 * 3 / 50)
+    assert training_windows(times, pauses) == [(0.0, 20.0), (40.0, 50.0)]
+    assert training_windows(times, []) == [(0.0, 50.0)]
+    with pytest.raises(ValueError, match="two steps"):
+        steps_per_minute([1.0])
