@@ -65,7 +65,7 @@ from pipeline.models import generation_eos_ids, tokenizer_fingerprint
 from pipeline.records.metrics import MetricsWriter, StageClock
 from pipeline.records.update_log import dead_letter_topic, read_update_log, rewind_entry, updates_topic
 from pipeline.runtime import (connect_run, resolve_base_model, setup_logging, touch_heartbeat_file,
-                              with_machine_precision)
+                              learner_numerics, with_machine_precision)
 from pipeline.clients.topics import RawRecord, TopicReader, ensure_topic
 from pipeline.clients.run_functions import ensure_loaded
 from pipeline.clients.retry import retry_call
@@ -347,7 +347,8 @@ class Learner:
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.topic, vocab_size=self.limits.vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer), attempt=self.attempt,
-                                     publish=self.logs.send_entry, signer=self.handles.store.signer)
+                                     publish=self.logs.send_entry, signer=self.handles.store.signer,
+                                     numerics=learner_numerics(self.cfg, self.device))
         self.source = open_source(self.bootstrap, self.topic, offsets, self.kafka_security, self.lcfg.idle_timeout_s,
                                   self.log)
         self.intake.read_to = self.source.positions()

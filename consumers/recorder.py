@@ -30,9 +30,12 @@ class StepRecorder:
 
     def __init__(self, run_dir: Path, metrics: MetricsWriter, admission: Admission, *, loss_type: str, topic: str,
                  vocab_size: int, tokenizer_sha: Optional[str], attempt: str = "",
-                 publish: Optional[Callable[[UpdateEntry], None]] = None, signer: Optional[SigningKey] = None):
+                 publish: Optional[Callable[[UpdateEntry], None]] = None, signer: Optional[SigningKey] = None,
+                 numerics: Optional[dict] = None):
         """`publish`: where else the entry goes before the file (the learner's Kafka update log);
-        `signer`: the key that signs the file's entries (the learner's)."""
+        `signer`: the key that signs the file's entries (the learner's); `numerics`: what each
+        entry records of the steps' numerics (`pipeline.runtime.learner_numerics`)."""
+        self.numerics = numerics
         self.run_dir, self.metrics, self.admission = Path(run_dir), metrics, admission
         self.loss_type, self.topic, self.vocab_size, self.tokenizer_sha = loss_type, topic, vocab_size, tokenizer_sha
         self.attempt, self.publish, self.signer = attempt, publish, signer
@@ -49,7 +52,8 @@ class StepRecorder:
         entry = UpdateEntry(step=step, policy_version=version, loss_type=self.loss_type, time=time.time(),
                             used=[g.used() for g in batch], dropped=verdicts.dropped, malformed=verdicts.malformed,
                             duplicates=verdicts.duplicates, vocab_size=self.vocab_size,
-                            tokenizer_sha=self.tokenizer_sha, attempt=self.attempt, topic=self.topic)
+                            tokenizer_sha=self.tokenizer_sha, attempt=self.attempt, topic=self.topic,
+                            numerics=self.numerics)
         if self.publish is not None:
             self.publish(entry)
         append_entry(self.run_dir, entry, self.signer)

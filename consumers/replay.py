@@ -52,8 +52,8 @@ from pipeline.weights.learner_state import save_weights
 from pipeline.records.metrics import MetricsWriter
 from pipeline.models import load_policy, tokenizer_fingerprint
 from pipeline.wire.rollout import Rollout, RolloutDecodeError, decode_rollout
-from pipeline.runtime import (evaluate_model, learner_attention, make_task_from_config, setup_logging,
-                              with_machine_precision)
+from pipeline.runtime import (adopt_numerics, evaluate_model, learner_attention, learner_numerics,
+                              make_task_from_config, setup_logging, with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable, require_services
 from pipeline.learning.update import optimizer_step
 from pipeline.records.update_log import DroppedGroup, UpdateEntry, UsedGroup, read_update_log, updates_topic
@@ -338,8 +338,12 @@ class Replay:
     """One replay: `run()` is the loop; bookkeeping is the learner's (`Admission`, `StepRecorder`)."""
 
     def __init__(self, cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
-                 flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None, progress: bool = True):
+                 flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None, progress: bool = True,
+                 chosen: frozenset[str] = frozenset()):
+        """`chosen`: the config keys the user set for this replay (`--set`): kept even where the
+        recorded run's numerics differ (`adopt_numerics`)."""
         self.log = setup_logging("replay")
+        self.chosen, self.numerics_taken, self.numerics_differ = chosen, [], []
         self.cfg, self.lcfg = cfg, cfg.learner
         self.source, self.base, self.out_dir = source, base, Path(out_dir)
         self.exact_batches, self.filter, self.checkpoints, self.progress = exact_batches, flt, checkpoints, progress
@@ -391,6 +395,7 @@ class Replay:
         if (self.out_dir / "metrics.jsonl").exists():
             raise ReplayError(f"--out {self.out_dir} already holds a run (metrics.jsonl): choose a new directory")
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.take_recorded_numerics()
         base_dir = fetch_base(self.cfg, self.base, self.work_dir / "base")
         torch.set_num_threads(self.lcfg.torch_threads)
         torch.manual_seed(self.cfg.run.seed)
@@ -405,11 +410,33 @@ class Replay:
         self.metrics = MetricsWriter(self.out_dir)
         self.recorder = StepRecorder(self.out_dir, self.metrics, self.plan.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.record.topic, vocab_size=vocab_size,
-                                     tokenizer_sha=tokenizer_fingerprint(self.tokenizer))
+                                     tokenizer_sha=tokenizer_fingerprint(self.tokenizer),
+                                     numerics=learner_numerics(self.cfg, resolve_device(self.cfg.model.device)))
         self.task = make_task_from_config(self.cfg) if self.cfg.eval.every else None
         self.log.info("replaying %s from %s with loss %s, %s batches, on %s", self.record.description, self.base,
                       self.lcfg.loss_type, "the original" if self.exact_batches
                       else f"{self.lcfg.groups_per_step}-group", self.engine.device)
+
+    def take_recorded_numerics(self) -> None:
+        """The recorded run's numerics (its update log's), in place of this config's where the
+        user did not set them; each setting taken, and what still differs, said before the replay
+        starts: a replay that differs will not end at the original's bits."""
+        recorded = [e.numerics for e in self.record.update_log if e.numerics]
+        if not recorded:
+            self.log.warning("the update log records no numerics (a learner before they were recorded): "
+                             "this replay's precision, threads and kernels are its config's, unchecked")
+            return
+        device = resolve_device(self.cfg.model.device)
+        self.cfg, self.numerics_taken, self.numerics_differ = adopt_numerics(
+            self.cfg, recorded[-1], learner_numerics(self.cfg, device), self.chosen)
+        self.lcfg = self.cfg.learner
+        if any(n != recorded[-1] for n in recorded):
+            self.numerics_differ.append("the recorded steps themselves ran with different numerics (a learner "
+                                        "restarted elsewhere): the replay takes its last steps'")
+        if self.numerics_taken:
+            self.log.info("taking the recorded run's numerics: %s", ", ".join(self.numerics_taken))
+        if self.numerics_differ:
+            self.log.warning("this replay will not reproduce the original's bits: %s", "; ".join(self.numerics_differ))
 
     def train(self, batch: list[PendingGroup]) -> dict:
         """The learner's step on one planned batch, logged; a checkpoint and an evaluation when due."""
@@ -459,6 +486,8 @@ class Replay:
             "filtered_out": plan.filtered_out, "unreadable": plan.unreadable, "leftover": plan.leftover,
             "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
             "wall_seconds": wall_seconds,
+            "numerics": learner_numerics(self.cfg, resolve_device(self.cfg.model.device)),
+            "numerics_taken": self.numerics_taken, "numerics_differ": self.numerics_differ,
         }
         if self.evals:
             first, last = self.evals[0], self.evals[-1]
@@ -473,8 +502,8 @@ class Replay:
 
 def run_replay(cfg: HeteroConfig, source: str, base: str, out_dir: Path, *, exact_batches: bool = False,
                flt: ReplayFilter = ReplayFilter(), checkpoints: Optional[str] = None,
-               progress: bool = True) -> dict:
+               progress: bool = True, chosen: frozenset[str] = frozenset()) -> dict:
     cfg, line = with_machine_precision(cfg, resolve_device(cfg.model.device))
     setup_logging("replay").info("%s", line)
     return Replay(cfg, source, base, out_dir, exact_batches=exact_batches, flt=flt, checkpoints=checkpoints,
-                  progress=progress).run()
+                  progress=progress, chosen=chosen).run()

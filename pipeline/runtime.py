@@ -86,6 +86,52 @@ def learner_attention(cfg: HeteroConfig) -> str:
     return attention_kernel(DTYPES[cfg.learner.precision], cfg.model.attention)
 
 
+NUMERIC_SETTINGS = {"precision": "learner.precision", "half_rounding": "learner.half_rounding",
+                    "attention": "model.attention", "torch_threads": "learner.torch_threads",
+                    "zero_stage": "learner.zero_stage", "micro_batch_tokens": "learner.micro_batch_tokens"}
+"""What decides a learner step's bits besides its data and weights, by the config key that sets
+it: a replay takes each from the run it replays (`adopt_numerics`). The precision is the one
+chosen (`with_machine_precision`), the attention the kernel run (`learner_attention`)."""
+NUMERIC_FACTS = ("machine", "torch")
+"""What decides them too but no config sets: the machine (its CPU kind or GPU) and torch's version."""
+
+
+def learner_numerics(cfg: HeteroConfig, device) -> dict:
+    """The numerics of a learner (or replay) with `cfg`, its precision already chosen, on `device`:
+    `NUMERIC_SETTINGS` and `NUMERIC_FACTS`, written into every update-log entry."""
+    from pipeline.devices import cpu_kind
+
+    settings = {"precision": cfg.learner.precision, "half_rounding": cfg.learner.half_rounding,
+                "attention": learner_attention(cfg), "torch_threads": cfg.learner.torch_threads,
+                "zero_stage": cfg.learner.zero_stage, "micro_batch_tokens": cfg.learner.micro_batch_tokens}
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_kind()
+    return {**settings, "machine": machine, "torch": torch.__version__}
+
+
+def adopt_numerics(cfg: HeteroConfig, recorded: dict, mine: dict, chosen: set[str]) -> tuple[HeteroConfig, list[str],
+                                                                                             list[str]]:
+    """`cfg` with each of `NUMERIC_SETTINGS` as the `recorded` run had it, unless the user
+    `chosen` its key (`--set`); (the new cfg, what was taken "key value (was …)", what still
+    differs "what: recorded … here …"). `mine`: `learner_numerics` of `cfg` here. A replay whose
+    differences are not empty will not reproduce the original's bits."""
+    taken, differs, updates = [], [], {}
+    for name, key in NUMERIC_SETTINGS.items():
+        if name not in recorded or recorded[name] == mine.get(name):
+            continue
+        if key in chosen:
+            differs.append(f"{key}: recorded {recorded[name]}, here {mine.get(name)} (set here)")
+            continue
+        section, field_name = key.split(".")
+        updates.setdefault(section, {})[field_name] = recorded[name]
+        taken.append(f"{key} {recorded[name]} (was {mine.get(name)})")
+    for name in NUMERIC_FACTS:
+        if name in recorded and recorded[name] != mine.get(name):
+            differs.append(f"{name}: recorded {recorded[name]}, here {mine.get(name)}")
+    for section, fields in updates.items():  # values a learner ran with: valid as they are
+        cfg = cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)})
+    return cfg, taken, differs
+
+
 def _learning_precision(cfg: HeteroConfig, setting: str, device) -> tuple[str, str]:
     """`resolve_precision`, with `auto` kept at fp32 where bf16 would not learn like it."""
     chosen, why = resolve_precision(setting, device)

@@ -18,7 +18,10 @@ def register_replay(sub) -> None:
                                    "summary.json (with final_checkpoint) into --out; with eval.every set, the "
                                    "same held-out accuracy records as a training run.",
                        epilog="Pass the original run's config (RUN_DIR/config.yaml) to replay it as it was; with "
-                              "--exact-batches and the same loss it reproduces the original weights.")
+                              "--exact-batches and the same loss it reproduces the original weights. The numerics "
+                              "(precision, rounding, attention kernel, threads, ZeRO stage, micro-batch tokens) are "
+                              "the recorded run's, from its update log, except those given with --set; what still "
+                              "differs (a setting given, the machine, torch) is named before the replay starts.")
     add_config_args(p)
     p.add_argument("--source", required=True, metavar="SOURCE",
                    help="kafka://HOST:PORT/TOPIC (kafka:///TOPIC: the configured or local-stack broker) or "
@@ -51,8 +54,9 @@ def _cmd_replay(args) -> int:
     if source.startswith("kafka:///"):
         source = f"kafka://{require_services(cfg.services).kafka_bootstrap}/{source[len('kafka:///'):]}"
     flt = ReplayFilter(parse_time(args.from_time), parse_time(args.to_time), args.from_version, args.to_version)
+    chosen = frozenset(o.split("=", 1)[0].strip() for o in args.overrides)  # kept over the recorded numerics
     summary = run_replay(cfg, source, args.base, Path(args.out), exact_batches=args.exact_batches, flt=flt,
-                         checkpoints=args.checkpoints)
+                         checkpoints=args.checkpoints, chosen=chosen)
     print(f"replay {args.out}: {summary['final_policy_version']} steps with {summary['loss_type']}, "
           f"{summary['groups_used']} groups used / {summary['groups_dropped']} dropped, "
           f"final checkpoint {summary['final_checkpoint']}")

@@ -134,6 +134,10 @@ class UpdateEntry:
     attempt: str = ""
     """Id of the learner process that wrote the entry: a rewind voids only entries of earlier
     processes, so a late, re-sent copy of a learner's own rewind cannot void its steps."""
+    numerics: Optional[dict] = None
+    """What decided the step's bits besides its data and weights (`pipeline.runtime.learner_numerics`:
+    precision, rounding, attention kernel, threads, ZeRO stage, micro-batch tokens, machine,
+    torch): a replay takes them (`adopt_numerics`); None in entries of older learners."""
     schema: int = UPDATE_LOG_SCHEMA
     signature: Optional[dict] = field(default=None, compare=False)
     """The learner's signature ({key_id, value}) as read, so that an entry written out again (an
@@ -162,6 +166,7 @@ class UpdateEntry:
                    duplicates=[DuplicateGroup(**g) for g in d.get("duplicates", [])],
                    vocab_size=d.get("vocab_size"), tokenizer_sha=d.get("tokenizer_sha"), kind=d.get("kind", "step"),
                    attempt=d.get("attempt", ""), topic=d.get("topic", ""),
+                   numerics=d["numerics"] if isinstance(d.get("numerics"), dict) else None,
                    signature=d["signature"] if isinstance(d.get("signature"), dict) else None)
 
     @classmethod

@@ -121,6 +121,30 @@ def test_exact_replay_reproduces_the_original_weights(recorded, local_stack, tmp
     base = _weights(_base(local_stack, summary), cfg, tmp_path / "w-base")
     assert _max_abs_diff(original, base) > 1e-3  # training moved the weights...
     assert _max_abs_diff(original, replayed) < 1e-5  # ...and the replay moved them identically
+    assert replay["numerics_taken"] == [] and replay["numerics_differ"] == []
+    recorded_numerics = original_log[-1].numerics
+    assert recorded_numerics["torch_threads"] == cfg.learner.torch_threads and recorded_numerics["machine"]
+
+
+def test_a_replay_takes_the_recorded_numerics_or_names_what_differs(recorded, local_stack, tmp_path):
+    """Replayed with a config whose thread count is not the recorded run's (as with the config's
+    name instead of the run's saved config, docs/replay.md), it takes the recorded one and ends at
+    the original's bits; with the thread count set by the user, it keeps it and says so."""
+    from consumers.replay import run_replay
+
+    run_dir, summary, cfg = recorded
+    threads = cfg.learner.torch_threads
+    other = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"torch_threads": threads + 1})})
+    taken = run_replay(other, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "taken",
+                       exact_batches=True, progress=False)
+    assert taken["numerics_taken"] == [f"learner.torch_threads {threads} (was {threads + 1})"]
+    assert taken["numerics_differ"] == [] and taken["numerics"]["torch_threads"] == threads
+    original = _weights(summary["final_checkpoint"], cfg, tmp_path / "w-original")
+    assert _max_abs_diff(original, _weights(taken["final_checkpoint"], cfg, tmp_path / "w-taken")) == 0.0
+    kept = run_replay(other, _source(local_stack, summary), _base(local_stack, summary), tmp_path / "kept",
+                      exact_batches=True, progress=False, chosen=frozenset({"learner.torch_threads"}))
+    assert kept["numerics_taken"] == [] and kept["numerics"]["torch_threads"] == threads + 1
+    assert kept["numerics_differ"] == [f"learner.torch_threads: recorded {threads}, here {threads + 1} (set here)"]
 
 
 def test_ablations_and_parquet_round_trip(recorded, local_stack, tmp_path):

@@ -160,3 +160,22 @@ def test_at_a_small_learning_rate_dithered_bf16_weights_move_as_their_masters_an
         moved[rounding] = used / masters
     assert 0.9 < moved["dithered"] < 1.1
     assert moved["nearest"] < 0.5
+
+
+def test_a_replay_takes_each_recorded_numeric_setting_unless_the_user_set_it():
+    from pipeline.runtime import NUMERIC_SETTINGS, adopt_numerics
+
+    cfg = load_config(None, ["learner.precision=fp32", "learner.torch_threads=1"], env={})
+    mine = {"precision": "fp32", "half_rounding": "dithered", "attention": "eager", "torch_threads": 1,
+            "zero_stage": 0, "micro_batch_tokens": 16384, "machine": "AMD EPYC (AVX512)", "torch": "2.9.0"}
+    recorded = {**mine, "precision": "bf16", "zero_stage": 1, "torch_threads": 2, "attention": "sdpa",
+                "machine": "Intel Xeon (AMX)"}
+    adopted, taken, differs = adopt_numerics(cfg, recorded, mine, chosen={"learner.torch_threads"})
+    assert (adopted.learner.precision, adopted.learner.zero_stage, adopted.model.attention) == ("bf16", 1, "sdpa")
+    assert adopted.learner.torch_threads == 1  # set by the user: kept, and named
+    assert taken == ["learner.precision bf16 (was fp32)", "model.attention sdpa (was eager)",
+                     "learner.zero_stage 1 (was 0)"]
+    assert differs == ["learner.torch_threads: recorded 2, here 1 (set here)",
+                       "machine: recorded Intel Xeon (AMX), here AMD EPYC (AVX512)"]
+    assert adopt_numerics(cfg, mine, mine, set()) == (cfg, [], [])
+    assert set(NUMERIC_SETTINGS) <= set(mine)
