@@ -1165,8 +1165,10 @@ class _Connection:
             await asyncio.wait_for(asyncio.shield(self.writer_task), AUTH_TIMEOUT_S)
 
         async def until_eof() -> None:
-            while await self.reader.read(65536):
-                pass  # whatever else the client sends now is not read, only discarded
+            """Whatever else the client sends now is read only to be discarded, until it closes."""
+            chunk = b"?"
+            while chunk:
+                chunk = await self.reader.read(65536)
 
         with contextlib.suppress(Exception, asyncio.TimeoutError):
             await asyncio.wait_for(until_eof(), CLOSE_LINGER_S)

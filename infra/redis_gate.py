@@ -935,11 +935,10 @@ class _Core:
         session.task = asyncio.current_task()
         self.sessions.add(session)
         try:
-            await self._serve(session)
-        except (OSError, asyncio.IncompleteReadError):
-            pass  # the client went away
-        except asyncio.CancelledError:
-            pass  # revoked, or the gate stops: this task is the connection's top, nothing waits on it
+            # the client went away; or it was revoked, or the gate stops (cancelled: this task is the
+            # connection's top, nothing waits on it): either way the connection ends here
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+                await self._serve(session)
         finally:
             self.sessions.discard(session)
             if session.upstream is not None:
