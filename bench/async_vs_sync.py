@@ -287,9 +287,10 @@ def print_clocks(results: dict) -> None:
         print(f"{name:34s} {r['first_step_s']:12.1f} {r['to_last_step_min']:12.2f} {rate}")
     (product_name, product), *loops = results.items()
     for name, loop in loops:
+        rates = (product["steady_steps_per_min"], loop["steady_steps_per_min"])
         print(f"{product_name} against {name}: {product['to_last_step_min'] / loop['to_last_step_min']:.2f}x its "
               f"minutes to the last step, {product['first_step_s'] / loop['first_step_s']:.2f}x its time to the "
-              f"first step, {product['steady_steps_per_min'] / loop['steady_steps_per_min']:.2f}x its steady rate")
+              f"first step" + (f", {rates[0] / rates[1]:.2f}x its steady rate" if None not in rates else ""))
 
 
 def race(args, cores: int) -> dict:

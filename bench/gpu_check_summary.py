@@ -31,7 +31,8 @@ def summary_lines(race_dir: Path) -> list[str]:
     lines = [f"1 race: the product reached v{a['step']} in {a['minutes']:.1f} min, the plain loop v{s['step']} in "
              f"{s['minutes']:.1f} min{ratio}; held-out sampled accuracy {a['accuracy_sampled']:.3f} against "
              f"{s['accuracy_sampled']:.3f}"]
-    if "first_step_s" in product and "first_step_s" in loop:  # each lane's clock from its command's start
+    if all(lane.get(k) is not None for lane in (product, loop) for k in ("first_step_s", "steady_steps_per_min")):
+        # each lane's clock from its command's start
         lines[0] += (f"; first step after {product['first_step_s']:.1f} s against {loop['first_step_s']:.1f} s, "
                      f"steady {product['steady_steps_per_min']:.1f} steps/min against "
                      f"{loop['steady_steps_per_min']:.1f} ({product['steady_steps_per_min'] / loop['steady_steps_per_min']:.2f}x)")

@@ -123,7 +123,7 @@ class Intake:
         """Per key: signed messages read, those of staleness 0 (a quarantine records how many it
         took); with validators, groups whose verdict was applied, and those of staleness 0 when read."""
         self.judged_by: Counter = Counter()
-        """Per sampler id (as the group's seal names it), groups judged since `take_judged`: the
+        """Per sampler id (as the group's seal names it), groups judged and not yet reported (`report_judged`): the
         fleet's pacing counts each sampler's groups sent against these (`RunState.count_judged`)."""
         self.verdict_verifier = VerdictVerifier(cfg.run.name, None) if self.validated else None
         self.verdicts: dict[str, dict[str, GroupVerdict]] = {}
@@ -389,10 +389,12 @@ class Intake:
         """Groups in the batch being filled or waiting for their verdicts."""
         return len(self.admission.pending) + len(self.admission.awaiting)
 
-    def take_judged(self) -> dict[str, int]:
-        """`judged_by` since the last call, then zero."""
-        judged, self.judged_by = dict(self.judged_by), Counter()
-        return judged
+    def report_judged(self, send: Callable[[dict[str, int]], None]) -> None:
+        """`send` what `judged_by` holds, then forget what was sent (a send that raises loses nothing)."""
+        judged = dict(self.judged_by)
+        send(judged)
+        self.judged_by.subtract(judged)
+        self.judged_by = +self.judged_by  # drop the zeros
 
     def resume_offsets(self) -> dict[int, int]:
         """Where a learner resumed from a checkpoint taken now reads on: the next offset per

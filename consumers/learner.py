@@ -384,7 +384,7 @@ class Learner:
         """What the learner judged, of whom, and has not read yet (samplers pace on these); and, every
         heartbeat interval, the claims of samplers gone re-issued (the samplers sweep too, but one that
         takes the sweep's turn need not)."""
-        self.state.count_judged(self.intake.take_judged())
+        self.intake.report_judged(self.state.count_judged)
         self.state.report_learner_offsets(self.intake.read_to, self.source.unread(self.intake.read_to),
                                           self.intake.waiting)
         if time.monotonic() - self.swept_at >= self.cfg.sampler.heartbeat_interval_s:

@@ -395,6 +395,7 @@ class Replay:
         if (self.out_dir / "metrics.jsonl").exists():
             raise ReplayError(f"--out {self.out_dir} already holds a run (metrics.jsonl): choose a new directory")
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.numerics = learner_numerics(self.cfg, resolve_device(self.cfg.model.device))
         self.take_recorded_numerics()
         base_dir = fetch_base(self.cfg, self.base, self.work_dir / "base")
         torch.set_num_threads(self.lcfg.torch_threads)
@@ -411,7 +412,7 @@ class Replay:
         self.recorder = StepRecorder(self.out_dir, self.metrics, self.plan.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.record.topic, vocab_size=vocab_size,
                                      tokenizer_sha=tokenizer_fingerprint(self.tokenizer),
-                                     numerics=learner_numerics(self.cfg, resolve_device(self.cfg.model.device)))
+                                     numerics=self.numerics)
         self.task = make_task_from_config(self.cfg) if self.cfg.eval.every else None
         self.log.info("replaying %s from %s with loss %s, %s batches, on %s", self.record.description, self.base,
                       self.lcfg.loss_type, "the original" if self.exact_batches
@@ -426,10 +427,10 @@ class Replay:
             self.log.warning("the update log records no numerics (a learner before they were recorded): "
                              "this replay's precision, threads and kernels are its config's, unchecked")
             return
-        device = resolve_device(self.cfg.model.device)
         self.cfg, self.numerics_taken, self.numerics_differ = adopt_numerics(
-            self.cfg, recorded[-1], learner_numerics(self.cfg, device), self.chosen)
+            self.cfg, recorded[-1], self.numerics, self.chosen)
         self.lcfg = self.cfg.learner
+        self.numerics = learner_numerics(self.cfg, resolve_device(self.cfg.model.device))
         if any(n != recorded[-1] for n in recorded):
             self.numerics_differ.append("the recorded steps themselves ran with different numerics (a learner "
                                         "restarted elsewhere): the replay takes its last steps'")
@@ -486,7 +487,7 @@ class Replay:
             "filtered_out": plan.filtered_out, "unreadable": plan.unreadable, "leftover": plan.leftover,
             "mean_staleness_used": sum(used) / len(used), "max_staleness_used": max(used),
             "wall_seconds": wall_seconds,
-            "numerics": learner_numerics(self.cfg, resolve_device(self.cfg.model.device)),
+            "numerics": self.numerics,
             "numerics_taken": self.numerics_taken, "numerics_differ": self.numerics_differ,
         }
         if self.evals:

@@ -1088,6 +1088,9 @@ class _Connection:
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.user: Optional[GateUser] = None
+        self.login_of: Optional[str] = None
+        """The user this connection is logging in as, from the moment its login is counted against
+        the user's connections (`max_user_connections`: logins that finish together cannot all pass)."""
         self.scram: Optional[ScramServer] = None
         self.handshake_version: Optional[int] = None
         self.raw_sasl = False  # after SaslHandshake v0 the SCRAM messages come as bare frames
@@ -1397,12 +1400,13 @@ class _Connection:
             if current is None or current.verifier != self.scram.verifier:
                 self.gate._count_login_failure(self.scram.username)
                 raise ScramError("authentication failed")
-            held = sum(1 for c in self.gate._conns if c.user is not None and c.user.name == current.name)
+            held = sum(1 for c in self.gate._conns if c is not self and c.login_of == current.name)
             if held >= self.gate.max_user_connections:
                 self.gate._count(current.name, "max_user_connections")
                 log.warning("kafka gate: refused a login of %s from %s: it holds %d connections already",
                             current.name, self.peer, held)
                 raise ScramError(f"user {current.name} holds {held} connections already, the most it may")
+            self.login_of = current.name  # counted from here: no await between the count and this
         return answer
 
     async def _logged_in(self) -> None:

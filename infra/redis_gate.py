@@ -894,6 +894,9 @@ class _Session:
         self.reader = reader
         self.writer = writer
         self.user: Optional[GateUser] = None
+        self.login_of: Optional[str] = None
+        """The user this connection is logging in as, from the moment its login is counted against
+        the user's connections (`max_user_connections`: logins that finish together cannot all pass)."""
         self.upstream: Optional[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = None
         self.reply_parser = ReplyParser(max_reply_bytes)
         self.logged: set[str] = set()  # refusal reasons already logged on this connection
@@ -924,7 +927,8 @@ class _Core:
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         waiting = sum(1 for s in self.sessions if s.user is None)
         if len(self.sessions) >= self.gate.max_clients or waiting >= self.gate.max_unauthenticated:
-            self.gate._refused_count(ANONYMOUS, "max_clients")
+            self.gate._refused_count(ANONYMOUS, "max_clients" if len(self.sessions) >= self.gate.max_clients
+                                     else "max_unauthenticated")
             writer.write(_error("ERR max number of clients reached"))
             with contextlib.suppress(OSError):
                 await writer.drain()
@@ -1089,23 +1093,26 @@ class _Core:
             known = name.decode("utf-8", "replace") in self.users.users
             return self._refuse(session, "wrongpass", WRONGPASS,
                                 who=name.decode("utf-8", "replace") if known else UNKNOWN_USER)
-        held = sum(1 for s in self.sessions if s is not session and s.user is not None and s.user.name == user.name)
+        session.login_of = None
+        held = sum(1 for s in self.sessions if s is not session and s.login_of == user.name)
         if held >= self.gate.max_user_connections:
             session.closing = True
             return self._refuse(session, "max_user_connections", f"ERR user {user.name} holds "
                                 f"{self.gate.max_user_connections} connections already, the most it may",
                                 who=user.name)
+        session.login_of = user.name  # counted from here: no await between the count and this
         if session.upstream is None:
             try:
                 session.upstream = await _open_upstream(self.gate.upstream, self.gate.upstream_timeout_s)
             except UpstreamError as exc:
                 self._upstream_failed(exc)
-                session.closing = True
+                session.closing, session.login_of = True, None
                 return _error(UPSTREAM_UNAVAILABLE)
             # The file may have changed while the upstream connected; the watcher only acts on the
             # next change, so check again (nothing else runs between here and the assignment).
             current = self.users.users.get(user.name)
             if current is None or current.sha256 != user.sha256:
+                session.login_of = None
                 return self._refuse(session, "wrongpass", WRONGPASS, who=user.name)
             user = current
         session.user = user

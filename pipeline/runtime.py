@@ -70,14 +70,19 @@ def with_machine_precision(cfg: HeteroConfig, device) -> tuple[HeteroConfig, str
     KL 2.8e-3 on SmolLM2-135M, docs/learner.md "Half precision"), so `auto` keeps fp32."""
     learner, why_learner = _learning_precision(cfg, cfg.learner.precision, device)
     sampler, why_sampler = _learning_precision(cfg, cfg.sampler.precision, device)
-    updates = {"precision": learner}
-    if learner == "bf16" and cfg.learner.zero_stage == 0:
-        updates["zero_stage"] = 1  # DeepSpeed keeps bf16's fp32 master weights in its ZeRO optimizer
-    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update=updates),
+    cfg = cfg.model_copy(update={"learner": with_bf16_stage(cfg.learner.model_copy(update={"precision": learner})),
                                  "sampler": cfg.sampler.model_copy(update={"precision": sampler})})
     reasons = sorted({why for why in (why_learner, why_sampler) if why != "as configured"})
     line = f"precision: learner {learner}, sampling {sampler}" + (f" ({'; '.join(reasons)})" if reasons else "")
     return cfg, line
+
+
+def with_bf16_stage(learner):
+    """`learner` (a LearnerConfig) at ZeRO stage 1 where bf16 runs at stage 0: DeepSpeed keeps
+    bf16's fp32 master weights in its ZeRO optimizer (one process: the same step)."""
+    if learner.precision == "bf16" and learner.zero_stage == 0:
+        return learner.model_copy(update={"zero_stage": 1})
+    return learner
 
 
 def learner_attention(cfg: HeteroConfig) -> str:
@@ -101,9 +106,9 @@ def learner_numerics(cfg: HeteroConfig, device) -> dict:
     `NUMERIC_SETTINGS` and `NUMERIC_FACTS`, written into every update-log entry."""
     from pipeline.devices import cpu_kind
 
-    settings = {"precision": cfg.learner.precision, "half_rounding": cfg.learner.half_rounding,
-                "attention": learner_attention(cfg), "torch_threads": cfg.learner.torch_threads,
-                "zero_stage": cfg.learner.zero_stage, "micro_batch_tokens": cfg.learner.micro_batch_tokens}
+    settings = {name: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+                for name, key in NUMERIC_SETTINGS.items()}
+    settings["attention"] = learner_attention(cfg)  # the kernel run, not the setting (`auto`)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_kind()
     return {**settings, "machine": machine, "torch": torch.__version__}
 
@@ -127,9 +132,10 @@ def adopt_numerics(cfg: HeteroConfig, recorded: dict, mine: dict, chosen: set[st
     for name in NUMERIC_FACTS:
         if name in recorded and recorded[name] != mine.get(name):
             differs.append(f"{name}: recorded {recorded[name]}, here {mine.get(name)}")
-    for section, fields in updates.items():  # values a learner ran with: valid as they are
+    for section, fields in updates.items():
         cfg = cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)})
-    return cfg, taken, differs
+    # a recorded bf16 beside a ZeRO stage the user set to 0: the stage bf16 needs, as everywhere
+    return cfg.model_copy(update={"learner": with_bf16_stage(cfg.learner)}), taken, differs
 
 
 def _learning_precision(cfg: HeteroConfig, setting: str, device) -> tuple[str, str]:

@@ -60,6 +60,12 @@ Keys (all under `heterorl:<run>:`):
                       reissue_withdrawn (a late completion takes its index off the queue);
                       and `discarded_at_source`: completed groups a sampler dropped from its
                       spool as too stale to send (they never reach the learner).
+- `completed_by`, `discarded_by`
+                      hashes sampler id -> its groups completed, and of those discarded at the
+                      source (the run functions write both; discards at most the completions).
+- `judged_by`         hash sampler id -> its groups the learner judged (only the learner writes
+                      it). Per sampler, completed - discarded - judged is what it sent that the
+                      learner has not judged yet: the fleet's pacing sums it (`fleet_unjudged`).
 
 An epoch is `epoch_size` consecutive indices (epoch = index // epoch_size). Each index is
 issued once from the cursor and again only if its holder died, so within an epoch no

@@ -178,4 +178,7 @@ def test_a_replay_takes_each_recorded_numeric_setting_unless_the_user_set_it():
     assert differs == ["learner.torch_threads: recorded 2, here 1 (set here)",
                        "machine: recorded Intel Xeon (AMX), here AMD EPYC (AVX512)"]
     assert adopt_numerics(cfg, mine, mine, set()) == (cfg, [], [])
+    stage0 = load_config(None, ["learner.precision=fp32", "learner.zero_stage=0"], env={})
+    kept_stage, _, _ = adopt_numerics(stage0, {**mine, "precision": "bf16"}, mine, chosen={"learner.zero_stage"})
+    assert (kept_stage.learner.precision, kept_stage.learner.zero_stage) == ("bf16", 1)  # the stage bf16 needs
     assert set(NUMERIC_SETTINGS) <= set(mine)

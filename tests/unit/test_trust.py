@@ -333,5 +333,13 @@ def test_every_group_the_learner_reads_counts_as_judged_for_the_sampler_it_names
                 b"not a rollout"]
     for offset, value in enumerate(messages):
         intake.offer(RawRecord(0, offset, value, [], 0), 0, "t")
-    assert intake.take_judged() == {"s1": 1, "s2": 1} and intake.take_judged() == {}
+    def unreachable(judged):
+        raise ConnectionError("Redis went away")
+
+    with pytest.raises(ConnectionError):
+        intake.report_judged(unreachable)  # nothing lost: sent again next time
+    sent = []
+    intake.report_judged(sent.append)
+    intake.report_judged(sent.append)
+    assert sent == [{"s1": 1, "s2": 1}, {}]
     assert intake.verifier.rejected["unknown_key"] == 1
