@@ -191,7 +191,9 @@ class PointerSpoiler(threading.Thread):
             for form, (said, spoil) in SPOILED.items():  # each until the sampler refused it
                 deadline = time.monotonic() + 30
                 spoil(client, key)  # whatever the key holds now
-                while not self.refused("sampler-0", said) and time.monotonic() < deadline:
+                # until the sampler refused this form, and the evaluator some form (it polls less often)
+                while not (self.refused("sampler-0", said) and self.refused("evaluator", "")) \
+                        and time.monotonic() < deadline:
                     if self.stopped.is_set() or self.log_says("learner", "step 3 (v3)"):
                         return  # the last step is near: the evaluator is to find v4 announced
                     if client.type(key) == "hash" and client.hexists(key, "signature"):
