@@ -223,8 +223,8 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
 
     cmd = [sys.executable, "-m", "heterorl", "train", "--config", config, "--out", str(out),
            "--set", f"learner.max_steps={steps}", "--set", f"train.num_samplers={samplers}"]
-    cmd += ["--set", f"eval.every={eval_every}"] if eval_every else ["--set", "eval.problems=8", "--set",
-                                                                     "eval.n_samples=1", "--set", "eval.every=null"]
+    cmd += ["--set", f"eval.every={eval_every}", "--set", "eval.reuse_base=false"] if eval_every else [
+        "--set", "eval.problems=8", "--set", "eval.n_samples=1", "--set", "eval.every=null"]
     for o in overrides:
         cmd += ["--set", o]
     launched = time.time()

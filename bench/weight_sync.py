@@ -195,7 +195,7 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
     from infra.local_stack import start_stack, stack_services, stop_stack
     from pipeline.weights.store import CheckpointStore, connect_s3
     from pipeline.sampling.generation import HfEngine, SamplingSettings
-    from pipeline.weights.policy import KeyframeRule, PolicyWriter, _write_weights, fetch_policy
+    from pipeline.weights.policy import KeyframeRule, PolicyWriter, write_weights, fetch_policy
 
     base_dir = work / "base"
     model.save_pretrained(base_dir, safe_serialization=True)
@@ -205,7 +205,7 @@ def link_times(model, tokenizer, first_step: dict, args, work: Path) -> list[dic
     shutil.copytree(base_dir, step_dir)
     for f in step_dir.glob("*.safetensors"):
         f.unlink()
-    _write_weights(first_step, step_dir)
+    write_weights(first_step, step_dir)
     stack = start_stack(work / "stack", kafka_storage="memory")
     results = []
     try:

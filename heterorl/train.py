@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -39,6 +39,7 @@ from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.records.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
+from pipeline.weights.local_base import base_digest
 from pipeline.devices import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
                               make_task_from_config,
@@ -155,13 +156,15 @@ def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str
             "evaluator": (cfg.eval.torch_threads, 0)}
 
 
-def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields: bool) -> HeteroConfig:
+def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields: bool,
+                 local_v0: Optional[str] = None) -> HeteroConfig:
     """The config the roles `train` starts run on: each its threads (`cpu_budgets`), and when
     the samplers yield to the learner (`train.cpu_sharing: yield` on a CPU) they also wait for
     its next version, having nothing to overlap with (unless not every version is published,
     `learner.sync_every` > 1, or a simulated refresh delay makes their groups stale on
     purpose, `sampler.delays.refresh`), and the evaluator scores after training. With validators
-    started (`train.num_validators`) the learner uses their verdicts."""
+    started (`train.num_validators`) the learner uses their verdicts. `local_v0`: the base model's
+    digest, with which the samplers load v0 from its files (`sampler.local_v0_sha256`)."""
     waits = yields and cfg.why_no_waiting_for_each_version() is None
     return cfg.model_copy(update={
         "validators": cfg.validators.model_copy(update={"enabled": cfg.validators.enabled
@@ -169,7 +172,8 @@ def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields:
         "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
         "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
                                                   "yield_to_learner": yields,
-                                                  "wait_for_next_version": waits}),
+                                                  "wait_for_next_version": waits,
+                                                  "local_v0_sha256": local_v0}),
         "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})
 
 
@@ -197,21 +201,29 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         base = resolve_base_model(cfg)
         log.info("base model %s ready in %.1fs", base, time.time() - t0)
         metrics = MetricsWriter(run_dir, tb_subdir="tb")
-        torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing else runs yet
         here, precision = with_machine_precision(cfg, resolve_device(cfg.model.device))
         log.info("%s", precision)
-        base_started = time.time()
-        with evaluation_bar("base eval", evaluation_completions(here, task)) as progress:
-            before = evaluate_base(here, base, task, progress)  # stored beside the model after its first time
-        base_s = time.time() - base_started
-        metrics.write("eval", 0, {"policy_version": 0, **before})
-        log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
-                 before["accuracy_sampled"], before["accuracy_greedy"])
-
         on_gpu = resolve_device(cfg.model.device).type == "cuda"
         budgets = cpu_budgets(cfg, os.cpu_count() or 1, on_gpu=on_gpu)
-        train_started, train_ended = _run_roles(cfg, run_dir, services, handles, sampler_ids, validator_ids,
-                                                budgets, on_gpu=on_gpu, on_tick=wandb_run.poll if wandb_run else None)
+        base_s = []
+
+        def evaluate_before() -> None:
+            started = time.time()
+            torch.set_num_threads(max(1, os.cpu_count() or 1))
+            with evaluation_bar("base eval", evaluation_completions(here, task)) as progress:
+                before = evaluate_base(here, base, task, progress)  # stored beside the model after its first time
+            base_s.append(time.time() - started)
+            metrics.write("eval", 0, {"policy_version": 0, **before})
+            log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
+                     before["accuracy_sampled"], before["accuracy_greedy"])
+
+        fast = cfg.train.fast_start
+        if not fast:
+            evaluate_before()
+        train_started, train_ended = _run_roles(
+            cfg, run_dir, services, handles, sampler_ids, validator_ids, budgets, on_gpu=on_gpu,
+            on_tick=wandb_run.poll if wandb_run else None, local_v0=base_digest(base) if fast else None,
+            beside_start=(lambda: evaluate_beside_roles(cfg, on_gpu, evaluate_before)) if fast else None)
         final_started = time.time()
         version = _score_last_version(here, task, run_dir, handles, metrics)
         metrics.close()
@@ -221,7 +233,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         summary["cpu_sharing"] = {"policy": "none" if on_gpu else cfg.train.cpu_sharing,
                                   **{role: {"threads": t, "nice": n} for role, (t, n) in budgets.items()}}
         summary["seconds"] = {"before_training": round(train_started - wall_start, 1),
-                              "base_evaluation": round(base_s, 1),
+                              "base_evaluation": round(base_s[0], 1),
                               "training": round(train_ended - train_started, 1),
                               "after_training": round(time.time() - train_ended, 1),
                               "final_evaluation": round(time.time() - final_started, 1)}
@@ -237,15 +249,28 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     return 0
 
 
+def evaluate_beside_roles(cfg: HeteroConfig, on_gpu: bool, evaluate) -> None:
+    """`evaluate` (the base model's held-out evaluation) while the roles start (`train.fast_start`):
+    on a CPU the roles share, at nice 19 first, so that it takes only the cores they leave idle
+    (this process keeps that priority; what it does later, it does alone)."""
+    if not on_gpu and cfg.train.cpu_sharing != "none":
+        os.nice(EVALUATOR_NICE)
+    evaluate()
+
+
 def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids: list[str], validator_ids: list[str],
-               budgets: dict, *, on_gpu: bool, on_tick=None) -> tuple[float, float]:
+               budgets: dict, *, on_gpu: bool, on_tick=None, local_v0: Optional[str] = None,
+               beside_start: Optional[Callable[[], None]] = None) -> tuple[float, float]:
     """Start the learner, samplers, validators and evaluator as processes of their own, watch them until
-    the learner's last step, let the evaluator finish, stop them all. Returns when training started and ended."""
+    the learner's last step, let the evaluator finish, stop them all. Returns when training started and ended.
+    `local_v0`: the base model's digest, for samplers to load v0 from its files (`sampler.local_v0_sha256`);
+    `beside_start`: what this process does once they are started, before it watches them (the base
+    model's evaluation, under `train.fast_start`: the evaluator then leaves v0 to it)."""
     log = logging.getLogger("train")  # the logger run_train set up
     run_name = cfg.run.name
     yields = cfg.train.cpu_sharing == "yield" and not on_gpu
     child_config = run_dir / "config.yaml"
-    child_config.write_text(dump_config(roles_config(cfg, budgets, yields)))
+    child_config.write_text(dump_config(roles_config(cfg, budgets, yields, local_v0)))
     procs = Processes(run_dir, child_env(services))
     data_dir = cfg.services.data_dir
     try:
@@ -262,12 +287,16 @@ def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids:
             procs.start(f"validator-{i}", ["validator", *common, "--id", validator_id], env=validator_env,
                         nice=budgets["sampler"][1])
         if cfg.eval.every:
-            procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir)], nice=budgets["evaluator"][1])
+            procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir),
+                                      *(["--without-v0"] if beside_start is not None else [])],
+                        nice=budgets["evaluator"][1])
         log.info("run %s: learner + %d samplers%s started, logs in %s/logs/; cores shared by %s: %s", run_name,
                  cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir,
                  "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
                  ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
                            for role, (threads, nice) in budgets.items()))
+        if beside_start is not None:
+            beside_start()
         watch(cfg, procs, run_dir, on_tick=on_tick)
         train_ended = time.time()
         procs.stop([n for n in procs.procs if n.startswith("sampler")])

@@ -215,10 +215,11 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task, progress=None) -> di
     (`run.seed`), so the same model, task, evaluation and sampling settings and seed give the
     same numbers: they are stored in
     `<data_dir>/models/evaluations/<model>-<key>.json` and reused, which spares each cell of a
-    study the same minutes-long evaluation of the same base model. Any other directory is
-    evaluated afresh. `progress`: as `evaluate_policy`'s, called only when it evaluates."""
+    study the same minutes-long evaluation of the same base model. Any other directory, or any
+    with `eval.reuse_base` off, is evaluated afresh. `progress`: as `evaluate_policy`'s, called
+    only when it evaluates."""
     cache = (Path(cfg.services.data_dir) / "models").resolve()
-    if not (is_complete(model_dir) and model_dir.resolve().parent == cache):
+    if not (cfg.eval.reuse_base and is_complete(model_dir) and model_dir.resolve().parent == cache):
         return evaluate_checkpoint(cfg, model_dir, task, progress)
     cfg, _ = with_machine_precision(cfg, resolve_device(cfg.model.device))
     s = cfg.sampler
@@ -226,7 +227,7 @@ def evaluate_base(cfg: HeteroConfig, model_dir: Path, task, progress=None) -> di
         "version": BASE_EVALUATION_VERSION, "model": (model_dir / INFO_FILE).read_text(),
         "task": cfg.task.model_dump(mode="json"),
         "task_settings": task.settings(),  # with the data files' sha256, if any
-        "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads", "after_training"}),
+        "eval": cfg.eval.model_dump(mode="json", exclude={"every", "torch_threads", "after_training", "reuse_base"}),
         "sampling": [s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.precision], "seed": cfg.run.seed,
         "device": str(resolve_device(cfg.model.device))}, sort_keys=True, default=str).encode()).hexdigest()[:16]
     stored = model_dir.parent / "evaluations" / f"{model_dir.name}-{key}.json"

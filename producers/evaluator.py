@@ -12,7 +12,8 @@ its checkpoint from S3 (verified like any sampler's), score it, and append an
 is downloaded when due but scored only once the last one is there: on a CPU whose cores
 the learner needs, an evaluation beside training slows its step about twofold
 (docs/performance.md). Versions already scored there (for
-instance v0 by `train`) are skipped. It exits after scoring the last version. When it
+instance v0 by `train`; with `--without-v0`, v0 is left to `train`, which scores it while the
+roles start) are skipped. It exits after scoring the last version. When it
 falls behind it scores the newest eligible version and skips the ones in between, so
 it never slows the run down by queueing work.
 """
@@ -70,7 +71,10 @@ def _reporter(state, version: int, total: int, every_s: float = 0.5):
     return progress
 
 
-def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5) -> int:
+def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: float = 0.5,
+                  without_v0: bool = False) -> int:
+    """`without_v0`: v0 is scored by whoever started this evaluator (`heterorl train`, beside the
+    roles' start-up), so it counts as scored here."""
     log = setup_logging("evaluator")
     torch.set_num_threads(cfg.eval.torch_threads)
     cfg, line = with_machine_precision(cfg, resolve_device(cfg.model.device))
@@ -84,7 +88,8 @@ def run_evaluator(cfg: HeteroConfig, run_dir: Optional[Path] = None, poll_s: flo
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     refused: set[str] = set()
-    done = {int(r["policy_version"]) for r in read_metrics(run_dir / "metrics.jsonl", "eval")}
+    done = {int(r["policy_version"]) for r in read_metrics(run_dir / "metrics.jsonl", "eval")} | (
+        {0} if without_v0 else set())
     log.info("evaluator for run %s on %s: every %s versions, %s problems x %d samples", cfg.run.name,
              resolve_device(cfg.model.device), cfg.eval.every or 1, cfg.eval.problems or cfg.task.eval_size,
              cfg.eval.n_samples)

@@ -54,17 +54,18 @@ from pipeline.trust.keyring import key_paths, load_sampler_key
 from pipeline.clients.run_functions import sampler_token
 from pipeline.sampling.generation import PolicyEngine, SamplingSettings, make_generation_engine, pick_backend
 from pipeline.weights.follower import PolicyFollower
+from pipeline.weights.local_base import lay_out_local_v0, policy_dtype
 from pipeline.models import decode_completion
 from pipeline.sampling.pacing import Pacing, Pauses, StepPeriod
 from pipeline.clients.run_state import RunView
 from pipeline.clients.retry import Backoff, retry_call
 from pipeline.wire.rollout import Rollout
-from pipeline.runtime import (connect_run, make_task_from_config, setup_logging, touch_heartbeat_file,
-                              with_machine_precision)
+from pipeline.runtime import (connect_run, make_task_from_config, resolve_base_model, setup_logging,
+                              touch_heartbeat_file, with_machine_precision)
 from pipeline.clients.services import ServiceUnavailable
 from pipeline.wire.signing import KeyFileError, SignatureError, SigningKey
 from pipeline.clients.run_state import MalformedPointer
-from pipeline.weights.store import PolicyPointer, verify_pointer
+from pipeline.weights.store import CorruptCheckpointError, PolicyPointer, verify_pointer
 from pipeline.clients.spool import RolloutSpool
 
 
@@ -345,6 +346,27 @@ def fetch_first_policy(cfg: HeteroConfig, sampler_id: str) -> Optional[PolicyFol
     return follower
 
 
+def new_follower(cfg: HeteroConfig, handles, work_dir: Path, engine: PolicyEngine, log) -> PolicyFollower:
+    """The sampler's follower, with v0 already loaded from the base model's files where
+    `sampler.local_v0_sha256` says so and the run has published nothing past v0; a base that
+    hashes otherwise is refused, and v0 comes through S3 like any other version."""
+    follower = PolicyFollower(handles.store, work_dir, log, engine)
+    if cfg.sampler.local_v0_sha256 is None:
+        return follower
+    published = PolicyPointer(handles.state).version()  # unverified: a forged one only sends us to S3
+    if published is not None and published > 0:
+        log.info("the run is at v%d already: not loading v0 from local files", published)
+        return follower
+    try:
+        copy = lay_out_local_v0(resolve_base_model(cfg), work_dir / "v0", policy_dtype(cfg.learner),
+                                cfg.sampler.local_v0_sha256)
+    except CorruptCheckpointError as e:
+        log.error("%s; taking v0 from the learner through S3", e)
+        return follower
+    follower.adopt_local(0, copy)
+    return follower
+
+
 class Sampler:
     """One sampler process: `run()` repeats `turn()`, whose steps are the methods below."""
 
@@ -450,13 +472,12 @@ class Sampler:
                                   self.stamp, self.log)
         self.work_dir = sampler_work_dir(self.cfg, self.sampler_id)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.policy = self.parts.policy or PolicyFollower(self.handles.store, self.work_dir, self.log)
+        self.policy = self.parts.policy or new_follower(self.cfg, self.handles, self.work_dir, engine, self.log)
         self.policy.attach(engine)
         self.stop = self.parts.stop or StopRequest()  # from here on, a stop sends what it can and releases the lease
         self.log.info("sampler %s started: %s backend, %s, %s (topic %s, seed %d, spool %s, delays: refresh %s, transit %s)",
                       self.sampler_id, engine.backend, self.precision, engine.device, self.cfg.run.topic, self.seed,
-                      self.spool_dir,
-                      self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
+                      self.spool_dir, self.scfg.delays.refresh.kind, self.scfg.delays.transit.kind)
 
     # ---- the steps of a turn --------------------------------------------------------
     def heartbeat_if_due(self) -> None:

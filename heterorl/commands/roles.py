@@ -79,13 +79,16 @@ def register_evaluator(sub) -> None:
     add_config_args(p)
     p.add_argument("--out", metavar="RUN_DIR", help="run directory whose metrics.jsonl gets the records "
                                                     "(default: train.out_dir, else runs/<run.name>)")
+    p.add_argument("--without-v0", action="store_true",
+                   help="leave v0 (the base model) to the command that started this evaluator: `heterorl train` "
+                        "scores it itself while the roles start (train.fast_start)")
 
 
 def _cmd_evaluator(args) -> int:
     cfg = load_run_config(args)
     from producers.evaluator import run_evaluator
 
-    return run_evaluator(cfg, Path(args.out) if args.out else None)
+    return run_evaluator(cfg, Path(args.out) if args.out else None, without_v0=args.without_v0)
 
 
 COMMANDS = {"sampler": (register_sampler, _cmd_sampler), "validator": (register_validator, _cmd_validator), "learner": (register_learner, _cmd_learner), "evaluator": (register_evaluator, _cmd_evaluator)}

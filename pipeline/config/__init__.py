@@ -337,6 +337,12 @@ class SamplerConfig(Strict):
     of their own. For a sampler that shares the learner's cores (`yield_to_learner`), which has
     nothing to overlap with: `heterorl train` turns both on under `train.cpu_sharing: yield`.
     Needs every version published (`learner.sync_every: 1`) and no simulated refresh delay."""
+    local_v0_sha256: Optional[str] = Field(None, pattern="^[0-9a-f]{64}$")
+    """For a sampler on the learner's host: load v0 at its start from `model.base`'s own files,
+    whose digest (`pipeline.weights.local_base.base_digest`) this must be, instead of waiting for
+    the learner's first keyframe through S3; a base whose files hash otherwise is refused (said
+    in the log; the sampler then takes v0 through S3). Only while the run has published no
+    version past v0. `heterorl train` sets it under `train.fast_start`; None: always through S3."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
     spool_dir: Optional[str] = None
@@ -508,6 +514,10 @@ class EvalConfig(Strict):
     training ends (the last version is out): `heterorl train` sets it under
     `train.cpu_sharing: yield`, where an evaluation beside training slows the learner's step
     about twofold on a 2-core CPU (docs/performance.md)."""
+    reuse_base: bool = True
+    """Reuse the base model's held-out accuracy stored by an earlier run with the same model,
+    task, evaluation and sampling settings (`pipeline.runtime.evaluate_base`); False evaluates it
+    again (`bench/async_vs_sync.py` does, so that its lanes do the same work)."""
 
 
 class SecurityConfig(Strict):

@@ -142,6 +142,12 @@ class TrainConfig(Strict):
     """Run directory (metrics.jsonl, TensorBoard events, summary.json, plots); default runs/<run name>."""
     timeout_s: float = Field(1800.0, gt=0)
     """Abort the run (stopping every process it started) after this long."""
+    fast_start: bool = True
+    """Start the learner and samplers before the base model's held-out evaluation, which then
+    runs beside their start-up (on a shared CPU at nice 19, so it takes only cores they leave
+    idle), and have the samplers load v0 from the base model's files, checked against its
+    digest, instead of waiting for the learner's first keyframe through S3
+    (`sampler.local_v0_sha256`). False: evaluate first, then start the roles, v0 through S3."""
     cpu_sharing: Literal["yield", "priority", "split", "none"] = "yield"
     """How the processes `train` starts on its one machine share the cores (docs/performance.md
     has the measurements behind the default):

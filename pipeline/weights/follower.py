@@ -258,6 +258,20 @@ class PolicyFollower:
                       version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
 
+    def adopt_local(self, version: int, model_dir: Path) -> None:
+        """Load `model_dir`, a copy of `version` this role made itself and checked (a sampler's v0
+        from the base model's files: `pipeline.weights.local_base`), into the engine now. It stays
+        in the work directory as `version`'s copy, the base later versions' deltas are applied to
+        (each rebuilt tensor checked against the learner's signed sha256), so it must be there."""
+        if Path(model_dir) != self.work_dir / f"v{version}":
+            raise ValueError(f"a local copy of v{version} belongs in {self.work_dir / f'v{version}'}, not {model_dir}")
+        started = time.perf_counter()
+        self.engine.install(self.engine.prepare(model_dir))
+        self.version, self.last_load_s = version, time.perf_counter() - started
+        self.first_policy = (version, self.bytes_downloaded, time.time())
+        self.log.info("policy v%d loaded from local files into the %s engine in %.3fs", version,
+                      self.engine.backend, self.last_load_s)
+
     def stats(self, started: float) -> dict:
         """What following the learner cost, for the role's heartbeat (`started`: its time.time() at start)."""
         per_version = self.per_version_bytes()

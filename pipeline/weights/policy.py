@@ -215,7 +215,7 @@ def read_weights(model_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {name: load_file(str(Path(model_dir) / name)) for name in weights_files(model_dir)}
 
 
-def _write_weights(weights: dict[str, dict[str, torch.Tensor]], model_dir: Path) -> None:
+def write_weights(weights: dict[str, dict[str, torch.Tensor]], model_dir: Path) -> None:
     for name, tensors in weights.items():
         target = Path(model_dir) / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +347,7 @@ class PolicyWriter:
                 name: {tensor: entry["parts"]["words"] for tensor, entry in tensors.items()}
                 for name, tensors in entries.items()}}
         if written:
-            _write_weights(weights, staged)
+            write_weights(weights, staged)
         else:
             for name in weights:
                 link_or_copy(model_dir / name, staged / name)
@@ -774,13 +774,20 @@ def _check_files(manifest: Manifest, files: list[dict], origin_dir: Path) -> Non
 
 def _finish(weights, origin_dir: Path, dest_dir: Path, target: Manifest) -> Path:
     """Write the verified weights and the target's other files (from `origin_dir`) to `dest_dir`."""
+    return write_model_dir(weights, _other_files_of(target), origin_dir, dest_dir)
+
+
+def write_model_dir(weights: dict[str, dict[str, torch.Tensor]], others: list[dict], origin_dir: Path,
+                    dest_dir: Path) -> Path:
+    """A model directory at `dest_dir`: `weights` by weights file, and the `others` (entries with
+    a relative `path`) copied from `origin_dir`; it appears whole or not at all."""
     staging = Path(tempfile.mkdtemp(prefix=".rebuilding-", dir=dest_dir.parent))
     try:
-        for f in _other_files_of(target):
+        for f in others:
             rel = safe_relpath(f["path"])
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(origin_dir / rel, staging / rel)
-        _write_weights(weights, staging)
+        write_weights(weights, staging)
         if dest_dir.exists():
             shutil.rmtree(dest_dir)
         staging.rename(dest_dir)

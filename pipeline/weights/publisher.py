@@ -216,10 +216,10 @@ def start_publisher(cfg, store, module, model_dir: Path, work_dir: Path, *, sign
                     announce: bool = True, recovery: bool = True, keep_within: int = 0) -> "BackgroundPublisher":
     """The publisher process of a learner (or a replay) training `module`, publishing to `store`
     in `learner.policy_dtype`, with buffers laid out as `model_dir`'s weights files."""
-    from pipeline.models import DTYPES
+    from pipeline.weights.local_base import policy_dtype
 
     lcfg = cfg.learner
-    dtype = DTYPES[lcfg.precision if lcfg.policy_dtype == "auto" else lcfg.policy_dtype]
+    dtype = policy_dtype(lcfg)
     state = module.state_dict()
     places = slot_layout(model_dir, {k: tuple(t.shape) for k, t in state.items()}, dtype,
                          {k: t.dtype for k, t in state.items() if not t.is_floating_point()})

@@ -71,6 +71,8 @@ def _train_inspect_and_stop(tmp_path):
     assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it in place
     assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
     assert "rebuilt from" in log  # each version came through the weight path (docs/weights.md)
+    # v0 from the base model's files (train.fast_start), the deltas after it applied to that copy
+    assert "policy v0 loaded from local files" in log and "refused the delta path" not in log
     assert "rank 1 of 2 ready" in (out / "logs" / "learner.log").read_text()  # the second learner process
 
     summary = json.loads((out / "summary.json").read_text())

@@ -8,6 +8,7 @@ and a keyframe waiting is never skipped.)"""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import re
 import threading
 import time
@@ -217,3 +218,52 @@ def test_a_slot_the_publisher_cannot_copy_out_stops_the_run_with_its_error(local
     finally:
         with contextlib.suppress(RuntimeError):  # what stopped the run, said again
             publisher.close(timeout_s=10)
+
+
+def test_a_sampler_s_v0_from_the_base_files_is_the_learner_s_v0_bit_for_bit(local_stack, tiny, tmp_path):
+    """`heterorl train`'s fast start: a sampler on the learner's host lays v0 out from the base
+    model's files (checked against the digest train took of them) instead of downloading it. The
+    copy must be the v0 the learner published, tensor for tensor, and the base of the deltas
+    after it; a base whose files hash otherwise is refused and nothing is laid out."""
+    from pipeline.weights.local_base import base_digest, lay_out_local_v0
+    from pipeline.weights.store import CorruptCheckpointError
+
+    from transformers import AutoModelForCausalLM
+
+    _, template = tiny
+    model = AutoModelForCausalLM.from_pretrained(template, torch_dtype=torch.float32)  # as the learner loads it
+    (tmp_path / "learner").mkdir()
+    publisher = start(local_stack, tmp_path / "learner", model, template, "pub-local-v0")
+    expected = {}
+    with torch.no_grad():
+        for version in range(2):
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            expected[version] = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=version - 1 if version else None)
+            publisher.close() if version else publisher.check()
+            for p in model.parameters():
+                p.add_(1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(version)))
+    assert publisher.published == [0, 1]
+    store = reader(local_stack, "pub-local-v0")
+
+    local = lay_out_local_v0(template, tmp_path / "sampler" / "v0", torch.bfloat16, base_digest(template))
+    # the copy is v0 as signed: fetching v0 "from" it downloads nothing and checks every tensor
+    _, _, report = fetch_policy(store, store.manifest_key(0), tmp_path / "v0-check", have=(0, local),
+                                expect_version=0)
+    assert report.refused == [] and report.bytes_downloaded == 0
+    # and v1's delta applies to it, with no fallback to the keyframe
+    path, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "sampler" / "v1", have=(0, local),
+                                   expect_version=1)
+    assert report.refused == [] and not report.from_keyframe and report.path == [1]
+    got = {k: t for tensors in read_weights(path).values() for k, t in tensors.items()}
+    assert got and all(np.array_equal(bits(got[k]), bits(expected[1][k])) for k in got)
+
+    # one changed file in the base (here its config) is another base: refused, nothing laid out
+    other = tmp_path / "other-base"
+    shutil.copytree(template, other)
+    config = other / "config.json"
+    config.write_text(config.read_text().replace("{", '{"note": "edited",', 1))
+    with pytest.raises(CorruptCheckpointError, match="not the .* of the base the run started from"):
+        lay_out_local_v0(other, tmp_path / "sampler2" / "v0", torch.bfloat16, base_digest(template))
+    assert not (tmp_path / "sampler2" / "v0").exists()
