@@ -23,8 +23,10 @@ Every lane reports:
 - `to_last_step_min`: minutes from its command's start to its last step (the wall time to
   version N, start-up included);
 - `steady_steps_per_min`: steps per minute from its first step to its last (start-up left out).
-Minutes a lane spends evaluating after its first step are not counted in either: the loop
-evaluates inline, the product on a shared CPU after training (`eval.after_training`).
+Minutes a lane spends evaluating are counted in none: the loop evaluates inline (v0 before its
+first step, subtracted), the product beside training on a GPU and after it on a shared CPU
+(`eval.after_training`; the base model too: `heterorl train`'s fast start). Every lane's v0 is
+placed at its command's start.
 
 Without `--eval-every`: those figures for the product and the loop (one thread, every core),
 and their ratios.
@@ -33,12 +35,17 @@ With `--eval-every K` (the accuracy race): both score the held-out split (`eval.
 config) before the first step, every K steps and after the last, each evaluation placed at
 the minute (since its command's start) its version was made. `--target-accuracy A` adds the
 wall time to the first held-out sampled accuracy of at least A. Prints both curves, the ratios,
-and where each run's minutes went; writes DIR/accuracy_vs_time.json and .png.
+and where each run's minutes went; writes DIR/accuracy_vs_time.json and .png. `--trl` adds a
+third lane: TRL's GRPOTrainer on the same model, prompts, reward, batch, schedule, precision
+and threads (bench/trl_lane.py says what is the same and what differs; `pip install -e
+'.[bench-trl]'`). The product evaluates its base model afresh (`eval.reuse_base=false`), as
+the loop does.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -112,14 +119,14 @@ def lane_clock(launched: float, step_times: list[float], evals: list[dict], paus
     """One lane's clock, started at its command's start (`launched`, Unix seconds), as the module
     docstring says: time to its first step, minutes to its last, its steady rate, each evaluation's
     minute (`evals[i]["time"]`: when its version was made; without its `pauses`, the lane's own
-    evaluations after the first step) and, given `target_accuracy`, the minutes to the first
+    evaluations; v0 at minute 0, the base model being there from the start) and, given `target_accuracy`, the minutes to the first
     evaluation whose sampled accuracy reaches it (None: never)."""
     def minutes(t: float) -> float:
         return (t - launched - paused_before(t, pauses)) / 60
 
-    placed = [{**{k: v for k, v in e.items() if k != "time"}, "minutes": round(minutes(e["time"]), 3)}
-              for e in evals]
-    clock = {"first_step_s": round(step_times[0] - launched, 2), "to_last_step_min": round(minutes(step_times[-1]), 3),
+    placed = [{**{k: v for k, v in e.items() if k != "time"},
+               "minutes": round(minutes(e["time"]), 3) if e["step"] else 0.0} for e in evals]
+    clock = {"first_step_s": round(minutes(step_times[0]) * 60, 2), "to_last_step_min": round(minutes(step_times[-1]), 3),
              "steady_steps_per_min": round(steps_per_minute(step_times, pauses), 3) if len(step_times) > 1 else None,
              "evals": placed}
     if target_accuracy is not None:
@@ -151,9 +158,11 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     task = make_task_from_config(cfg)
     base = resolve_base_model(cfg)
     clock, evals, pauses = StageClock(), [], []
-    if eval_every:
+    if eval_every:  # v0's evaluation is a pause of the clock, as every evaluation is
         model, tokenizer = load_policy(base, dtype=DTYPES[cfg.sampler.precision], attention=cfg.model.attention)
-        evals.append({"step": 0, **evaluate_model(cfg, model, tokenizer, task), "time": time.time()})
+        started = time.time()
+        evals.append({"step": 0, **evaluate_model(cfg, model, tokenizer, task), "time": started})
+        pauses.append((started, time.time()))
         del model
     model, tokenizer = load_policy(base, attention=learner_attention(cfg))
     engine = make_deepspeed_engine(model, cfg.learner, resolve_device(cfg.model.device))
@@ -215,6 +224,22 @@ def race_sync(config: str, steps: int, threads: int, overrides: list[str], resul
     return launched, json.loads(result_file.read_text())
 
 
+def race_trl(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
+             eval_every: Optional[int] = None) -> tuple[float, dict]:
+    """TRL's GRPOTrainer as a command of its own (bench/trl_lane.py): (the moment it was started,
+    its result, in `run_sync`'s shape)."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "trl_lane.py"), "--config", config, "--steps",
+           str(steps), "--threads", str(threads), "--result", str(result_file)]
+    cmd += ["--eval-every", str(eval_every)] if eval_every else []
+    for o in overrides:
+        cmd += ["--set", o]
+    launched = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    result = json.loads(result_file.read_text())
+    result["training_windows"] = training_windows(result["times"], result["pauses"])
+    return launched, result
+
+
 def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path,
               eval_every: Optional[int] = None) -> tuple[float, dict]:
     """`heterorl train`: (the moment its command was started, its result: `times` of each step;
@@ -234,7 +259,7 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
     if not eval_every:
         return launched, result
     evals = sorted(read_metrics(out / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
-    made = {r["step"]: r["time"] for r in learner}  # v0: when the evaluation before training ended
+    made = {r["step"]: r["time"] for r in learner}  # v0: at minute 0 (`lane_clock`)
     result["evals"] = [{"step": r["policy_version"], "time": made.get(r["policy_version"], r["time"]),
                         **{k: v for k, v in r.items() if k.startswith(("accuracy", "mean_", "truncated"))}}
                        for r in evals]
@@ -263,7 +288,7 @@ def plot_race(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, result), color in zip(results.items(), ("tab:blue", "tab:orange")):
+    for (name, result), color in zip(results.items(), ("tab:blue", "tab:orange", "tab:green")):
         evals = result["evals"]
         ax.plot([e["minutes"] for e in evals], [e["accuracy_sampled"] for e in evals], "o-", color=color,
                 label=f"{name}: sampled")
@@ -301,9 +326,12 @@ def race(args, cores: int) -> dict:
         lanes = [run_async(args.config, args.steps, args.samplers, args.overrides, out / "async",
                            eval_every=args.eval_every),
                  race_sync(args.config, args.steps, cores, args.overrides, out / "sync.json", args.eval_every)]
+        if args.trl:
+            lanes.append(race_trl(args.config, args.steps, cores, args.overrides, out / "trl.json", args.eval_every))
     samplers = f"{args.samplers} sampler{'s' if args.samplers != 1 else ''}"
+    names = [f"asynchronous ({samplers})", f"synchronous ({cores} threads)", f"TRL GRPOTrainer ({cores} threads)"]
     results = {}
-    for name, (launched, result) in zip((f"asynchronous ({samplers})", f"synchronous ({cores} threads)"), lanes):
+    for name, (launched, result) in zip(names, lanes):
         result["gpu_utilization"] = gpu.mean(result.pop("training_windows", []))
         results[name] = {**result, **lane_clock(launched, result["times"], result["evals"], result["pauses"],
                                                 args.target_accuracy)}
@@ -353,6 +381,9 @@ def main() -> int:
     parser.add_argument("--target-accuracy", type=float, metavar="A",
                         help="in the race, also the minutes to the first held-out sampled accuracy >= A")
     parser.add_argument("--out", metavar="DIR", help="the accuracy race's runs, JSON and PNG")
+    parser.add_argument("--trl", action="store_true",
+                        help="in the race, a third lane: TRL's GRPOTrainer on the same model, prompts, reward, batch, "
+                             "schedule, precision and threads (bench/trl_lane.py; pip install -e '.[bench-trl]')")
     parser.add_argument("--lane", choices=["sync"],
                         help="internal: run only the plain loop in this process and write its result to --result "
                              "(the bench starts each lane as a command of its own)")
@@ -363,6 +394,10 @@ def main() -> int:
         parser.error("--eval-every needs --out DIR")
     if args.lane and not args.result:
         parser.error("--lane sync needs --result FILE")
+    if args.trl and not args.eval_every:
+        parser.error("--trl races TRL's GRPOTrainer in the accuracy race: give --eval-every K and --out DIR")
+    if args.trl and importlib.util.find_spec("trl") is None:
+        parser.error("--trl needs trl: pip install -e '.[bench-trl]'")
 
     from heterorl.config_files import config_path
     from pipeline.config import load_config

@@ -57,11 +57,31 @@ IDLE = "idle"
 """A process priority (`Processes.start`): run only when no other process wants the CPU."""
 
 
+AUTOGROUP = Path("/proc/self/autogroup")
+"""Linux's autogroup of this process's session: with `kernel.sched_autogroup_enabled` (the default
+of most distributions), the scheduler first shares the CPU between sessions' groups, equally, and
+only then between the processes inside a group by their nice values. A child started in a session
+of its own is alone in a new group, so its nice value (or SCHED_IDLE) alone would rank it against
+nothing: the group's own nice, written here, is what ranks it against the learner's group."""
+
+
 def _lower_priority(nice: int | str):
-    """What a child runs before its command to take a lower CPU priority (None: as this one's)."""
-    if nice == IDLE:
-        return lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    return (lambda: os.nice(nice)) if nice else None
+    """What a child runs before its command (in its new session) to take a lower CPU priority, the
+    process's and its session's autogroup's (`AUTOGROUP`; SCHED_IDLE: the lowest, 19); None: as
+    this one's."""
+    if not nice:
+        return None
+
+    def lower() -> None:
+        if nice == IDLE:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.nice(nice)
+        try:
+            AUTOGROUP.write_text(str(19 if nice == IDLE else min(19, nice)))
+        except OSError:  # no autogroups here (a kernel without them): the process's priority is all there is
+            pass
+    return lower
 
 
 class Processes:

@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -207,7 +208,7 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         budgets = cpu_budgets(cfg, os.cpu_count() or 1, on_gpu=on_gpu)
         base_s = []
 
-        def evaluate_before() -> None:
+        def evaluate_base_model() -> None:
             started = time.time()
             torch.set_num_threads(max(1, os.cpu_count() or 1))
             with evaluation_bar("base eval", evaluation_completions(here, task)) as progress:
@@ -217,19 +218,20 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
             log.info("held-out accuracy before: sampled %.3f, greedy %.3f",
                      before["accuracy_sampled"], before["accuracy_greedy"])
 
-        fast = cfg.train.fast_start
-        if not fast:
-            evaluate_before()
+        when = base_evaluation_when(cfg, on_gpu)
+        if when == "first":
+            evaluate_base_model()
         train_started, train_ended = _run_roles(
             cfg, run_dir, services, handles, sampler_ids, validator_ids, budgets, on_gpu=on_gpu,
-            on_tick=wandb_run.poll if wandb_run else None, local_v0=base_digest(base) if fast else None,
-            beside_start=(lambda: evaluate_beside_roles(cfg, on_gpu, evaluate_before)) if fast else None)
+            on_tick=wandb_run.poll if wandb_run else None,
+            local_v0=base_digest(base) if cfg.train.fast_start else None,
+            base_evaluation=None if when == "first" else (when, evaluate_base_model))
         final_started = time.time()
         version = _score_last_version(here, task, run_dir, handles, metrics)
         metrics.close()
         summary = _summary(cfg, run_dir, version, handles, services, wall_start,
                            local_stack_kept=keep_stack or not started_stack)
-        summary["precision"], summary["cpu"] = precision, cpu_kind()
+        summary["precision"], summary["cpu"], summary["base_evaluation"] = precision, cpu_kind(), when
         summary["cpu_sharing"] = {"policy": "none" if on_gpu else cfg.train.cpu_sharing,
                                   **{role: {"threads": t, "nice": n} for role, (t, n) in budgets.items()}}
         summary["seconds"] = {"before_training": round(train_started - wall_start, 1),
@@ -249,23 +251,45 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
     return 0
 
 
-def evaluate_beside_roles(cfg: HeteroConfig, on_gpu: bool, evaluate) -> None:
-    """`evaluate` (the base model's held-out evaluation) while the roles start (`train.fast_start`):
-    on a CPU the roles share, at nice 19 first, so that it takes only the cores they leave idle
-    (this process keeps that priority; what it does later, it does alone)."""
-    if not on_gpu and cfg.train.cpu_sharing != "none":
-        os.nice(EVALUATOR_NICE)
-    evaluate()
+class InBackground(threading.Thread):
+    """`work` on a thread of its own; `result()` waits for it to end and raises what it raised."""
+
+    def __init__(self, work: Callable[[], None], name: str):
+        super().__init__(name=name, daemon=True)
+        self.work, self.error = work, None
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except BaseException as e:  # noqa: BLE001 - raised again by result(), in the caller's thread
+            self.error = e
+
+    def result(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+def base_evaluation_when(cfg: HeteroConfig, on_gpu: bool) -> str:
+    """When `train` evaluates the base model on the held-out split: `first`, before the roles start
+    (`train.fast_start` off); under `train.fast_start`, `beside` them, on a thread of this process
+    while they start and train (on a GPU, or with `train.cpu_sharing: none`: start-up is mostly
+    waiting, which the evaluation fills), or `after` the learner's last step, on a CPU the roles
+    share, where an evaluation beside them would take the cores they start and train on."""
+    if not cfg.train.fast_start:
+        return "first"
+    return "beside" if on_gpu or cfg.train.cpu_sharing == "none" else "after"
 
 
 def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids: list[str], validator_ids: list[str],
                budgets: dict, *, on_gpu: bool, on_tick=None, local_v0: Optional[str] = None,
-               beside_start: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+               base_evaluation: Optional[tuple[str, Callable[[], None]]] = None) -> tuple[float, float]:
     """Start the learner, samplers, validators and evaluator as processes of their own, watch them until
     the learner's last step, let the evaluator finish, stop them all. Returns when training started and ended.
     `local_v0`: the base model's digest, for samplers to load v0 from its files (`sampler.local_v0_sha256`);
-    `beside_start`: what this process does once they are started, before it watches them (the base
-    model's evaluation, under `train.fast_start`: the evaluator then leaves v0 to it)."""
+    `base_evaluation`: (when, how) this process evaluates the base model while they run
+    (`base_evaluation_when`: `beside` them on a thread, or `after` the learner's last step); the
+    evaluator then leaves v0 to it."""
     log = logging.getLogger("train")  # the logger run_train set up
     run_name = cfg.run.name
     yields = cfg.train.cpu_sharing == "yield" and not on_gpu
@@ -288,18 +312,24 @@ def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids:
                         nice=budgets["sampler"][1])
         if cfg.eval.every:
             procs.start("evaluator", ["evaluator", *common, "--out", str(run_dir),
-                                      *(["--without-v0"] if beside_start is not None else [])],
+                                      *(["--without-v0"] if base_evaluation is not None else [])],
                         nice=budgets["evaluator"][1])
         log.info("run %s: learner + %d samplers%s started, logs in %s/logs/; cores shared by %s: %s", run_name,
                  cfg.train.num_samplers, f" + {len(validator_ids)} validators" if validator_ids else "", run_dir,
                  "none (the model is on a GPU)" if on_gpu else cfg.train.cpu_sharing,
                  ", ".join(f"{role} {threads} thread(s) at {'idle priority' if nice == IDLE else f'nice {nice}'}"
                            for role, (threads, nice) in budgets.items()))
-        if beside_start is not None:
-            beside_start()
+        when, evaluate_base_model = base_evaluation or (None, None)
+        beside = InBackground(evaluate_base_model, "base-evaluation") if when == "beside" else None
+        if beside is not None:
+            beside.start()
         watch(cfg, procs, run_dir, on_tick=on_tick)
         train_ended = time.time()
         procs.stop([n for n in procs.procs if n.startswith("sampler")])
+        if beside is not None:
+            beside.result()
+        elif when == "after":
+            evaluate_base_model()
         if "evaluator" in procs.procs:  # it exits once it has scored the last version (and any it held back)
             if not follow_evaluator(procs.procs["evaluator"], handles.state, timeout_s=300 + (
                     EVALUATION_S * cfg.learner.max_steps // cfg.eval.every if yields else 0)):

@@ -267,3 +267,58 @@ def test_a_sampler_s_v0_from_the_base_files_is_the_learner_s_v0_bit_for_bit(loca
     with pytest.raises(CorruptCheckpointError, match="not the .* of the base the run started from"):
         lay_out_local_v0(other, tmp_path / "sampler2" / "v0", torch.bfloat16, base_digest(template))
     assert not (tmp_path / "sampler2" / "v0").exists()
+
+
+class _RecordingEngine:
+    """The two calls of a generation engine a follower makes (`PolicyEngine`), recorded."""
+
+    backend = "recording"
+
+    def __init__(self):
+        self.installed = []
+
+    def prepare(self, model_dir):
+        return read_weights(model_dir)
+
+    def install(self, prepared):
+        self.installed.append(prepared)
+
+
+def test_a_sampler_loads_v0_locally_only_for_the_base_it_was_told_and_a_run_not_past_v0(local_stack, tiny, tmp_path,
+                                                                                      caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from pipeline.weights.local_base import base_digest
+    from producers.sampler import new_follower
+
+    _, template = tiny
+    digest = base_digest(template)
+
+    def follower(run: str, expected: str):
+        cfg = HeteroConfig.model_validate({"run": {"name": run}, "model": {"base": str(template)},
+                                           "services": {"data_dir": str(tmp_path / "data")},
+                                           "learner": {"policy_dtype": "bf16"},
+                                           "sampler": {"local_v0_sha256": expected}})
+        handles = SimpleNamespace(store=reader(local_stack, run), state=RunState(connect_redis(local_stack.redis_url), run))
+        engine = _RecordingEngine()
+        got = new_follower(cfg, handles, tmp_path / run, engine, logging.getLogger("sampler-test"))
+        return got, engine, handles
+
+    # a run with nothing published: v0 from the files, in the policy dtype, no byte downloaded
+    got, engine, _ = follower("local-v0-fresh", digest)
+    assert got.version == 0 and got.first_policy[:2] == (0, 0) and len(engine.installed) == 1
+    weights = engine.installed[0]
+    assert all(t.dtype == torch.bfloat16 for tensors in weights.values() for t in tensors.values() if t.is_floating_point())
+
+    # a base other than the one the run started from: refused, said, nothing loaded (v0 comes through S3)
+    caplog.set_level(logging.ERROR, logger="sampler-test")
+    got, engine, _ = follower("local-v0-other", "0" * 64)
+    assert got.version is None and engine.installed == [] and not (tmp_path / "local-v0-other" / "v0").exists()
+    assert "taking v0 from the learner through S3" in caplog.text
+
+    # a run already past v0 (a sampler restarted in a long run): its newest version, not v0
+    _, _, handles = follower("local-v0-fresh", digest)
+    PolicyPointer(handles.state).set(3, handles.store.manifest_key(3), signer=SigningKey.generate())
+    got, engine, _ = follower("local-v0-fresh", digest)
+    assert got.version is None and engine.installed == []

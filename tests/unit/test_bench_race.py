@@ -14,19 +14,20 @@ from async_vs_sync import lane_clock, steps_per_minute, training_windows  # noqa
 LAUNCHED = 1_000.0
 
 
-def test_a_lane_is_timed_from_its_command_s_start_without_its_own_evaluations_after_the_first_step():
-    # started at 1000 s; its first step at 1030 s (imports, loading, the base evaluation: start-up);
-    # then a step every 6 s, with a 60 s evaluation after step 3
-    times = [1030.0, 1036.0, 1042.0, 1108.0, 1114.0]
-    pauses = [(1042.0, 1102.0)]
-    evals = [{"step": 0, "time": 1010.0, "accuracy_sampled": 0.1},
-             {"step": 3, "time": 1042.0, "accuracy_sampled": 0.3},
-             {"step": 5, "time": 1114.0, "accuracy_sampled": 0.5}]
+def test_a_lane_is_timed_from_its_command_s_start_without_its_own_evaluations():
+    # started at 1000 s; a 20 s evaluation of the base model from 1005 s; its first step at 1050 s
+    # (imports, loading: start-up); then a step every 6 s, with a 60 s evaluation after step 3
+    times = [1050.0, 1056.0, 1062.0, 1128.0, 1134.0]
+    pauses = [(1005.0, 1025.0), (1062.0, 1122.0)]
+    evals = [{"step": 0, "time": 1005.0, "accuracy_sampled": 0.1},
+             {"step": 3, "time": 1062.0, "accuracy_sampled": 0.3},
+             {"step": 5, "time": 1134.0, "accuracy_sampled": 0.5}]
     clock = lane_clock(LAUNCHED, times, evals, pauses, target_accuracy=0.25)
     assert clock["first_step_s"] == 30.0
-    assert clock["to_last_step_min"] == pytest.approx((114 - 60) / 60, abs=1e-3)
+    assert clock["to_last_step_min"] == pytest.approx((134 - 80) / 60, abs=1e-3)
     assert clock["steady_steps_per_min"] == pytest.approx(60 * 4 / 24)  # 4 steps in 24 s of training
-    assert [e["minutes"] for e in clock["evals"]] == pytest.approx([10 / 60, 42 / 60, 54 / 60], abs=1e-3)
+    # v0 at minute 0: the base model is there from the start, whenever a lane scores it
+    assert [e["minutes"] for e in clock["evals"]] == pytest.approx([0, 42 / 60, 54 / 60], abs=1e-3)
     assert all("time" not in e for e in clock["evals"])
     assert clock["to_target_min"] == pytest.approx(42 / 60, abs=1e-3)
     assert lane_clock(LAUNCHED, times, evals, pauses, target_accuracy=0.9)["to_target_min"] is None

@@ -6,6 +6,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_train_gives_each_role_its_share_of_the_cores():
 
 
 def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch):
-    from heterorl.processes import IDLE, Processes
+    from heterorl.processes import AUTOGROUP, IDLE, Processes
 
     stand_in = tmp_path / "python"
     stand_in.write_text("#!/bin/sh\nexec sleep 30\n")  # any role: it runs long enough to be looked at
@@ -120,6 +121,12 @@ def test_a_role_process_starts_at_the_priority_it_is_given(tmp_path, monkeypatch
         assert os.getpriority(os.PRIO_PROCESS, procs.procs["plain"].pid) == own
         assert os.sched_getscheduler(procs.procs["idle"].pid) == os.SCHED_IDLE
         assert os.sched_getscheduler(procs.procs["plain"].pid) == os.sched_getscheduler(0)
+        # Each is alone in its session's autogroup, where the kernel has them: the group's nice is
+        # what ranks it against the other roles' groups (a process's own nice ranks it inside only)
+        if AUTOGROUP.exists() and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+            def group_nice(name: str) -> int:
+                return int(Path(f"/proc/{procs.procs[name].pid}/autogroup").read_text().split("nice")[1])
+            assert (group_nice("niced"), group_nice("idle"), group_nice("plain")) == (7, 19, 0)
     finally:
         procs.stop(grace_s=1)
 
