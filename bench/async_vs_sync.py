@@ -167,7 +167,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
     model, tokenizer = load_policy(base, attention=learner_attention(cfg))
     engine = make_deepspeed_engine(model, cfg.learner, resolve_device(cfg.model.device))
     s, lcfg = cfg.sampler, cfg.learner
-    times, index = [], 0
+    times, index, completion_tokens = [], 0, 0.0
     for step in range(steps):
         groups = []
         with clock.stage("generate"):
@@ -186,6 +186,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
             result = optimizer_step(engine, groups, [1.0] * len(groups), lcfg,
                                     temperature=s.temperature, max_completion_length=s.max_new_tokens)
         times.append(time.time())
+        completion_tokens += result["completion_tokens"]
         print(f"  sync step {step + 1}/{steps} loss {result['loss']:.4f} reward {result['reward_mean']:.3f}",
               file=sys.stderr)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
@@ -197,7 +198,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
             print(f"  sync v{step + 1}: held-out accuracy {evals[-1]['accuracy_sampled']:.3f} "
                   f"(greedy {evals[-1]['accuracy_greedy']:.3f})", file=sys.stderr)
     return {"times": times, "evals": evals, "pauses": pauses, "seconds": clock.take(),
-            "training_windows": training_windows(times, pauses)}
+            "training_windows": training_windows(times, pauses), "completion_tokens": completion_tokens}
 
 
 def training_windows(times: list[float], pauses: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -255,7 +256,8 @@ def run_async(config: str, steps: int, samplers: int, overrides: list[str], out:
     launched = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True)
     learner = read_metrics(out / "metrics.jsonl", "learner")
-    result = {"times": [r["time"] for r in learner], "evals": [], "pauses": [], "seconds": {}}
+    result = {"times": [r["time"] for r in learner], "evals": [], "pauses": [], "seconds": {},
+              "completion_tokens": sum(r.get("completion_tokens", 0.0) for r in learner)}
     if not eval_every:
         return launched, result
     evals = sorted(read_metrics(out / "metrics.jsonl", "eval"), key=lambda r: r["policy_version"])
@@ -348,16 +350,22 @@ def race(args, cores: int) -> dict:
             print(f"  held-out sampled accuracy {args.target_accuracy} reached "
                   + (f"at {reached:.1f} min" if reached is not None else "never"))
         print("  where the time went (s): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result["seconds"].items())))
+        train_s = result["seconds"].get("time_train_s")
+        if train_s and result.get("completion_tokens"):
+            print(f"  optimizer steps: {train_s:.0f} s for {result['completion_tokens']:.0f} completion tokens, "
+                  f"{1000 * train_s / result['completion_tokens']:.2f} s per 1,000")
         if result.get("summary", {}).get("outside_optimizer_share") is not None:
             print(f"  the learner's busy time outside the optimizer step: "
                   f"{100 * result['summary']['outside_optimizer_share']:.1f} %")
     print_clocks(results)
-    (a_last, *_), (s_last, *_) = (r["evals"][::-1] for r in results.values())
-    if a_last["step"] == s_last["step"] and s_last["minutes"] > 0:
-        print(f"\nat v{a_last['step']}: {a_last['minutes']:.1f} min against {s_last['minutes']:.1f} "
-              f"(ratio {a_last['minutes'] / s_last['minutes']:.2f}x), held-out sampled accuracy "
-              f"{a_last['accuracy_sampled']:.3f} against {s_last['accuracy_sampled']:.3f} "
-              f"(difference {a_last['accuracy_sampled'] - s_last['accuracy_sampled']:+.3f})")
+    (product_name, product), *others = results.items()
+    for name, other in others:  # the product's last evaluation against each other lane's
+        a_last, s_last = product["evals"][-1], other["evals"][-1]
+        if a_last["step"] == s_last["step"] and s_last["minutes"] > 0:
+            print(f"\nat v{a_last['step']}: {a_last['minutes']:.1f} min against {name}'s {s_last['minutes']:.1f} "
+                  f"(ratio {a_last['minutes'] / s_last['minutes']:.2f}x), held-out sampled accuracy "
+                  f"{a_last['accuracy_sampled']:.3f} against {s_last['accuracy_sampled']:.3f} "
+                  f"(difference {a_last['accuracy_sampled'] - s_last['accuracy_sampled']:+.3f})")
     plot_race(results, out / "accuracy_vs_time.png")
     report = {"config": args.config, "steps": args.steps, "eval_every": args.eval_every, "cores": cores,
               "overrides": args.overrides, "target_accuracy": args.target_accuracy,

@@ -7,13 +7,15 @@
 # 1. bench/gpu_preflight.py: the Python, torch (version, CUDA build or CPU build, the GPU it sees),
 #    transformers, every module of the repository imported, the precision `precision: auto` picks,
 #    SmolLM2's GGUF file. --dry-run stops after it (no GPU needed); otherwise no CUDA GPU stops here.
-# 2. The race: bench/async_vs_sync.py --config smollm2 --steps 40 --eval-every 20
-#    --set eval.problems=200 (RACE ARGS replace these): `heterorl train` end to end, then a plain
-#    single-process loop of the same algorithm, with nvidia-smi's utilization sampled meanwhile.
+# 2. The race: bench/async_vs_sync.py --config smollm2 --steps 200 --eval-every 100
+#    --set eval.problems=200 (RACE ARGS replace these; 200 steps, so that start-up does not decide
+#    it): `heterorl train` end to end, then a plain single-process loop of the same algorithm, then
+#    TRL's GRPOTrainer where trl is installed (--trl), with nvidia-smi's utilization sampled meanwhile.
 # 3. bench/run_digest.py on the product's run (RESULTS_DIR/digest.txt).
 # 4. bench/gpu_check_summary.py (RESULTS_DIR/summary.txt): the race's minutes, the learner's share
 #    outside its optimizer step, the GPU's utilization, the on-policy learner-sampler mismatch of
-#    the precision `auto` picked, whether the publisher kept up (versions_skipped).
+#    the precision `auto` picked, whether the publisher kept up (versions_skipped), whether the
+#    samplers kept the learner fed (its share of time waiting, each sampler's time per batch).
 #
 # PY: --python, else $PYTHON, else .venv/bin/python where it exists, else python3. The packed way,
 # for a machine that reaches no package registry (its python3 has torch): bench/gpu_pack.py's parts
@@ -41,7 +43,10 @@ done
 if [ -z "$PY" ]; then
   if [ -z "$PACK" ] && [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
 fi
-[ ${#RACE[@]} -eq 0 ] && RACE=(--config smollm2 --steps 40 --eval-every 20 --set eval.problems=200)
+if [ ${#RACE[@]} -eq 0 ]; then
+  RACE=(--config smollm2 --steps 200 --eval-every 100 --set eval.problems=200)
+  "$PY" -c "import trl" 2>/dev/null && RACE+=(--trl)
+fi
 RESULTS=${RESULTS:-${OUT:+$OUT/gpu_check}}
 RESULTS=${RESULTS:-$ROOT/runs/gpu_check-$(date +%Y%m%d-%H%M%S)}
 t0=$(date +%s)

@@ -8,7 +8,9 @@ loop's; (2) the learner's share of its busy time outside its optimizer step; (3)
 utilization while each side trained (nvidia-smi, sampled every second); (4) the on-policy
 learner-sampler mismatch in the precision `precision: auto` picked (`mismatch_*` of the learner's
 metrics, groups sampled by its own version); (5) whether the publisher kept up
-(`versions_skipped` in learner_summary.json). `bench/gpu_check.sh` ends with it.
+(`versions_skipped` in learner_summary.json); (6) whether the samplers kept the learner fed: its
+share of time waiting for rollouts, and each sampler's time per batch. `bench/gpu_check.sh`
+ends with it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run_digest import mismatch_line, publisher_line  # noqa: E402
+from run_digest import feeding_line, mismatch_line, prompts_per_batch, publisher_line  # noqa: E402
 
 
 def summary_lines(race_dir: Path) -> list[str]:
@@ -54,6 +56,7 @@ def summary_lines(race_dir: Path) -> list[str]:
     learner = json.loads((run / "learner_summary.json").read_text())
     lines.append("4 " + mismatch_line(steps, summary.get("precision", ""), learner.get("staleness_histogram")))
     lines.append("5 " + publisher_line(learner))
+    lines.append("6 " + feeding_line(steps, summary.get("sampler_stats") or {}, prompts_per_batch(run)))
     return lines
 
 

@@ -60,6 +60,37 @@ def publisher_line(learner: dict) -> str:
             + (f"; the learner waited {waited:.1f} s for it" if waited is not None else ""))
 
 
+LEARNER_BUSY = ("time_train_s", "time_intake_s", "time_screen_s", "time_snapshot_s", "time_publish_wait_s")
+"""The learner's stages in its metrics: what it does for a step (the rest of its time it waits for data)."""
+
+
+def prompts_per_batch(run_dir: Path) -> int:
+    """`sampler.prompts_per_batch` of the config `heterorl train` gave its roles (RUN_DIR/config.yaml)."""
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return int(config["sampler"]["prompts_per_batch"])
+
+
+def feeding_line(steps: list[dict], sampler_stats: dict, prompts_per_batch: int) -> str:
+    """Whether the samplers kept the learner fed: the share of the learner's time from its first
+    step to its last spent waiting for rollouts (not in `LEARNER_BUSY`), and each sampler's mean
+    time per batch of `prompts_per_batch` prompts (its `generate_s` over its batches)."""
+    line = "the learner starved: too few steps to say"
+    if len(steps) > 1:
+        span = steps[-1]["time"] - steps[0]["time"]
+        busy = sum(r.get(k, 0.0) for r in steps[1:] for k in LEARNER_BUSY)
+        line = (f"the learner starved {100 * max(0.0, 1 - busy / span):.0f} % of the time from its first step to its "
+                f"last (busy {busy:.1f} s of {span:.1f} s)")
+    batches = []
+    for sampler_id, stats in sorted(sampler_stats.items()):
+        if isinstance(stats, dict) and stats.get("generated") and stats.get("generate_s") is not None:
+            count = float(stats["generated"]) / prompts_per_batch
+            batches.append(f"{sampler_id.rsplit('-', 1)[-1]} {float(stats['generate_s']) / count:.2f} s "
+                           f"({count:.0f} batches)")
+    return line + "; each sampler's time per batch: " + (", ".join(batches) if batches else "not recorded")
+
+
 def digest(run_dir: Path) -> list[str]:
     from pipeline.records.metrics import read_metrics
 
@@ -84,6 +115,7 @@ def digest(run_dir: Path) -> list[str]:
                                                         for k, v in seconds.items() if k.startswith(("time_", "background_")))
                      + f"; outside the optimizer step: {100 * (learner.get('outside_optimizer_share') or 0):.1f} % "
                        "of its busy time")
+    lines.append(feeding_line(steps, summary.get("sampler_stats") or {}, prompts_per_batch(run_dir)))
     lines.append(mismatch_line(steps, summary.get("precision", ""), learner.get("staleness_histogram")))
     lines.append(publisher_line(learner))
     phases = summary.get("seconds", {})

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ from pipeline.trust.keyring import init_keys, key_paths
 from pipeline.errors import UserError
 from pipeline.records.metrics import MetricsTail, MetricsWriter, read_metrics
 from pipeline.models.sources import classify
-from pipeline.weights.local_base import base_digest
+from pipeline.weights.same_host import base_digest
 from pipeline.devices import cpu_kind, resolve_device
 from pipeline.runtime import (connect_run, evaluate_base, evaluate_published, evaluation_completions,
                               make_task_from_config,
@@ -157,24 +158,38 @@ def cpu_budgets(cfg: HeteroConfig, cores: int, on_gpu: bool = False) -> dict[str
             "evaluator": (cfg.eval.torch_threads, 0)}
 
 
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def shared_memory_dir(run_name: str) -> Optional[Path]:
+    """Where the run's learner writes each version for its samplers here (`train.weights_by_shared_memory`):
+    a directory of its own in /dev/shm; None where there is no /dev/shm this process may write to."""
+    if not (SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)):
+        return None
+    return SHARED_MEMORY / f"heterorl-{run_name}-{os.getpid()}"
+
+
 def roles_config(cfg: HeteroConfig, budgets: dict[str, tuple[int, int]], yields: bool,
-                 local_v0: Optional[str] = None) -> HeteroConfig:
+                 local_v0: Optional[str] = None, host_copies: Optional[Path] = None) -> HeteroConfig:
     """The config the roles `train` starts run on: each its threads (`cpu_budgets`), and when
     the samplers yield to the learner (`train.cpu_sharing: yield` on a CPU) they also wait for
     its next version, having nothing to overlap with (unless not every version is published,
     `learner.sync_every` > 1, or a simulated refresh delay makes their groups stale on
     purpose, `sampler.delays.refresh`), and the evaluator scores after training. With validators
     started (`train.num_validators`) the learner uses their verdicts. `local_v0`: the base model's
-    digest, with which the samplers load v0 from its files (`sampler.local_v0_sha256`)."""
+    digest, with which the samplers load v0 from its files (`sampler.local_v0_sha256`);
+    `host_copies`: where the learner's publisher writes each version for the samplers to take
+    (`learner.host_copies_dir`, `sampler.host_copies_dir`)."""
+    copies = None if host_copies is None else str(host_copies)
     waits = yields and cfg.why_no_waiting_for_each_version() is None
     return cfg.model_copy(update={
         "validators": cfg.validators.model_copy(update={"enabled": cfg.validators.enabled
                                                         or cfg.train.num_validators > 0}),
-        "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0]}),
+        "learner": cfg.learner.model_copy(update={"torch_threads": budgets["learner"][0], "host_copies_dir": copies}),
         "sampler": cfg.sampler.model_copy(update={"torch_threads": budgets["sampler"][0],
                                                   "yield_to_learner": yields,
                                                   "wait_for_next_version": waits,
-                                                  "local_v0_sha256": local_v0}),
+                                                  "local_v0_sha256": local_v0, "host_copies_dir": copies}),
         "eval": cfg.eval.model_copy(update={"torch_threads": budgets["evaluator"][0], "after_training": yields})})
 
 
@@ -221,10 +236,14 @@ def run_train(cfg: HeteroConfig, out: Optional[Path] = None, keep_stack: bool = 
         when = base_evaluation_when(cfg, on_gpu)
         if when == "first":
             evaluate_base_model()
+        else:
+            log.info("fast start: samplers load v0 from the base model's files; its held-out evaluation runs %s",
+                     "beside the roles" if when == "beside" else "after training (the roles share this CPU)")
         train_started, train_ended = _run_roles(
             cfg, run_dir, services, handles, sampler_ids, validator_ids, budgets, on_gpu=on_gpu,
             on_tick=wandb_run.poll if wandb_run else None,
             local_v0=base_digest(base) if cfg.train.fast_start else None,
+            host_copies=shared_memory_dir(run_name) if cfg.train.weights_by_shared_memory else None,
             base_evaluation=None if when == "first" else (when, evaluate_base_model))
         final_started = time.time()
         version = _score_last_version(here, task, run_dir, handles, metrics)
@@ -283,10 +302,13 @@ def base_evaluation_when(cfg: HeteroConfig, on_gpu: bool) -> str:
 
 def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids: list[str], validator_ids: list[str],
                budgets: dict, *, on_gpu: bool, on_tick=None, local_v0: Optional[str] = None,
+               host_copies: Optional[Path] = None,
                base_evaluation: Optional[tuple[str, Callable[[], None]]] = None) -> tuple[float, float]:
     """Start the learner, samplers, validators and evaluator as processes of their own, watch them until
     the learner's last step, let the evaluator finish, stop them all. Returns when training started and ended.
     `local_v0`: the base model's digest, for samplers to load v0 from its files (`sampler.local_v0_sha256`);
+    `host_copies`: the directory the learner writes each version into for the samplers
+    (`roles_config`), removed once they stop.
     `base_evaluation`: (when, how) this process evaluates the base model while they run
     (`base_evaluation_when`: `beside` them on a thread, or `after` the learner's last step); the
     evaluator then leaves v0 to it."""
@@ -294,7 +316,7 @@ def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids:
     run_name = cfg.run.name
     yields = cfg.train.cpu_sharing == "yield" and not on_gpu
     child_config = run_dir / "config.yaml"
-    child_config.write_text(dump_config(roles_config(cfg, budgets, yields, local_v0)))
+    child_config.write_text(dump_config(roles_config(cfg, budgets, yields, local_v0, host_copies)))
     procs = Processes(run_dir, child_env(services))
     data_dir = cfg.services.data_dir
     try:
@@ -336,6 +358,8 @@ def _run_roles(cfg: HeteroConfig, run_dir: Path, services, handles, sampler_ids:
                 procs.stop(["evaluator"])
     finally:
         procs.stop()
+        if host_copies is not None:
+            shutil.rmtree(host_copies, ignore_errors=True)
     return train_started, train_ended
 
 

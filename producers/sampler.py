@@ -54,7 +54,7 @@ from pipeline.trust.keyring import key_paths, load_sampler_key
 from pipeline.clients.run_functions import sampler_token
 from pipeline.sampling.generation import PolicyEngine, SamplingSettings, make_generation_engine, pick_backend
 from pipeline.weights.follower import PolicyFollower
-from pipeline.weights.local_base import lay_out_local_v0, policy_dtype
+from pipeline.weights.same_host import lay_out_local_v0, policy_dtype
 from pipeline.models import decode_completion
 from pipeline.sampling.pacing import Pacing, Pauses, StepPeriod
 from pipeline.clients.run_state import RunView
@@ -347,10 +347,11 @@ def fetch_first_policy(cfg: HeteroConfig, sampler_id: str) -> Optional[PolicyFol
 
 
 def new_follower(cfg: HeteroConfig, handles, work_dir: Path, engine: PolicyEngine, log) -> PolicyFollower:
-    """The sampler's follower, with v0 already loaded from the base model's files where
-    `sampler.local_v0_sha256` says so and the run has published nothing past v0; a base that
-    hashes otherwise is refused, and v0 comes through S3 like any other version."""
-    follower = PolicyFollower(handles.store, work_dir, log, engine)
+    """The sampler's follower (taking versions from the learner's copies on this host where
+    `sampler.host_copies_dir` names them), with v0 already loaded from the base model's files
+    where `sampler.local_v0_sha256` says so and the run has published nothing past v0; a base
+    that hashes otherwise is refused, and v0 comes through S3 like any other version."""
+    follower = PolicyFollower(handles.store, work_dir, log, engine, host_copies=cfg.sampler.host_copies_dir)
     if cfg.sampler.local_v0_sha256 is None:
         return follower
     published = PolicyPointer(handles.state).version()  # unverified: a forged one only sends us to S3

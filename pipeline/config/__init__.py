@@ -339,10 +339,16 @@ class SamplerConfig(Strict):
     Needs every version published (`learner.sync_every: 1`) and no simulated refresh delay."""
     local_v0_sha256: Optional[str] = Field(None, pattern="^[0-9a-f]{64}$")
     """For a sampler on the learner's host: load v0 at its start from `model.base`'s own files,
-    whose digest (`pipeline.weights.local_base.base_digest`) this must be, instead of waiting for
+    whose digest (`pipeline.weights.same_host.base_digest`) this must be, instead of waiting for
     the learner's first keyframe through S3; a base whose files hash otherwise is refused (said
     in the log; the sampler then takes v0 through S3). Only while the run has published no
     version past v0. `heterorl train` sets it under `train.fast_start`; None: always through S3."""
+    host_copies_dir: Optional[str] = None
+    """For a sampler on the learner's host: where the learner's publisher writes each version
+    whole (`learner.host_copies_dir`); a version found there is checked against its signed
+    manifest and loaded from there, with no download and no delta rebuild, and one not found (or
+    that does not check out) is downloaded. `heterorl train` sets both under
+    `train.weights_by_shared_memory`; None: every version through S3."""
     delays: DelayModelConfig = DelayModelConfig()
     """Simulated WAN delays (off by default): weight-refresh delay, rollout transit delay."""
     spool_dir: Optional[str] = None
@@ -453,6 +459,11 @@ class LearnerConfig(Strict):
     policy_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """Dtype of the published policy samplers read; `auto`: the learner's precision (then
     the learner's checks of fresh groups compare like with like)."""
+    host_copies_dir: Optional[str] = None
+    """Where the publisher also writes each version it publishes, whole (`v<N>/`, the newest two
+    kept), before the pointer names it, for samplers on this host (`sampler.host_copies_dir`;
+    docs/weights.md). `heterorl train` sets it to a directory in /dev/shm under
+    `train.weights_by_shared_memory`; None: none written."""
     keyframe_every: int = Field(10, ge=1)
     """A full copy of the weights at least every this many published versions; the ones
     between are deltas (1: every version is a full copy). A keyframe also comes early when

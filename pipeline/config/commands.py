@@ -148,6 +148,12 @@ class TrainConfig(Strict):
     idle), and have the samplers load v0 from the base model's files, checked against its
     digest, instead of waiting for the learner's first keyframe through S3
     (`sampler.local_v0_sha256`). False: evaluate first, then start the roles, v0 through S3."""
+    weights_by_shared_memory: bool = True
+    """The learner's publisher also writes each version whole into a directory in /dev/shm, and
+    the samplers `train` starts (on the same host) take it from there, checked against its
+    signed manifest, instead of downloading it from S3 and rebuilding it from deltas
+    (`learner.host_copies_dir`, `sampler.host_copies_dir`). Where /dev/shm is not there, or
+    fills up, versions go through S3 as for any sampler."""
     cpu_sharing: Literal["yield", "priority", "split", "none"] = "yield"
     """How the processes `train` starts on its one machine share the cores (docs/performance.md
     has the measurements behind the default):

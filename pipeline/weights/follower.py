@@ -26,7 +26,7 @@ from pipeline.devices import out_of_memory
 from pipeline.models import load_policy, load_weights_into
 from pipeline.weights.store import (CheckpointNotFound, CheckpointStore, CorruptCheckpointError, DownloadCancelled,
                                     Transfer)
-from pipeline.weights.policy import fetch_policy, path_bytes, read_weights, restart_is_cheaper
+from pipeline.weights.policy import check_copy, fetch_policy, path_bytes, read_weights, restart_is_cheaper
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,19 @@ class PolicyFollower:
     version (deltas, or a keyframe path where that is fewer bytes) is always finished.
     """
 
-    def __init__(self, store, work_dir: Path, log, engine: Any = None):
+    def __init__(self, store, work_dir: Path, log, engine: Any = None, host_copies: Optional[Path] = None):
         self.store = store
         self.engine = None
         self._attached = threading.Event()
         self.work_dir = work_dir
         self.log = log
+        self.host_copies = None if host_copies is None else Path(host_copies)
+        """The learner's publisher's copies of each version, on this host (`sampler.host_copies_dir`):
+        taken from there when there, checked as a download is (`pipeline.weights.same_host`)."""
+        self.host_copies_taken = 0
         self.version: Optional[int] = None
+        self.copy_dir: Optional[Path] = None
+        """Where the verified copy of `version` is: the base of the next version's deltas."""
         self.last_load_s: Optional[float] = None
         """Seconds the newest version took from verified files to weights in use (`prepare` + `install`)."""
         self.refused: set[str] = set()
@@ -115,7 +121,7 @@ class PolicyFollower:
             self._weigh_restart(version, manifest_key)
             return
         self.downloading, self._transfer = version, Transfer()
-        have = None if self.version is None else (self.version, self.work_dir / f"v{self.version}")
+        have = None if self.version is None else (self.version, self.copy_dir)
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
         self._thread.start()
@@ -174,26 +180,27 @@ class PolicyFollower:
         transfer = self._transfer
         try:
             started = time.perf_counter()
-            # From the deltas after our version, or the newest keyframe: every tensor's sha256 checked.
-            path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
-                                           expect_version=version, work_dir=self.work_dir, transfer=transfer)
-            self.bytes_downloaded += report.bytes_downloaded
-            self.keyframe_bytes += report.keyframe_bytes
+            path = self._host_copy(version, manifest_key)
+            if path is None:  # from the deltas after our version, or the newest keyframe: every tensor checked
+                path, _, report = fetch_policy(self.store, manifest_key, self.work_dir / f"v{version}", have=have,
+                                               expect_version=version, work_dir=self.work_dir, transfer=transfer)
+                self.bytes_downloaded += report.bytes_downloaded
+                self.keyframe_bytes += report.keyframe_bytes
+                for reason in report.refused:
+                    self.fallbacks += 1
+                    self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
+                self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
+                              "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
+                              time.perf_counter() - started)
             self.last_download_s = time.perf_counter() - started
             self.download_s += self.last_download_s
-            for reason in report.refused:
-                self.fallbacks += 1
-                self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
-            self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
-                          "+".join(f"v{v}" for v in report.path) or "our copy", report.bytes_downloaded / 1e6,
-                          time.perf_counter() - started)
             self._attached.wait()  # a follower started before its engine: prepared once there is one
             if self._stopped:
                 return None, None
             started = time.perf_counter()
             prepared = self.engine.prepare(path)
             with self._lock:
-                self._ready = (version, prepared, time.perf_counter() - started, forced)
+                self._ready = (version, prepared, time.perf_counter() - started, forced, path)
         except DownloadCancelled:  # overtaken or stopped: what arrived counts as downloaded
             self.bytes_downloaded += transfer.received
             self.download_s += time.perf_counter() - started
@@ -226,6 +233,22 @@ class PolicyFollower:
                                str(e).splitlines()[0][:160] if str(e) else "", self.version)
         return None, None
 
+    def _host_copy(self, version: int, manifest_key: str) -> Optional[Path]:
+        """The publisher's copy of `version` on this host, checked against the signed manifest
+        (`check_copy`); None (download it) where there is none, or it does not check out."""
+        if self.host_copies is None or not (self.host_copies / f"v{version}").is_dir():
+            return None
+        started = time.perf_counter()
+        try:
+            check_copy(self.store, manifest_key, self.host_copies / f"v{version}", expect_version=version)
+        except CorruptCheckpointError as e:  # pruned meanwhile, half written, altered: downloaded instead
+            self.log.warning("%s; downloading v%d", e, version)
+            return None
+        self.host_copies_taken += 1
+        self.log.info("policy v%d checked in the learner's copy on this host (%s) in %.2fs", version,
+                      self.host_copies, time.perf_counter() - started)
+        return self.host_copies / f"v{version}"
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Give up the download in flight, if any, and wait for it to end (within its next 64 KiB
         block; reading manifests, within their reads): its directory may be removed then."""
@@ -243,31 +266,31 @@ class PolicyFollower:
             ready, self._ready = self._ready, None
         if ready is None:
             return None
-        version, prepared, prepare_s, forced = ready
-        old = self.version
+        version, prepared, prepare_s, forced, path = ready
+        old, old_dir = self.version, self.copy_dir
         started = time.perf_counter()
         self.engine.install(prepared)
         install_s = time.perf_counter() - started
-        self.version, self.last_load_s = version, prepare_s + install_s
+        self.version, self.copy_dir, self.last_load_s = version, Path(path), prepare_s + install_s
         if self.first_policy is None:
             self.first_policy = (version, self.bytes_downloaded, time.time())
-        if old is not None:
-            shutil.rmtree(self.work_dir / f"v{old}", ignore_errors=True)
-            shutil.rmtree(self.work_dir / f"v{old}{ENGINE_COPY_SUFFIX}", ignore_errors=True)
+        if old_dir is not None and old_dir.parent == self.work_dir:  # a host copy is the publisher's to remove
+            shutil.rmtree(old_dir, ignore_errors=True)
+            shutil.rmtree(old_dir.with_name(old_dir.name + ENGINE_COPY_SUFFIX), ignore_errors=True)
         self.log.info("policy v%d loaded into the %s engine in %.3fs (%.3fs preparing, %.3fs swapping in; was v%s)",
                       version, self.engine.backend, self.last_load_s, prepare_s, install_s, old)
         return forced
 
     def adopt_local(self, version: int, model_dir: Path) -> None:
         """Load `model_dir`, a copy of `version` this role made itself and checked (a sampler's v0
-        from the base model's files: `pipeline.weights.local_base`), into the engine now. It stays
+        from the base model's files: `pipeline.weights.same_host`), into the engine now. It stays
         in the work directory as `version`'s copy, the base later versions' deltas are applied to
         (each rebuilt tensor checked against the learner's signed sha256), so it must be there."""
         if Path(model_dir) != self.work_dir / f"v{version}":
             raise ValueError(f"a local copy of v{version} belongs in {self.work_dir / f'v{version}'}, not {model_dir}")
         started = time.perf_counter()
         self.engine.install(self.engine.prepare(model_dir))
-        self.version, self.last_load_s = version, time.perf_counter() - started
+        self.version, self.copy_dir, self.last_load_s = version, Path(model_dir), time.perf_counter() - started
         self.first_policy = (version, self.bytes_downloaded, time.time())
         self.log.info("policy v%d loaded from local files into the %s engine in %.3fs", version,
                       self.engine.backend, self.last_load_s)
@@ -277,6 +300,7 @@ class PolicyFollower:
         per_version = self.per_version_bytes()
         first_version, first_bytes, first_at = self.first_policy or (None, None, None)
         return {"refused_checkpoints": len(self.refused), "refused_delta_paths": self.fallbacks,
+                "host_copies_taken": self.host_copies_taken,
                 "first_downloads_restarted": self.restarts,
                 "weights_bytes_downloaded": self.bytes_downloaded, "keyframe_bytes": self.keyframe_bytes,
                 "first_policy_version": first_version, "first_policy_bytes": first_bytes,

@@ -663,6 +663,25 @@ def fetch_policy(store: CheckpointStore, manifest_key: str, dest_dir: Path, *,
         shutil.rmtree(origin, ignore_errors=True)
 
 
+def check_copy(store: CheckpointStore, manifest_key: str, model_dir: Path, expect_version: int) -> Manifest:
+    """The version at `manifest_key` as a copy someone else wrote holds it (the learner's
+    publisher, on its host: `pipeline.weights.same_host.HostCopies`), checked as a download is:
+    every tensor against the signed manifest's dtype, shape and sha256, every other file against
+    its sha256. Its manifest; CorruptCheckpointError if the copy is not that version (or cannot
+    be read), CheckpointNotFound if the version is gone."""
+    target = store.read_expected(manifest_key, expect_version)
+    if weights_description(target)["files"] is None:  # an earlier release's plain checkpoint
+        raise CorruptCheckpointError(f"v{target.version}'s manifest names no tensor sha256 to check a copy against")
+    try:
+        weights = _read_local(Path(model_dir))
+        _check_tensors(target, weights)
+        _check_files(target, _other_files_of(target), Path(model_dir))
+    except DeltaError as e:
+        raise CorruptCheckpointError(f"the copy of v{target.version} in {model_dir} is not what it signed: {e}") \
+            from None
+    return target
+
+
 def _unpack(packed: dict, origin_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     """A packed keyframe's weights, by weights file, out of its `PACKED_FILE` in `origin_dir`
     (removed: the rest of the directory is the model's other files)."""

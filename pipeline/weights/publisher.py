@@ -202,6 +202,9 @@ class PublishTarget:
     """Policies kept: the newest `keep_last` and every version within `keep_within` of the newest."""
     keyframe_keep_s: float = 0.0
     """And every version from a keyframe until this long after the next keyframe (`held_keyframe`)."""
+    host_copies: Optional[str] = None
+    """Also write each version whole there before the pointer names it, for samplers on this host
+    (`learner.host_copies_dir`; `pipeline.weights.same_host.HostCopies`)."""
     places: list[dict] = field(default_factory=list)
     pointer_check_s: float = 5.0
     """With `announce`, while no job waits, how often the child reads the pointer back: one that
@@ -216,7 +219,7 @@ def start_publisher(cfg, store, module, model_dir: Path, work_dir: Path, *, sign
                     announce: bool = True, recovery: bool = True, keep_within: int = 0) -> "BackgroundPublisher":
     """The publisher process of a learner (or a replay) training `module`, publishing to `store`
     in `learner.policy_dtype`, with buffers laid out as `model_dir`'s weights files."""
-    from pipeline.weights.local_base import policy_dtype
+    from pipeline.weights.same_host import policy_dtype
 
     lcfg = cfg.learner
     dtype = policy_dtype(lcfg)
@@ -228,7 +231,8 @@ def start_publisher(cfg, store, module, model_dir: Path, work_dir: Path, *, sign
                            str(Path(work_dir).resolve()), str(dtype).removeprefix("torch."), lcfg.keyframe_every,
                            signer_key=None if signer_key is None else str(Path(signer_key).resolve()), announce=announce,
                            recovery=recovery, keep_last=lcfg.keep_checkpoints, keep_within=keep_within,
-                           keyframe_keep_s=lcfg.keyframe_keep_s)
+                           keyframe_keep_s=lcfg.keyframe_keep_s,
+                           host_copies=lcfg.host_copies_dir if announce else None)  # for samplers following the pointer
     on_gpu = next(module.parameters()).device.type == "cuda"
     return BackgroundPublisher(target, places, on_gpu=on_gpu)
 
@@ -450,6 +454,7 @@ class _Child:
         from pipeline.weights.recovery import recovery_store
         from pipeline.weights.store import CheckpointStore, connect_s3
         from pipeline.weights.policy import KeyframeRule, PolicyWriter
+        from pipeline.weights.same_host import HostCopies
         from pipeline.clients.run_state import RunState, connect_redis
         from pipeline.clients.services import require_services
         from pipeline.wire.signing import read_key_file
@@ -471,6 +476,7 @@ class _Child:
         places = [TensorPlace(**{**p, "shape": tuple(p["shape"])}) for p in spec["places"]]
         self.slots = SnapshotSlots(places, fds=spec["slot_fds"])
         self.template = Path(spec["template"])
+        self.host_copies = HostCopies(Path(spec["host_copies"]), self.template) if spec.get("host_copies") else None
         self.jobs: list[dict] = []
         self.cond = threading.Condition()
         self.out_lock = threading.Lock()
@@ -548,6 +554,8 @@ class _Child:
             if job["op"] == "close":
                 if not job.get("code"):
                     self.restore_pointer()  # the run's last version stays announced (the evaluator scores it)
+                if self.host_copies is not None:
+                    self.host_copies.close()
                 return job.get("code", 0)
             try:
                 self.reply(self.publish_policy(job) if job["op"] == "policy" else self.save_state(job))
@@ -580,6 +588,8 @@ class _Child:
         tensors = {name: t for file in job.pop("weights").values() for name, t in file.items()}
         key = self.policies.write(version, self.template, job["extra"], parent_version=job["parent_version"],
                                     keyframe=job["keyframe"], tensors=tensors)
+        if self.host_copies is not None:  # before the pointer names the version: samplers here find it
+            self.host_copies.put(version, tensors)
         if self.run_state is not None:
             self.pointer = PolicyPointer(self.run_state).set(version, key, signer=self.store.signer)
         last = self.policies.published[-1]

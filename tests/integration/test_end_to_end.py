@@ -70,12 +70,14 @@ def _train_inspect_and_stop(tmp_path):
     loads = [line for line in log.splitlines() if f"loaded into the {backend} engine in" in line]
     assert len(loads) >= 2, log[-3000:]  # the first version starts the engine, later ones reload it in place
     assert sum("was v" in line and "was vNone" not in line for line in loads) >= 1
-    assert "rebuilt from" in log  # each version came through the weight path (docs/weights.md)
-    # v0 from the base model's files (train.fast_start), the deltas after it applied to that copy
-    assert "policy v0 loaded from local files" in log and "refused the delta path" not in log
+    # v0 from the base model's files (train.fast_start); each later version from the learner's
+    # copy in shared memory, checked against its signed manifest (train.weights_by_shared_memory)
+    assert "policy v0 loaded from local files" in log and "checked in the learner's copy on this host" in log
+    assert "refused the delta path" not in log and "does not load" not in log
     assert "rank 1 of 2 ready" in (out / "logs" / "learner.log").read_text()  # the second learner process
 
     summary = json.loads((out / "summary.json").read_text())
+    assert not list(Path("/dev/shm").glob(f"heterorl-{summary['run']}-*"))  # the copies went with the run
     for key in ("eval_accuracy_before", "eval_accuracy_after", "final_policy_version", "final_checkpoint",
                 "rollout_topic", "groups_consumed", "groups_dropped"):
         assert key in summary, key

@@ -8,8 +8,8 @@ and a keyframe waiting is never skipped.)"""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import re
+import shutil
 import threading
 import time
 from urllib.parse import urlparse
@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from infra.fault_proxy import FaultProxy, Route
 from pipeline.config import HeteroConfig
@@ -220,55 +221,6 @@ def test_a_slot_the_publisher_cannot_copy_out_stops_the_run_with_its_error(local
             publisher.close(timeout_s=10)
 
 
-def test_a_sampler_s_v0_from_the_base_files_is_the_learner_s_v0_bit_for_bit(local_stack, tiny, tmp_path):
-    """`heterorl train`'s fast start: a sampler on the learner's host lays v0 out from the base
-    model's files (checked against the digest train took of them) instead of downloading it. The
-    copy must be the v0 the learner published, tensor for tensor, and the base of the deltas
-    after it; a base whose files hash otherwise is refused and nothing is laid out."""
-    from pipeline.weights.local_base import base_digest, lay_out_local_v0
-    from pipeline.weights.store import CorruptCheckpointError
-
-    from transformers import AutoModelForCausalLM
-
-    _, template = tiny
-    model = AutoModelForCausalLM.from_pretrained(template, torch_dtype=torch.float32)  # as the learner loads it
-    (tmp_path / "learner").mkdir()
-    publisher = start(local_stack, tmp_path / "learner", model, template, "pub-local-v0")
-    expected = {}
-    with torch.no_grad():
-        for version in range(2):
-            slot = publisher.take_slot()
-            copy_weights_into(model, publisher.slots.views(slot))
-            expected[version] = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
-            publisher.submit_policy(slot, version, {"step": version}, parent_version=version - 1 if version else None)
-            publisher.close() if version else publisher.check()
-            for p in model.parameters():
-                p.add_(1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(version)))
-    assert publisher.published == [0, 1]
-    store = reader(local_stack, "pub-local-v0")
-
-    local = lay_out_local_v0(template, tmp_path / "sampler" / "v0", torch.bfloat16, base_digest(template))
-    # the copy is v0 as signed: fetching v0 "from" it downloads nothing and checks every tensor
-    _, _, report = fetch_policy(store, store.manifest_key(0), tmp_path / "v0-check", have=(0, local),
-                                expect_version=0)
-    assert report.refused == [] and report.bytes_downloaded == 0
-    # and v1's delta applies to it, with no fallback to the keyframe
-    path, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "sampler" / "v1", have=(0, local),
-                                   expect_version=1)
-    assert report.refused == [] and not report.from_keyframe and report.path == [1]
-    got = {k: t for tensors in read_weights(path).values() for k, t in tensors.items()}
-    assert got and all(np.array_equal(bits(got[k]), bits(expected[1][k])) for k in got)
-
-    # one changed file in the base (here its config) is another base: refused, nothing laid out
-    other = tmp_path / "other-base"
-    shutil.copytree(template, other)
-    config = other / "config.json"
-    config.write_text(config.read_text().replace("{", '{"note": "edited",', 1))
-    with pytest.raises(CorruptCheckpointError, match="not the .* of the base the run started from"):
-        lay_out_local_v0(other, tmp_path / "sampler2" / "v0", torch.bfloat16, base_digest(template))
-    assert not (tmp_path / "sampler2" / "v0").exists()
-
-
 class _RecordingEngine:
     """The two calls of a generation engine a follower makes (`PolicyEngine`), recorded."""
 
@@ -289,7 +241,7 @@ def test_a_sampler_loads_v0_locally_only_for_the_base_it_was_told_and_a_run_not_
     import logging
     from types import SimpleNamespace
 
-    from pipeline.weights.local_base import base_digest
+    from pipeline.weights.same_host import base_digest
     from producers.sampler import new_follower
 
     _, template = tiny
@@ -322,3 +274,98 @@ def test_a_sampler_loads_v0_locally_only_for_the_base_it_was_told_and_a_run_not_
     PolicyPointer(handles.state).set(3, handles.store.manifest_key(3), signer=SigningKey.generate())
     got, engine, _ = follower("local-v0-fresh", digest)
     assert got.version is None and engine.installed == []
+
+
+def test_on_the_learner_s_host_v0_comes_from_the_base_files_and_each_version_through_shared_memory(
+        local_stack, tiny, tmp_path, caplog):
+    """`heterorl train`'s samplers, on the learner's host. `train.fast_start`: a sampler lays v0 out
+    from the base model's files (checked against the digest train took of them) instead of
+    downloading it: the copy must be the v0 the learner published, tensor for tensor, and the base
+    of the deltas after it; a base whose files hash otherwise is refused. `train.weights_by_shared_memory`:
+    the publisher writes each version whole on its host before the pointer names it (the newest
+    two kept; none left once it closes), and a sampler there takes it, checked against the signed
+    manifest, bit for bit what the S3 path rebuilds; a copy altered is downloaded instead."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.weights.follower import PolicyFollower
+    from pipeline.weights.policy import check_copy
+    from pipeline.weights.same_host import base_digest, lay_out_local_v0
+    from pipeline.weights.store import CorruptCheckpointError
+
+    _, template = tiny
+    model = AutoModelForCausalLM.from_pretrained(template, torch_dtype=torch.float32)  # as the learner loads it
+    copies = tmp_path / "shm"
+    (tmp_path / "learner").mkdir()
+    cfg = HeteroConfig.model_validate({"run": {"name": "pub-host"}, "services": {
+        "kafka_bootstrap": local_stack.kafka_bootstrap, "redis_url": local_stack.redis_url,
+        "s3_endpoint": local_stack.s3_endpoint, "s3_access_key": local_stack.s3_access_key,
+        "s3_secret_key": local_stack.s3_secret_key, "s3_region": local_stack.s3_region, "bucket": local_stack.bucket}})
+    state = model.state_dict()
+    publisher = BackgroundPublisher(PublishTarget(
+        cfg.model_dump_json(), local_stack.bucket, "pub-host", str(template), str(tmp_path / "learner"), "bfloat16",
+        keyframe_every=10, host_copies=str(copies)),
+        slot_layout(template, {k: tuple(t.shape) for k, t in state.items()}, torch.bfloat16))
+    with torch.no_grad():
+        for version in range(4):
+            slot = publisher.take_slot()
+            copy_weights_into(model, publisher.slots.views(slot))
+            publisher.submit_policy(slot, version, {"step": version}, parent_version=version - 1 if version else None)
+            assert wait_for(lambda: version in publisher.published or version in publisher.skipped, 60)
+            for p in model.parameters():
+                p.add_(1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(version)))
+    assert publisher.published == [0, 1, 2, 3]
+    store = reader(local_stack, "pub-host")
+
+    # v0 from the base files is v0 as signed: fetching v0 "from" it downloads nothing and checks
+    # every tensor; v1's delta applies to it, with no fallback to the keyframe
+    local = lay_out_local_v0(template, tmp_path / "sampler-v0" / "v0", torch.bfloat16, base_digest(template))
+    _, _, report = fetch_policy(store, store.manifest_key(0), tmp_path / "v0-check", have=(0, local),
+                                expect_version=0)
+    assert report.refused == [] and report.bytes_downloaded == 0
+    _, _, report = fetch_policy(store, store.manifest_key(1), tmp_path / "sampler-v0" / "v1", have=(0, local),
+                                expect_version=1)
+    assert report.refused == [] and not report.from_keyframe and report.path == [1]
+    # one changed file in the base (here its config) is another base: refused, nothing laid out
+    other = tmp_path / "other-base"
+    shutil.copytree(template, other)
+    config = other / "config.json"
+    config.write_text(config.read_text().replace("{", '{"note": "edited",', 1))
+    with pytest.raises(CorruptCheckpointError, match="not the .* of the base the run started from"):
+        lay_out_local_v0(other, tmp_path / "sampler2" / "v0", torch.bfloat16, base_digest(template))
+    assert not (tmp_path / "sampler2" / "v0").exists()
+
+    assert sorted(p.name for p in copies.iterdir()) == ["v2", "v3"]  # the newest two
+    for version in (2, 3):  # each copy is the signed version, bit for bit what the S3 path rebuilds
+        check_copy(store, store.manifest_key(version), copies / f"v{version}", expect_version=version)
+        downloaded, _, _ = fetch_policy(store, store.manifest_key(version), tmp_path / f"s3-v{version}",
+                                        expect_version=version)
+        got, want = (read_weights(d) for d in (copies / f"v{version}", downloaded))
+        assert got.keys() == want.keys() and all(np.array_equal(bits(got[f][k]), bits(want[f][k]))
+                                                 for f in want for k in want[f])
+
+    # a sampler here takes v2 from the copy: nothing downloaded, nothing rebuilt
+    follower = PolicyFollower(store, tmp_path / "sampler", logging.getLogger("shm-test"), _RecordingEngine(),
+                              host_copies=copies)
+    assert follower.update(2, store.manifest_key(2))
+    assert follower.version == 2 and follower.host_copies_taken == 1 and follower.bytes_downloaded == 0
+    assert follower.copy_dir == copies / "v2"
+    # v3's copy altered (one tensor's bytes): refused as the manifest's, and v3 downloaded instead,
+    # as the delta from the v2 copy it holds
+    name = next(iter(read_weights(copies / "v3")))
+    tensors = load_file(str(copies / "v3" / name))
+    first = next(iter(tensors))
+    tensors[first] = tensors[first] + 1
+    save_file(tensors, str(copies / "v3" / name), metadata={"format": "pt"})
+    with pytest.raises(CorruptCheckpointError, match="is not what it signed"):
+        check_copy(store, store.manifest_key(3), copies / "v3", expect_version=3)
+    caplog.set_level(logging.WARNING, logger="shm-test")
+    assert follower.update(3, store.manifest_key(3))
+    assert follower.version == 3 and follower.host_copies_taken == 1 and 0 < follower.bytes_downloaded
+    assert "downloading v3" in caplog.text and follower.copy_dir == tmp_path / "sampler" / "v3"
+    loaded = follower.engine.installed[-1]
+    want = read_weights(tmp_path / "s3-v3")
+    assert all(np.array_equal(bits(loaded[f][k]), bits(want[f][k])) for f in want for k in want[f])
+    publisher.close()  # a learner that ends takes its copies with it
+    assert not copies.exists()

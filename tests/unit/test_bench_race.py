@@ -41,3 +41,24 @@ def test_the_steady_rate_and_the_training_windows_leave_the_pauses_out():
     assert training_windows(times, []) == [(0.0, 50.0)]
     with pytest.raises(ValueError, match="two steps"):
         steps_per_minute([1.0])
+
+
+def test_the_trl_lane_follows_the_product_s_learning_rate_schedule():
+    """bench/trl_lane.py hands TRL the learner's schedule (DeepSpeed's linear WarmupLR as
+    `pipeline.learning.engine` configures it), step for step."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from pipeline.config import LearnerConfig
+    from pipeline.learning.engine import deepspeed_config
+    from trl_lane import warmup_factor
+
+    cfg = LearnerConfig(lr=1e-5, lr_warmup_steps=3)
+    params = deepspeed_config(cfg, world_size=1)["scheduler"]["params"]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    schedule = WarmupLR(optimizer, **params)
+    for step in range(8):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr * warmup_factor(step, cfg.lr_warmup_steps))
+        optimizer.step()
+        schedule.step()
+    assert warmup_factor(5, 0) == 1.0

@@ -164,18 +164,22 @@ def test_the_summary_of_a_race(tmp_path):
                                                          "samples_at_most_12_percent": 10}},
         "synchronous (16 threads)": {"evals": evals(1.0), "gpu_utilization": None, "first_step_s": 4.0,
                                      "steady_steps_per_min": 48.0}}))
-    (run_dir / "summary.json").write_text(json.dumps({"precision": "precision: learner bf16, sampling bf16 (GPU)"}))
+    (run_dir / "summary.json").write_text(json.dumps({"precision": "precision: learner bf16, sampling bf16 (GPU)",
+                                                      "sampler_stats": {"run-s0": {"generated": 64, "generate_s": 6.0},
+                                                                        "run-s1": {"generated": 32, "generate_s": 2.0}}}))
+    (run_dir / "config.yaml").write_text("sampler:\n  prompts_per_batch: 8\n")
     (run_dir / "learner_summary.json").write_text(json.dumps({
         "final_policy_version": 40, "start_policy_version": 0, "versions_skipped": [7, 9],
         "staleness_histogram": {"0": 3, "1": 317}, "seconds": {"time_publish_wait_s": 1.5}}))
-    steps = [{"kind": "learner", "step": 1, "mismatch_kl_median": 1e-4, "mismatch_kl_p99": 3e-3,
-              "mismatch_share_over_0.1": 0.01, "mismatch_tokens": 100.0},
-             {"kind": "learner", "step": 2},
-             {"kind": "learner", "step": 3, "mismatch_kl_median": 3e-4, "mismatch_kl_p99": 2e-3,
-              "mismatch_share_over_0.1": 0.04, "mismatch_tokens": 300.0}]
+    # steps at 100, 110 and 120 s, each busy 2 s: the learner waited 16 of the 20 s between
+    steps = [{"kind": "learner", "step": 1, "time": 100.0, "time_train_s": 2.0, "mismatch_kl_median": 1e-4,
+              "mismatch_kl_p99": 3e-3, "mismatch_share_over_0.1": 0.01, "mismatch_tokens": 100.0},
+             {"kind": "learner", "step": 2, "time": 110.0, "time_train_s": 1.5, "time_intake_s": 0.5},
+             {"kind": "learner", "step": 3, "time": 120.0, "time_train_s": 2.0, "mismatch_kl_median": 3e-4,
+              "mismatch_kl_p99": 2e-3, "mismatch_share_over_0.1": 0.04, "mismatch_tokens": 300.0}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     lines = gpu_check_summary.summary_lines(tmp_path)
-    assert len(lines) == 5
+    assert len(lines) == 6
     assert "v40 in 2.0 min" in lines[0] and "(2.00x)" in lines[0]
     assert "first step after 30.0 s against 4.0 s, steady 36.0 steps/min against 48.0 (0.75x)" in lines[0]
     assert "5.0 %" in lines[1]
@@ -183,6 +187,8 @@ def test_the_summary_of_a_race(tmp_path):
     assert "learner bf16, sampling bf16" in lines[3] and "median 2.00e-04" in lines[3] and "p99 up to 3.00e-03" in lines[3]
     assert "3.25 %" in lines[3] and "over 2 of 3 steps (400 tokens)" in lines[3]
     assert "fell behind, 2 of 40 versions skipped (v7, v9)" in lines[4] and "waited 1.5 s" in lines[4]
+    assert "starved 80 % of the time" in lines[5] and "(busy 4.0 s of 20.0 s)" in lines[5]
+    assert "s0 0.75 s (8 batches), s1 0.50 s (4 batches)" in lines[5]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")

@@ -153,3 +153,29 @@ def test_samplers_that_yield_to_the_learner_also_wait_for_its_next_version():
     # on a GPU, or another policy: samplers generate ahead of the learner
     ahead = roles("train.cpu_sharing=priority", yields=False)
     assert not (ahead.sampler.yield_to_learner or ahead.sampler.wait_for_next_version or ahead.eval.after_training)
+
+
+def test_the_fast_start_evaluates_the_base_model_where_it_takes_no_cores_from_the_roles(tmp_path):
+    from heterorl.train import base_evaluation_when, cpu_budgets, roles_config
+    from pipeline.config import load_config
+
+    def cfg(*sets):
+        return load_config(None, list(sets), env={})
+
+    assert base_evaluation_when(cfg("train.fast_start=false"), on_gpu=True) == "first"
+    assert base_evaluation_when(cfg(), on_gpu=True) == "beside"  # start-up on a GPU is mostly waiting
+    assert base_evaluation_when(cfg("train.cpu_sharing=none"), on_gpu=False) == "beside"
+    for sharing in ("yield", "priority", "split"):  # the roles take every core of the CPU
+        assert base_evaluation_when(cfg(f"train.cpu_sharing={sharing}"), on_gpu=False) == "after"
+    # the roles' config names the base model's digest and the shared-memory directory to both sides
+    base = cfg()
+    roles = roles_config(base, cpu_budgets(base, cores=2), True, "ab" * 32, tmp_path / "shm")
+    assert roles.sampler.local_v0_sha256 == "ab" * 32
+    assert roles.sampler.host_copies_dir == roles.learner.host_copies_dir == str(tmp_path / "shm")
+    plain = roles_config(base, cpu_budgets(base, cores=2), True)
+    assert plain.sampler.local_v0_sha256 is None and plain.sampler.host_copies_dir is None
+    load_config(None, [f"sampler.local_v0_sha256={'ab' * 32}"], env={})  # what the roles load is valid
+    from pipeline.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sampler\.local_v0_sha256"):
+        load_config(None, ["sampler.local_v0_sha256=not-a-digest"], env={})
