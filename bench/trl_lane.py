@@ -16,7 +16,7 @@ weights, the learner's attention kernel); the task's train prompts in order, eac
 of the product's encoded prompt (its chat template); the task's reward; `learner.groups_per_step`
 prompts × `sampler.group_size` completions of at most `sampler.max_new_tokens` tokens per step,
 one optimizer step per batch; the sampling temperature, top-p and top-k; `learner.lr` with the
-product's linear warm-up (step k at lr·(k+1)/(warm-up+1), then constant); AdamW (0.9, 0.99,
+product's linear warm-up, step for step (`warmup_factor`); AdamW (0.9, 0.99,
 eps 1e-8, `learner.weight_decay`), clipping at `learner.grad_clip`; no KL term; advantages scaled
 by the group's std only with `learner.scale_adv_by_std`; `learner.precision` bf16 as TRL does
 it on a CPU (autocast over fp32 weights), and `torch_threads` threads.
@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
-    """The product's learning-rate schedule (DeepSpeed's linear WarmupLR as
-    `pipeline.learning.engine` sets it): step k (0-based) at lr·(k+1)/(warmup+1), then lr."""
-    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / (warmup_steps + 1))
+    """The product's learning-rate schedule, as its DeepSpeed engine applies it (linear WarmupLR,
+    `pipeline.learning.engine`): steps 0 and 1 (0-based) at lr/(warmup+1), step k at
+    lr·k/(warmup+1), lr from step warmup+1 on."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, max(1, step) / (warmup_steps + 1))
 
 
 def run_trl(cfg, steps: int, threads: int, eval_every: int | None = None) -> dict:

@@ -69,7 +69,9 @@ def deepspeed_config(cfg: LearnerConfig, world_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if cfg.lr_warmup_steps > 0:
-        # Linear from lr/warmup to lr: step k (0-based) uses lr·(k+1)/warmup, so none is wasted at 0.
+        # Linear from lr/(warmup+1) to lr, none at 0: DeepSpeed sets the first value when it builds the
+        # scheduler and again at the first step's end, so steps 0 and 1 (0-based) use lr/(warmup+1)
+        # and step k after them lr·k/(warmup+1) (bench/trl_lane.py's `warmup_factor` mirrors it).
         ds["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": cfg.lr / (cfg.lr_warmup_steps + 1), "warmup_max_lr": cfg.lr,
             "warmup_num_steps": cfg.lr_warmup_steps, "warmup_type": "linear"}}

@@ -121,7 +121,9 @@ class PolicyFollower:
             self._weigh_restart(version, manifest_key)
             return
         self.downloading, self._transfer = version, Transfer()
-        have = None if self.version is None else (self.version, self.copy_dir)
+        # a copy gone (the publisher's on this host, pruned or removed as its learner ended): a path
+        # from nothing, not a delta path refused for a base that is not there
+        have = None if self.version is None or not self.copy_dir.is_dir() else (self.version, self.copy_dir)
         self._thread = threading.Thread(target=self._download, args=(version, manifest_key, forced, have),
                                         name=f"download-v{version}", daemon=True)
         self._thread.start()

@@ -110,7 +110,8 @@ def _train_inspect_and_stop(tmp_path):
     assert all(s["staleness_max"] <= cfg.learner.max_delay_steps for s in steps)
     evals = read_metrics(out / "metrics.jsonl", "eval")
     scored = [e["policy_version"] for e in evals]
-    assert scored[0] == 0 and scored[-1] == 4 and len(set(scored)) == len(scored)  # the evaluator skips v0
+    # v0 scored once, by train (after training on a shared CPU), the evaluator leaving it alone
+    assert min(scored) == 0 and max(scored) == 4 and len(set(scored)) == len(scored)
     assert summary["eval_versions"] == sorted(scored)
     assert summary["eval_best_accuracy"] == max(e["accuracy_sampled"] for e in evals)
     assert summary["eval_last_accuracy"] == summary["eval_accuracy_after"]

@@ -44,21 +44,19 @@ def test_the_steady_rate_and_the_training_windows_leave_the_pauses_out():
 
 
 def test_the_trl_lane_follows_the_product_s_learning_rate_schedule():
-    """bench/trl_lane.py hands TRL the learner's schedule (DeepSpeed's linear WarmupLR as
-    `pipeline.learning.engine` configures it), step for step."""
+    """bench/trl_lane.py hands TRL the learning rate the product's DeepSpeed engine uses at each
+    optimizer step (its linear WarmupLR), step for step."""
     import torch
-    from deepspeed.runtime.lr_schedules import WarmupLR
 
     from pipeline.config import LearnerConfig
-    from pipeline.learning.engine import deepspeed_config
+    from pipeline.learning.engine import make_deepspeed_engine
     from trl_lane import warmup_factor
 
-    cfg = LearnerConfig(lr=1e-5, lr_warmup_steps=3)
-    params = deepspeed_config(cfg, world_size=1)["scheduler"]["params"]
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    schedule = WarmupLR(optimizer, **params)
-    for step in range(8):
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr * warmup_factor(step, cfg.lr_warmup_steps))
-        optimizer.step()
-        schedule.step()
+    cfg = LearnerConfig(lr=1e-5, lr_warmup_steps=3, zero_stage=0)
+    model = torch.nn.Linear(4, 1)
+    engine = make_deepspeed_engine(model, cfg, torch.device("cpu"))
+    for step in range(7):
+        assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.lr * warmup_factor(step, 3), rel=1e-9)
+        engine.backward(model(torch.ones(1, 4)).sum())
+        engine.step()
     assert warmup_factor(5, 0) == 1.0
