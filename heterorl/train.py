@@ -1,10 +1,13 @@
 """`heterorl train`: the main job, one command from nothing to a trained policy and a report.
 
   1. servers: the configured ones, else the running local stack, else start one;
-  2. the base model (the builtin one is warmed up once and cached) and its held-out
-     accuracy;
+  2. the base model (the builtin one is warmed up once and cached);
   3. one learner and `train.num_samplers` samplers as separate processes, each with its
-     own log in RUN_DIR/logs/, with live progress read from RUN_DIR/metrics.jsonl;
+     own log in RUN_DIR/logs/, with live progress read from RUN_DIR/metrics.jsonl; under
+     `train.fast_start` the samplers load v0 from the base model's files and the base
+     model's held-out accuracy is measured beside them (a GPU) or after training (a shared
+     CPU: `base_evaluation_when`), else before they start; under
+     `train.weights_by_shared_memory` each version reaches them through /dev/shm;
   4. once the learner has published its last version: stop the samplers, evaluate the
      final checkpoint (downloaded from S3 and verified like any sampler would);
   5. summary.json and a PNG plot, then stop whatever this command started.

@@ -109,6 +109,7 @@ def child(monkeypatch):
     made.spec = {"pointer_check_s": 0.1}
     made.jobs, made.cond, made.out_lock = [], threading.Condition(), threading.Lock()
     made.replies, made.run_state, made.pointer, made.published = io.StringIO(), None, None, []
+    made.host_copies = None  # no samplers on this host to write copies for
     made.slots = SnapshotSlots(PLACES)
 
     def publish_policy(job: dict) -> dict:
