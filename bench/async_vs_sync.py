@@ -198,7 +198,7 @@ def run_sync(cfg, steps: int, threads: int, eval_every: Optional[int] = None) ->
             print(f"  sync v{step + 1}: held-out accuracy {evals[-1]['accuracy_sampled']:.3f} "
                   f"(greedy {evals[-1]['accuracy_greedy']:.3f})", file=sys.stderr)
     return {"times": times, "evals": evals, "pauses": pauses, "seconds": clock.take(),
-            "training_windows": training_windows(times, pauses), "completion_tokens": completion_tokens}
+            "completion_tokens": completion_tokens}
 
 
 def training_windows(times: list[float], pauses: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -211,26 +211,13 @@ def training_windows(times: list[float], pauses: list[tuple[float, float]]) -> l
     return windows + [(start, times[-1])] if start < times[-1] else windows
 
 
-def race_sync(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
+def race_lane(script: list[str], config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
               eval_every: Optional[int] = None) -> tuple[float, dict]:
-    """The loop as a command of its own (this script's `--lane sync`): (the moment it was
-    started, its `run_sync` result)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--lane", "sync", "--config", config, "--steps", str(steps),
-           "--threads", str(threads), "--result", str(result_file)]
-    cmd += ["--eval-every", str(eval_every)] if eval_every else []
-    for o in overrides:
-        cmd += ["--set", o]
-    launched = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return launched, json.loads(result_file.read_text())
-
-
-def race_trl(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
-             eval_every: Optional[int] = None) -> tuple[float, dict]:
-    """TRL's GRPOTrainer as a command of its own (bench/trl_lane.py): (the moment it was started,
-    its result, in `run_sync`'s shape)."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "trl_lane.py"), "--config", config, "--steps",
-           str(steps), "--threads", str(threads), "--result", str(result_file)]
+    """A lane run as a command of its own (`script`: the program and its first arguments), which
+    writes its result to `result_file` in `run_sync`'s shape: (the moment it was started, that
+    result, with its `training_windows`)."""
+    cmd = [sys.executable, *script, "--config", config, "--steps", str(steps), "--threads", str(threads),
+           "--result", str(result_file)]
     cmd += ["--eval-every", str(eval_every)] if eval_every else []
     for o in overrides:
         cmd += ["--set", o]
@@ -239,6 +226,20 @@ def race_trl(config: str, steps: int, threads: int, overrides: list[str], result
     result = json.loads(result_file.read_text())
     result["training_windows"] = training_windows(result["times"], result["pauses"])
     return launched, result
+
+
+def race_sync(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
+              eval_every: Optional[int] = None) -> tuple[float, dict]:
+    """The loop as a command of its own (this script's `--lane sync`)."""
+    return race_lane([str(Path(__file__).resolve()), "--lane", "sync"], config, steps, threads, overrides,
+                     result_file, eval_every)
+
+
+def race_trl(config: str, steps: int, threads: int, overrides: list[str], result_file: Path,
+             eval_every: Optional[int] = None) -> tuple[float, dict]:
+    """TRL's GRPOTrainer as a command of its own (bench/trl_lane.py)."""
+    return race_lane([str(Path(__file__).resolve().parent / "trl_lane.py")], config, steps, threads, overrides,
+                     result_file, eval_every)
 
 
 def run_async(config: str, steps: int, samplers: int, overrides: list[str], out: Path,
