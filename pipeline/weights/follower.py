@@ -189,6 +189,10 @@ class PolicyFollower:
                 self.bytes_downloaded += report.bytes_downloaded
                 self.keyframe_bytes += report.keyframe_bytes
                 for reason in report.refused:
+                    if have is not None and self._host_copy_gone(have[1]):  # removed as we read it: no fault
+                        self.log.info("the learner's copy of v%d on this host was removed meanwhile; took the "
+                                      "keyframe path to v%d", have[0], version)
+                        continue
                     self.fallbacks += 1
                     self.log.error("refused the delta path to v%d (%s); took the keyframe path", version, reason)
                 self.log.info("policy v%d rebuilt from %s (%.2f MB) in %.2fs", version,
@@ -250,6 +254,16 @@ class PolicyFollower:
         self.log.info("policy v%d checked in the learner's copy on this host (%s) in %.2fs", version,
                       self.host_copies, time.perf_counter() - started)
         return self.host_copies / f"v{version}"
+
+    def _host_copy_gone(self, copy: Path) -> bool:
+        """Whether `copy`, the base of a delta path, was the publisher's copy on this host and is
+        gone or emptied now (the publisher keeps the newest two and removes all as it closes)."""
+        if self.host_copies is None or Path(copy).parent != self.host_copies:
+            return False
+        try:
+            return not any(Path(copy).iterdir())
+        except OSError:  # removed
+            return True
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Give up the download in flight, if any, and wait for it to end (within its next 64 KiB

@@ -54,8 +54,11 @@ def _train_inspect_and_stop(tmp_path):
     backend = "vllm" if vllm_installed() else "hf"
     spoiler = PointerSpoiler(data, out)  # mid-run, the pointer is made no pointer, in four ways
     spoiler.start()
+    # learner.max_delay_steps=0: each step waits for groups of the version before it, so the
+    # learner cannot run past the spoiled pointer on groups its sampler made ahead
     proc = heterorl("train", "--config", "smoke", "--out", str(out), "--data-dir", str(data),
-                    "--keep-stack", "--set", "learner.max_steps=4", "--set", "eval.every=2",
+                    "--keep-stack", "--set", "learner.max_steps=4", "--set", "learner.max_delay_steps=0",
+                    "--set", "eval.every=2",
                     "--set", f"sampler.backend={backend}", "--set", "learner.num_processes=2")
     spoiler.stopped.set()
     spoiler.join(timeout=10)

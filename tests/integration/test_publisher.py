@@ -367,5 +367,19 @@ def test_on_the_learner_s_host_v0_comes_from_the_base_files_and_each_version_thr
     loaded = follower.engine.installed[-1]
     want = read_weights(tmp_path / "s3-v3")
     assert all(np.array_equal(bits(loaded[f][k]), bits(want[f][k])) for f in want for k in want[f])
+    # the copy a sampler holds, emptied as the publisher removes it (it keeps the newest two, and
+    # removes all as its learner ends) while a delta from it is applied: no fault of the
+    # version's, said as such, and the keyframe path taken
+    second = PolicyFollower(store, tmp_path / "sampler-b", logging.getLogger("shm-test"), _RecordingEngine(),
+                            host_copies=copies)
+    assert second.update(2, store.manifest_key(2)) and second.copy_dir == copies / "v2"
+    for f in (copies / "v2").iterdir():
+        f.unlink()
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="shm-test")
+    assert second.update(3, store.manifest_key(3)) and second.version == 3
+    assert "copy of v2 on this host was removed meanwhile; took the keyframe path to v3" in caplog.text
+    assert "refused the delta path" not in caplog.text and second.stats(0.0)["refused_delta_paths"] == 0
+    assert all(np.array_equal(bits(second.engine.installed[-1][f][k]), bits(want[f][k])) for f in want for k in want[f])
     publisher.close()  # a learner that ends takes its copies with it
     assert not copies.exists()
