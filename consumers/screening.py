@@ -25,7 +25,10 @@
   (`pipeline.learning.update.FreshCheck`: the training forward computes exactly the
   log-probs the check needs), which the learner reports back with `record_fresh`. A version
   no longer in reach cannot be checked: on probation the group is then not used
-  (`unverifiable`, no strike), afterwards it is used unchecked (counted).
+  (`unverifiable`, no strike), afterwards it is used unchecked (counted). A version whose
+  checkpoint in S3 was altered since the learner signed it (`PastPolicies.altered`) is not
+  pruned: anyone who can write to the bucket could make any version unverifiable that way,
+  so its groups are not used, on probation or not (`unverifiable`, no strike).
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
@@ -202,8 +205,13 @@ class GroupScreen:
         for version, items in sorted(by_version.items()):
             model = self._model_for(version, len(items))
             if model is None:
+                altered = self.past is not None and version in self.past.altered
                 for rollout, on_probation in items:
-                    if on_probation:
+                    if altered:
+                        self.counts["refused_unverifiable_altered"] += 1
+                        failures[rollout.rollout_id] = [
+                            (UNVERIFIABLE, f"v{rollout.policy_version}'s checkpoint was altered in S3: it cannot be checked")]
+                    elif on_probation:
                         self.counts["refused_unverifiable_on_probation"] += 1
                         failures[rollout.rollout_id] = [
                             (UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
@@ -239,7 +247,7 @@ class GroupScreen:
                 self.counts["logprobs_unchecked_zero3"] += groups
             return model
         model = self.past.get(version) if self.past is not None else None
-        if model is None:
+        if model is None and (self.past is None or version not in self.past.altered):
             self.counts["logprobs_unchecked_pruned"] += groups
         return model
 

@@ -36,6 +36,8 @@ MODELED_POLICY = "modeled policy"
 class ModeledPastPolicies:
     """Every version is at hand (as `PastPolicies` for versions within the learner's reach)."""
 
+    altered: frozenset = frozenset()
+
     def get(self, version: int):
         return MODELED_POLICY
 

@@ -592,7 +592,8 @@ class SecurityConfig(Strict):
     `learner.policy_dtype`; a version not kept (past the memory budget, older, or from before
     a restart) is downloaded from S3 and verified when a check needs it. Nothing is kept while
     every sampler key is trusted (above), and what was kept is freed when every key is the
-    run's own again."""
+    run's own again. A validator keeps as many of the versions it downloads and verifies,
+    within `keep_versions_gib` of its memory."""
     keep_versions_gib: Optional[float] = Field(None, ge=0)
     """GiB the kept versions (`keep_versions`) may take on the learner's device. A version past
     it goes to pinned host memory (`keep_versions_host_gib`), past that it is not kept (its

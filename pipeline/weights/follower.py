@@ -363,13 +363,21 @@ class PastPolicies:
 
     def __init__(self, store: CheckpointStore, work_dir: Path, model_dir: Path, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", keep_last: int = 0, device_bytes: Optional[int] = None,
-                 host_bytes: Optional[int] = None, attention: str = "auto"):
+                 host_bytes: Optional[int] = None, attention: str = "auto", keep_downloads: bool = False):
         """`model_dir`: a directory of this model (its architecture; the weights are replaced);
         `dtype`, `device` and `attention` (`model.attention`): where and how re-scoring computes; `keep_last`: versions `keep` holds, in
         at most `device_bytes` on `device` then `host_bytes` of (pinned) host memory (None:
         `SHARE` of what is free at each keep; for `host_bytes`, on a device other than a GPU, 0:
-        the device is host memory already)."""
+        the device is host memory already); `keep_downloads`: also keep (within the same bounds)
+        each version downloaded and verified here, as a validator does, whose versions nobody
+        hands over: it re-scores them again without downloading them, and a version altered in
+        S3 after it took it stays checkable."""
         self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
+        self.keep_downloads = keep_downloads
+        self.altered: set[int] = set()
+        """Versions whose checkpoint in S3 was refused as altered since the learner signed it:
+        groups claiming one cannot be checked, through no fault of theirs, and are not used
+        (`consumers.screening`). A later download that verifies takes it out again."""
         self.dtype, self.device, self.keep_last, self.attention = dtype, torch.device(device), keep_last, attention
         self.device_bytes, self.host_bytes = device_bytes, host_bytes
         self.scratch: Optional[torch.nn.Module] = None
@@ -530,6 +538,8 @@ class PastPolicies:
             if downloaded is None:
                 return None
             weights = {name: t for tensors in downloaded.values() for name, t in tensors.items()}
+            if self.keep_downloads:
+                self.keep(version, weights)
         self._load(version, weights)
         return self.scratch
 
@@ -537,11 +547,15 @@ class PastPolicies:
         target = self.work_dir / f"check-v{version}"
         try:
             model_dir, _, _ = fetch_policy(self.store, self.store.manifest_key(version), target, expect_version=version)
-            return read_weights(model_dir)
+            weights = read_weights(model_dir)
+            self.altered.discard(version)
+            return weights
         except CheckpointNotFound:
             return None
         except CorruptCheckpointError as e:  # altered in S3 since the learner published it
-            log.error("cannot re-score groups of v%d: %s", version, e)
+            if version not in self.altered:
+                log.error("cannot re-score groups of v%d: %s; its groups are not used", version, e)
+            self.altered.add(version)
             return None
         finally:
             shutil.rmtree(target, ignore_errors=True)

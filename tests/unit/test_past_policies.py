@@ -238,3 +238,43 @@ def test_the_learner_hands_over_the_publisher_s_copy_not_a_cast_of_its_own(base,
         assert exactly(past.get(7), expect)
     finally:
         slots.close()
+
+
+def test_a_validator_keeps_what_it_downloaded_and_names_a_version_altered_in_s3(base, tmp_path, monkeypatch, caplog):
+    """A validator has no versions handed over: it downloads each one a check needs
+    (`keep_downloads`), keeps it within the same bounds, and re-scores with it again without a
+    download, so a version rewritten in S3 after it took it is still checked with what the
+    learner signed. A version it can only find altered is named in `altered` (its groups are not
+    used: tests/unit/test_screening.py), said once in the log, and let go once it verifies again."""
+    from pipeline.weights import follower
+    from pipeline.weights.store import CorruptCheckpointError
+
+    path, weights = base
+    versions = {v: published(weights, v) for v in range(1, 4)}
+    altered: set[int] = set()
+    fetched: list[int] = []
+
+    def fetch(store, key, target, expect_version):  # S3 as the tamperer left it
+        fetched.append(expect_version)
+        if expect_version in altered:
+            raise CorruptCheckpointError(f"manifest of v{expect_version}: bad signature")
+        return target, None, None
+
+    monkeypatch.setattr(follower, "fetch_policy", fetch)
+    monkeypatch.setattr(follower, "read_weights", lambda d: {"model.safetensors": versions[int(d.name[7:])]})
+    past = PastPolicies(GoneStore(), tmp_path, path, keep_last=2, keep_downloads=True)
+    caplog.set_level(logging.ERROR, logger="pipeline.weights.follower")
+    assert exactly(past.get(1), versions[1]) and exactly(past.get(2), versions[2])
+    assert fetched == [1, 2] and sorted(past.kept) == [1, 2]
+    altered |= {1, 3}  # v1 rewritten after the validator took it; v3 before
+    assert exactly(past.get(1), versions[1]) and fetched == [1, 2]  # kept: no download
+    assert past.get(3) is None and past.get(3) is None and past.altered == {3} and fetched == [1, 2, 3, 3]
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot re-score groups of v3: manifest of v3: bad signature; its groups are not used"]
+    altered.clear()  # put back as signed
+    assert exactly(past.get(3), versions[3]) and past.altered == set()
+    # the learner's kind (nothing kept of what it downloads): every check downloads again
+    learner = PastPolicies(GoneStore(), tmp_path, path, keep_last=2)
+    fetched.clear()
+    learner.get(1), learner.get(2), learner.get(1)
+    assert fetched == [1, 2, 1] and learner.kept == {}

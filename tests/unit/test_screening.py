@@ -106,9 +106,10 @@ def test_stale_groups_are_checked_only_at_the_configured_fraction(setup):
 class OnePast:
     """The past versions, one model for every version."""
 
-    def __init__(self, model):
+    def __init__(self, model, altered=()):
         self.model = model
         self.asked: list[int] = []
+        self.altered = set(altered)
 
     def get(self, version):
         self.asked.append(version)
@@ -130,6 +131,26 @@ def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not
     assert batch_failures(s, (later, 3)) == [[]]
     blind = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
     assert [k for k, _ in blind.check(rollouts()[0], staleness=3)] == ["unverifiable"]
+
+
+def test_past_probation_a_pruned_version_goes_unchecked_but_one_altered_in_s3_is_not_used(setup):
+    """A version no longer in S3 (pruned, past the checkpoints kept) leaves its drawn groups of a
+    key past probation unchecked and used, as before. One whose checkpoint is there but altered
+    since the learner signed it is another matter: whoever can write to the bucket could make any
+    version unverifiable that way and have its groups used unchecked. Those are not used, on
+    probation or not, and no key is struck for them."""
+    tokenizer, model, task, rollouts = setup
+    security = SecurityConfig(stale_check_fraction=1.0, probation_groups=0)
+    pruned = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
+    altered = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None, altered={0}))
+    failures = []
+    for s in (pruned, altered):
+        group = rollouts()[0]
+        assert s.check(group, staleness=3) == []  # drawn, to be re-scored with v0 before the step
+        failures.append(batch_failures(s, (group, 3)))
+    assert failures == [[[]], [["unverifiable"]]]
+    assert pruned.counts["logprobs_unchecked_pruned"] == 1 and "refused_unverifiable_altered" not in pruned.counts
+    assert altered.counts["refused_unverifiable_altered"] == 1 and "logprobs_unchecked_pruned" not in altered.counts
 
 
 def test_on_probation_a_keys_first_groups_are_checked_as_read_then_fresh_ones_by_their_step(setup, monkeypatch):
@@ -217,8 +238,8 @@ def test_past_versions_kept_by_the_learner_load_onto_one_model_bit_for_bit(setup
 
 def test_the_learner_keeps_the_newest_keep_last_versions_and_none_with_keep_last_0(setup, tmp_path):
     """What `keep` holds: the newest `keep_last` versions handed to it, each a copy of the
-    tensors handed over; with `keep_last` 0 (a validator; or every key the run's own, which
-    the intake decides: tests/unit/test_past_policies.py) nothing."""
+    tensors handed over; with `keep_last` 0 (every key the run's own, which the intake decides:
+    tests/unit/test_past_policies.py) nothing."""
     import torch
 
     _, model, _, _ = setup
