@@ -5,6 +5,7 @@ learner, samplers, validators, the evaluator) asks here; nothing here imports De
 from __future__ import annotations
 
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -93,3 +94,23 @@ def out_of_memory(error: BaseException) -> str | None:
             isinstance(error, RuntimeError) and any(words in said.lower() for words in OUT_OF_MEMORY)):
         return said or "out of memory"
     return None
+
+
+@contextmanager
+def one_cpu_thread(enabled: bool = True):
+    """Run the torch operations inside on one intra-op thread (`torch.set_num_threads`, restored
+    after). For memory-bound copies on a CPU whose cores another process is using (a learner's
+    copies of its weights while its sampler generates on the same cores): each parallel copy
+    waits at its OpenMP barrier for a thread the scheduler has parked, so a copy of SmolLM2's
+    weights took 2.2 s on two threads beside a two-thread process, 0.2 s on one
+    (bench/copy_beside_work.py). One thread moves the bytes about as fast where the cores are
+    free. The setting is the process's: other threads' operations meanwhile run on one too."""
+    if not enabled:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

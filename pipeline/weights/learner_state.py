@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.devices import one_cpu_thread
 from pipeline.weights.store import LEARNER_STATE_DIR
 from pipeline.learning.engine import begin_micro_batch
 
@@ -142,8 +143,10 @@ class Capture:
 def capture(engine, tokenizer, *, state: bool, leader: bool = True) -> Optional[Capture]:
     """The weights, and the learner state if `state`, as in-memory copies (rank 0; None
     elsewhere). Every rank must call this."""
-    weights = capture_weights(engine, leader)
-    learner_state = capture_learner_state(engine, leader) if state else None
+    on_cpu = next(engine.module.parameters()).device.type == "cpu"
+    with one_cpu_thread(on_cpu):  # copies beside a sampler on the same cores
+        weights = capture_weights(engine, leader)
+        learner_state = capture_learner_state(engine, leader) if state else None
     return Capture(engine.module, tokenizer, weights, learner_state) if leader else None
 
 

@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 
+from pipeline.devices import one_cpu_thread
 from pipeline.weights.learner_state import Capture
 from pipeline.weights.store import MalformedPointer, Pointer, PolicyPointer
 
@@ -156,12 +157,14 @@ class SnapshotSlots:
 
 def copy_weights_into(module, views: Optional[dict[str, dict[str, torch.Tensor]]], zero3: bool = False) -> None:
     """Copy `module`'s weights into a slot's `views` (cast to each view's dtype; without
-    blocking where the slot is pinned and the model on a GPU). Under ZeRO stage 3 every rank
+    blocking where the slot is pinned and the model on a GPU; on one thread on a CPU:
+    `pipeline.devices.one_cpu_thread`). Under ZeRO stage 3 every rank
     must call this (the partitions are gathered); ranks without a slot pass None."""
     import deepspeed
 
     params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=zero3), torch.no_grad():
+    on_cpu = bool(params) and params[0].device.type == "cpu"  # one thread: beside a sampler on the same cores
+    with deepspeed.zero.GatheredParameters(params, enabled=zero3), torch.no_grad(), one_cpu_thread(on_cpu):
         if views is None:
             return
         state = module.state_dict()
