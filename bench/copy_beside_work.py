@@ -92,7 +92,10 @@ def main(argv=None) -> int:
           f"{cores} cores; CPU: {cpu_kind()}")
     rows = {}
     for beside in ("cores free", f"a {cores}-thread process beside"):
-        hog = None if beside == "cores free" else subprocess.Popen([sys.executable, "-c", HOG, str(cores)])
+        # in a session of its own, as `heterorl train` starts each role: with Linux autogroups on,
+        # the scheduler then shares the cores between the two sessions, not between their threads
+        hog = None if beside == "cores free" else subprocess.Popen([sys.executable, "-c", HOG, str(cores)],
+                                                                   start_new_session=True)
         try:
             time.sleep(0 if hog is None else 3)  # the other process at work
             for one_thread in (False, True):

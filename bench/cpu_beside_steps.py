@@ -8,7 +8,14 @@ servers and gates; `/proc/PID/stat`). Afterwards it splits each process's CPU se
 the learner's optimizer steps (each step's `time_train_s` before its record in metrics.jsonl)
 and the rest of the run from the first step to the last, and prints, per process, the cores it
 used on average inside the steps and outside them. A learner step running beside other work is
-slower (its OpenMP threads wait for a core); this says whose. Writes DIR/cpu_beside_steps.json.
+slower (its OpenMP threads wait for a core); this says whose.
+
+Every 2 s it also reads each thread's context switches and run-queue wait
+(`/proc/PID/task/TID/status`, `schedstat`) and prints, for the threads that woke most often
+from the first timed step to the last, their wake-ups per second (voluntary switches), how
+often they were preempted (involuntary switches) and how long they waited for a core: each
+wake-up on a core the learner's threads are computing on preempts one of them, and the other
+then waits at its next OpenMP barrier. Writes DIR/cpu_beside_steps.json.
 """
 
 from __future__ import annotations
@@ -59,6 +66,28 @@ def name_of(argv: list[str]) -> str:
     return Path(argv[0]).name if argv else "?"
 
 
+def thread_counts(named: dict[int, str]) -> dict[str, tuple[int, int, float]]:
+    """"name pid thread tid" -> (voluntary switches, involuntary switches, seconds waited for a
+    core) of every thread of the processes in `named`."""
+    counts = {}
+    for pid, name in named.items():
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            task = Path(f"/proc/{pid}/task/{tid}")
+            try:
+                status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+                waited_ns = int((task / "schedstat").read_text().split()[1])
+                comm = (task / "comm").read_text().strip()
+            except (OSError, IndexError, ValueError):
+                continue
+            counts[f"{name} {pid} {comm} {tid}"] = (int(status["voluntary_ctxt_switches"]),
+                                                    int(status["nonvoluntary_ctxt_switches"]), waited_ns / 1e9)
+    return counts
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
@@ -81,14 +110,18 @@ def main() -> int:
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, cwd=ROOT)
     samples: list[tuple[float, dict[str, float]]] = []  # (time, "name pid" -> CPU seconds so far)
+    threads: list[tuple[float, dict]] = []  # (time, `thread_counts`), every 2 s
     while proc.poll() is None:
         now, seen = time.time(), {}
-        for pid, name in process_tree(proc.pid).items():
+        named = process_tree(proc.pid)
+        for pid, name in named.items():
             try:
                 seen[f"{name} {pid}"] = cpu_seconds(pid)
             except OSError:
                 pass
         samples.append((now, seen))
+        if len(samples) % 8 == 1:
+            threads.append((now, thread_counts(named)))
         time.sleep(0.25)
     if proc.returncode != 0:
         print(f"heterorl train exited with {proc.returncode}", file=sys.stderr)
@@ -118,13 +151,37 @@ def main() -> int:
         a, b = used["inside"][key] / inside_s, used["outside"][key] / max(outside_s, 1e-9)
         if a >= 0.005 or b >= 0.005:
             print(f"{key:32s} {a:13.3f} {b:9.3f}")
+    wakeups = thread_wakeups(threads, span)
     (out / "cpu_beside_steps.json").write_text(json.dumps({
         "config": args.config, "steps": args.steps, "overrides": args.overrides, "cores": os.cpu_count(),
         "inside_s": inside_s, "outside_s": outside_s,
         "cores_inside": {k: used["inside"][k] / inside_s for k in rows},
-        "cores_outside": {k: used["outside"][k] / max(outside_s, 1e-9) for k in rows}}, indent=2))
+        "cores_outside": {k: used["outside"][k] / max(outside_s, 1e-9) for k in rows},
+        "threads_first_to_last_step": wakeups}, indent=2))
     print(f"\nwrote {out / 'cpu_beside_steps.json'}")
     return 0
+
+
+def thread_wakeups(threads: list[tuple[float, dict]], span: tuple[float, float], top: int = 15) -> dict:
+    """Each thread's wake-ups and preemptions per second and seconds waited for a core, between
+    the thread snapshots nearest inside `span` (printed for the `top` that woke most often)."""
+    within = [(t, c) for t, c in threads if span[0] <= t <= span[1]]
+    if len(within) < 2:
+        print("\n(the run was too short for two thread snapshots between its first and last step)")
+        return {}
+    (t0, a), (t1, b) = within[0], within[-1]
+    seconds = t1 - t0
+    rates = {key: {"wakeups_per_s": (v[0] - a[key][0]) / seconds, "preempted_per_s": (v[1] - a[key][1]) / seconds,
+                   "waited_for_a_core_s": v[2] - a[key][2]} for key, v in b.items() if key in a}
+    ranked = sorted(rates, key=lambda k: -rates[k]["wakeups_per_s"])
+    print(f"\nthreads that woke most often, over {seconds:.0f} s from the first timed step to the last:")
+    print(f"{'process pid thread tid':60s} {'wake-ups/s':>10s} {'preempted/s':>11s} {'waited s':>9s}")
+    for key in ranked[:top]:
+        r = rates[key]
+        print(f"{key[:60]:60s} {r['wakeups_per_s']:10.1f} {r['preempted_per_s']:11.1f} {r['waited_for_a_core_s']:9.1f}")
+    total = sum(r["wakeups_per_s"] for r in rates.values())
+    print(f"{'all threads of the run':60s} {total:10.1f}")
+    return {"seconds": seconds, "threads": {k: rates[k] for k in ranked}}
 
 
 if __name__ == "__main__":

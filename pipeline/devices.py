@@ -101,10 +101,11 @@ def one_cpu_thread(enabled: bool = True):
     """Run the torch operations inside on one intra-op thread (`torch.set_num_threads`, restored
     after). For memory-bound copies on a CPU whose cores another process is using (a learner's
     copies of its weights while its sampler generates on the same cores): each parallel copy
-    waits at its OpenMP barrier for a thread the scheduler has parked, so a copy of SmolLM2's
-    weights took 2.2 s on two threads beside a two-thread process, 0.2 s on one
-    (bench/copy_beside_work.py). One thread moves the bytes about as fast where the cores are
-    free. The setting is the process's: other threads' operations meanwhile run on one too."""
+    waits at its OpenMP barrier for a thread the scheduler has parked behind the other process
+    (docs/performance.md: 2.8 s for SmolLM2's first copies in a `heterorl train` run on two
+    threads, 0.35 s on one). Where the cores are free one thread is a few milliseconds slower
+    per copy (bench/copy_beside_work.py prints both). The setting is the process's: other
+    threads' operations meanwhile run on one too."""
     if not enabled:
         yield
         return
