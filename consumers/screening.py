@@ -28,7 +28,8 @@
   (`unverifiable`, no strike), afterwards it is used unchecked (counted). A version whose
   checkpoint in S3 was altered since the learner signed it (`PastPolicies.altered`) is not
   pruned: anyone who can write to the bucket could make any version unverifiable that way,
-  so its groups are not used, on probation or not (`unverifiable`, no strike).
+  so its groups are not used, on probation or not, drawn for a check or not (`unverifiable`,
+  no strike; `PastPolicies.is_altered`).
 
 Failures are handed back; the learner strikes the key and withdraws the group.
 """
@@ -142,12 +143,15 @@ class GroupScreen:
         if self.trusted(rollout):
             self.counts["logprobs_unchecked_trusted"] += 1
             return []
+        if self.past is not None and self.past.is_altered(rollout.policy_version):  # drawn or not
+            self.counts["refused_unverifiable_altered"] += 1
+            return [(UNVERIFIABLE, f"v{rollout.policy_version}'s checkpoint was altered in S3: it cannot be checked")]
         who = rollout.key_id or rollout.sampler_id
         on_probation = self.checked[who] < self.security.probation_groups
         step_checks_it = (staleness == 0 and fresh_in_step
                           and self.checked[who] >= self.security.strikes_to_quarantine)
         if on_probation and not step_checks_it:
-            model = self.current_policy() if staleness == 0 else self._model_for(rollout.policy_version, 1)
+            model = self.current_policy() if staleness == 0 else self._model_for(rollout.policy_version)
             if model is not None:
                 failure = self._judge(rollout, self._gaps([rollout], model)[0],
                                       "logprobs_checked_fresh" if staleness == 0 else "logprobs_checked_stale")
@@ -203,11 +207,10 @@ class GroupScreen:
             del self.planned[rollout.rollout_id]
             by_version[-1 if staleness == 0 else version].append((rollout, on_probation))
         for version, items in sorted(by_version.items()):
-            model = self._model_for(version, len(items))
+            model = self._model_for(version)
             if model is None:
-                altered = self.past is not None and version in self.past.altered
                 for rollout, on_probation in items:
-                    if altered:
+                    if self.past is not None and self.past.is_altered(rollout.policy_version):
                         self.counts["refused_unverifiable_altered"] += 1
                         failures[rollout.rollout_id] = [
                             (UNVERIFIABLE, f"v{rollout.policy_version}'s checkpoint was altered in S3: it cannot be checked")]
@@ -215,6 +218,8 @@ class GroupScreen:
                         self.counts["refused_unverifiable_on_probation"] += 1
                         failures[rollout.rollout_id] = [
                             (UNVERIFIABLE, f"v{rollout.policy_version} cannot be checked and the key is on probation")]
+                    else:  # pruned (or, fresh, not whole on this rank: ZeRO-3): used unchecked
+                        self.counts["logprobs_unchecked_zero3" if version == -1 else "logprobs_unchecked_pruned"] += 1
                 continue
             rollouts = [rollout for rollout, _ in items]
             for rollout, gap in zip(rollouts, self._gaps(rollouts, model)):
@@ -239,17 +244,11 @@ class GroupScreen:
                                         f"at v{rollout.policy_version}")
         return None
 
-    def _model_for(self, version: int, groups: int) -> Optional[torch.nn.Module]:
+    def _model_for(self, version: int) -> Optional[torch.nn.Module]:
         """The weights of `version` (-1: the learner's own now), or None where they cannot be had."""
         if version == -1:
-            model = self.current_policy()
-            if model is None:
-                self.counts["logprobs_unchecked_zero3"] += groups
-            return model
-        model = self.past.get(version) if self.past is not None else None
-        if model is None and (self.past is None or version not in self.past.altered):
-            self.counts["logprobs_unchecked_pruned"] += groups
-        return model
+            return self.current_policy()
+        return self.past.get(version) if self.past is not None else None
 
     def _gaps(self, rollouts: list[Rollout], model: torch.nn.Module) -> list[float]:
         """The log-prob statistic of each group against `model`'s own log-probs, in batched passes."""

@@ -36,7 +36,8 @@ MODELED_POLICY = "modeled policy"
 class ModeledPastPolicies:
     """Every version is at hand (as `PastPolicies` for versions within the learner's reach)."""
 
-    altered: frozenset = frozenset()
+    def is_altered(self, version: int) -> bool:
+        return False
 
     def get(self, version: int):
         return MODELED_POLICY

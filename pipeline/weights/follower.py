@@ -189,7 +189,7 @@ class PolicyFollower:
                 self.bytes_downloaded += report.bytes_downloaded
                 self.keyframe_bytes += report.keyframe_bytes
                 for reason in report.refused:
-                    if have is not None and self._host_copy_gone(have[1]):  # removed as we read it: no fault
+                    if have is not None and reason.endswith("its base holds []") and self._host_copy_gone(have[1]):
                         self.log.info("the learner's copy of v%d on this host was removed meanwhile; took the "
                                       "keyframe path to v%d", have[0], version)
                         continue
@@ -256,8 +256,9 @@ class PolicyFollower:
         return self.host_copies / f"v{version}"
 
     def _host_copy_gone(self, copy: Path) -> bool:
-        """Whether `copy`, the base of a delta path, was the publisher's copy on this host and is
-        gone or emptied now (the publisher keeps the newest two and removes all as it closes)."""
+        """Whether `copy`, the base of a delta path refused for holding no weights files, was the
+        publisher's copy on this host and is gone or emptied now (the publisher keeps the newest
+        two and removes all as it closes): no fault of the version's. Any other refusal counts."""
         if self.host_copies is None or Path(copy).parent != self.host_copies:
             return False
         try:
@@ -353,10 +354,13 @@ class PastPolicies:
     of those is a copy into `scratch`, with nothing rebuilt or hashed: the learner made those
     bytes. They are kept on the device while `device_bytes` allows, then in pinned host memory
     while `host_bytes` does, else not at all; a version not kept (past those, older, made
-    before a restart; every version, for a validator) is downloaded from S3 and verified like a
-    sampler's. `release` frees them all and `scratch` (the learner's keys all its own again)."""
+    before a restart; for a validator, one it has not downloaded yet: `keep_downloads`) is
+    downloaded from S3 and verified like a sampler's. `release` frees them all and `scratch` (the learner's keys all its own again)."""
 
     GIB = 1 << 30
+    ALTERED_RETRY_S = 60.0
+    """How long a version refused as altered is not downloaded again (`is_altered`): groups
+    claiming it do not make the checker download it over and over."""
     SHARE = 0.25
     """Of the memory free at a keep, the share the kept versions may take where no budget is set
     (why: `security.keep_versions_gib`)."""
@@ -374,10 +378,9 @@ class PastPolicies:
         S3 after it took it stays checkable."""
         self.store, self.work_dir, self.model_dir = store, work_dir, model_dir
         self.keep_downloads = keep_downloads
-        self.altered: set[int] = set()
-        """Versions whose checkpoint in S3 was refused as altered since the learner signed it:
-        groups claiming one cannot be checked, through no fault of theirs, and are not used
-        (`consumers.screening`). A later download that verifies takes it out again."""
+        self.altered: dict[int, float] = {}
+        """Version -> when (time.monotonic()) its checkpoint in S3 was last refused as altered
+        since the learner signed it (`is_altered`)."""
         self.dtype, self.device, self.keep_last, self.attention = dtype, torch.device(device), keep_last, attention
         self.device_bytes, self.host_bytes = device_bytes, host_bytes
         self.scratch: Optional[torch.nn.Module] = None
@@ -528,18 +531,34 @@ class PastPolicies:
             torch.cuda.empty_cache()
 
     # ---- a version's model ---------------------------------------------------------------
+    def is_altered(self, version: int) -> bool:
+        """Whether `version`'s checkpoint in S3 was refused as altered since the learner signed
+        it: groups claiming it cannot be checked, through no fault of theirs, and are not used,
+        drawn for a check or not (`consumers.screening`). Looked at again (downloaded) at most
+        every `ALTERED_RETRY_S`; a download that verifies ends it."""
+        refused_at = self.altered.get(version)
+        if refused_at is None or version in self.kept:
+            return False
+        if time.monotonic() - refused_at < self.ALTERED_RETRY_S:
+            return True
+        return self.get(version) is None and version in self.altered
+
     def get(self, version: int) -> Optional[torch.nn.Module]:
-        """The policy of `version`, or None if it can no longer be had (gone from S3, or altered there)."""
+        """The policy of `version`, or None if it can no longer be had (gone from S3, or altered
+        there: not downloaded again within `ALTERED_RETRY_S` of its last refusal)."""
         if self.loaded == version:
             return self.scratch
         weights = self.kept.get(version)
         if weights is None:
+            refused_at = self.altered.get(version)
+            if refused_at is not None and time.monotonic() - refused_at < self.ALTERED_RETRY_S:
+                return None
             downloaded = self._download(version)
             if downloaded is None:
                 return None
             weights = {name: t for tensors in downloaded.values() for name, t in tensors.items()}
-            if self.keep_downloads:
-                self.keep(version, weights)
+            if self.keep_downloads and (len(self.kept) < self.keep_last or version > min(self.kept, default=-1)):
+                self.keep(version, weights)  # not an older one in place of a newer
         self._load(version, weights)
         return self.scratch
 
@@ -548,14 +567,14 @@ class PastPolicies:
         try:
             model_dir, _, _ = fetch_policy(self.store, self.store.manifest_key(version), target, expect_version=version)
             weights = read_weights(model_dir)
-            self.altered.discard(version)
+            self.altered.pop(version, None)
             return weights
         except CheckpointNotFound:
             return None
         except CorruptCheckpointError as e:  # altered in S3 since the learner published it
             if version not in self.altered:
                 log.error("cannot re-score groups of v%d: %s; its groups are not used", version, e)
-            self.altered.add(version)
+            self.altered[version] = time.monotonic()
             return None
         finally:
             shutil.rmtree(target, ignore_errors=True)

@@ -267,12 +267,19 @@ def test_a_validator_keeps_what_it_downloaded_and_names_a_version_altered_in_s3(
     assert exactly(past.get(1), versions[1]) and exactly(past.get(2), versions[2])
     assert fetched == [1, 2] and sorted(past.kept) == [1, 2]
     altered |= {1, 3}  # v1 rewritten after the validator took it; v3 before
-    assert exactly(past.get(1), versions[1]) and fetched == [1, 2]  # kept: no download
-    assert past.get(3) is None and past.get(3) is None and past.altered == {3} and fetched == [1, 2, 3, 3]
+    assert exactly(past.get(1), versions[1]) and fetched == [1, 2] and not past.is_altered(1)  # kept: no download
+    assert past.get(3) is None and set(past.altered) == {3} and past.is_altered(3) and fetched == [1, 2, 3]
+    assert past.get(3) is None and past.is_altered(3) and fetched == [1, 2, 3]  # not again within the minute
+    past.altered[3] -= past.ALTERED_RETRY_S  # a minute later: looked at again, still altered
+    assert past.is_altered(3) and fetched == [1, 2, 3, 3]
     assert [r.getMessage() for r in caplog.records] == [
         "cannot re-score groups of v3: manifest of v3: bad signature; its groups are not used"]
-    altered.clear()  # put back as signed
-    assert exactly(past.get(3), versions[3]) and past.altered == set()
+    altered.clear()  # put back as signed, and a minute later
+    past.altered[3] -= past.ALTERED_RETRY_S
+    assert not past.is_altered(3) and exactly(past.get(3), versions[3]) and past.altered == {}
+    assert sorted(past.kept) == [2, 3]  # the newest keep_last (v1 made room)
+    past.get(1)  # an older one than all kept, downloaded again: not kept in place of a newer
+    assert sorted(past.kept) == [2, 3]
     # the learner's kind (nothing kept of what it downloads): every check downloads again
     learner = PastPolicies(GoneStore(), tmp_path, path, keep_last=2)
     fetched.clear()

@@ -115,6 +115,9 @@ class OnePast:
         self.asked.append(version)
         return self.model
 
+    def is_altered(self, version):
+        return version in self.altered
+
 
 def test_on_probation_every_stale_group_is_checked_and_an_uncheckable_one_is_not_used(setup):
     tokenizer, model, task, rollouts = setup
@@ -137,20 +140,33 @@ def test_past_probation_a_pruned_version_goes_unchecked_but_one_altered_in_s3_is
     """A version no longer in S3 (pruned, past the checkpoints kept) leaves its drawn groups of a
     key past probation unchecked and used, as before. One whose checkpoint is there but altered
     since the learner signed it is another matter: whoever can write to the bucket could make any
-    version unverifiable that way and have its groups used unchecked. Those are not used, on
-    probation or not, and no key is struck for them."""
+    version unverifiable that way and have its groups used unchecked. Those are not used: on
+    probation or not, drawn for a check or not, stale or the validator's fresh version (its
+    `current_policy` is that version, downloaded), and no key is struck for them."""
     tokenizer, model, task, rollouts = setup
-    security = SecurityConfig(stale_check_fraction=1.0, probation_groups=0)
-    pruned = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None))
-    altered = GroupScreen(security, task, tokenizer, 1.0, lambda: model, OnePast(None, altered={0}))
+    drawn = SecurityConfig(stale_check_fraction=1.0, probation_groups=0)
+    pruned = GroupScreen(drawn, task, tokenizer, 1.0, lambda: model, OnePast(None))
+    altered = GroupScreen(drawn, task, tokenizer, 1.0, lambda: model, OnePast(None, altered={0}))
     failures = []
     for s in (pruned, altered):
         group = rollouts()[0]
-        assert s.check(group, staleness=3) == []  # drawn, to be re-scored with v0 before the step
-        failures.append(batch_failures(s, (group, 3)))
-    assert failures == [[[]], [["unverifiable"]]]
+        failures.append([k for k, _ in s.check(group, staleness=3)] or batch_failures(s, (group, 3)))
+    assert failures == [[[]], ["unverifiable"]]  # the altered one refused as it is read
     assert pruned.counts["logprobs_unchecked_pruned"] == 1 and "refused_unverifiable_altered" not in pruned.counts
     assert altered.counts["refused_unverifiable_altered"] == 1 and "logprobs_unchecked_pruned" not in altered.counts
+    # not drawn (fraction 0), on probation, and fresh where the checker holds no current weights
+    for security, staleness, current in ((SecurityConfig(stale_check_fraction=0.0, probation_groups=0), 3, model),
+                                         (SecurityConfig(stale_check_fraction=0.0, probation_groups=5), 3, model),
+                                         (SecurityConfig(probation_groups=0), 0, None)):
+        s = GroupScreen(security, task, tokenizer, 1.0, lambda current=current: current, OnePast(None, altered={0}))
+        assert [k for k, _ in s.check(rollouts()[1], staleness=staleness)] == ["unverifiable"], (security, staleness)
+        assert s.checked == {} and s.counts["refused_unverifiable_altered"] == 1  # no strike, nothing judged
+    # the same fresh group of a version not altered, where the checker holds no weights: planned,
+    # then used unchecked in the batch (counted), as before
+    s = GroupScreen(SecurityConfig(probation_groups=0), task, tokenizer, 1.0, lambda: None, OnePast(None))
+    group = rollouts()[1]
+    assert s.check(group, staleness=0) == [] and batch_failures(s, (group, 0)) == [[]]
+    assert s.counts["logprobs_unchecked_zero3"] == 1
 
 
 def test_on_probation_a_keys_first_groups_are_checked_as_read_then_fresh_ones_by_their_step(setup, monkeypatch):
