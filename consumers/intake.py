@@ -89,11 +89,9 @@ class Intake:
                                                               sec.registry_refresh_s, log,
                                                               None if learner_key is None else learner_key.public)
         rescores = sec.check_logprobs and not cfg.validators.enabled
-        gib = lambda x: None if x is None else int(x * PastPolicies.GIB)  # noqa: E731 - None: a share of what is free
+        budget = PastPolicies.budget(sec, reach) | ({} if rescores else {"keep_last": 0})
         past = PastPolicies(store, work_dir, model_dir, dtype=DTYPES[cfg.learner.precision], device=device,
-                            keep_last=(reach if sec.keep_versions is None else sec.keep_versions) if rescores else 0,
-                            device_bytes=gib(sec.keep_versions_gib), host_bytes=gib(sec.keep_versions_host_gib),
-                            attention=cfg.model.attention)
+                            attention=cfg.model.attention, **budget)
         screen = screen or GroupScreen(sec, make_task_from_config(cfg), tokenizer, cfg.sampler.temperature, policy,
                                        past)
         intake = cls(cfg, admission, screen, state=state, registry=registry, dead_letter=dead_letter, clock=clock,

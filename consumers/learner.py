@@ -342,7 +342,7 @@ class Learner:
             self.cfg, self.admission, state=self.state, store=self.handles.store, keys=self.keys,
             tokenizer=self.tokenizer, policy=(lambda: None) if self.ranks_share_weights else (lambda: self.engine.module),
             model_dir=self.start_dir, work_dir=self.work_dir, device=self.device,
-            reach=self.lcfg.reach_steps // self.lcfg.sync_every + 1, clock=self.clock, dead_letter=self.logs.dead_letter,
+            reach=self.lcfg.reach_versions, clock=self.clock, dead_letter=self.logs.dead_letter,
             fresh_in_step=can_discard_gradients(self.engine), screen=self.parts.screen, admits_joins=self.ranks.leader)
         self.recorder = StepRecorder(self.run_dir, self.metrics, self.admission, loss_type=self.lcfg.loss_type,
                                      topic=self.topic, vocab_size=self.limits.vocab_size,

@@ -159,12 +159,9 @@ class Validator:
                                               dir=self.cfg.services.data_dir))
         # the versions it downloads are kept (those within the learner's reach), so each is
         # downloaded once, and one altered in S3 after it took it is still checked
-        reach = self.cfg.learner.reach_steps // self.cfg.learner.sync_every + 1
-        keep = reach if self.cfg.security.keep_versions is None else self.cfg.security.keep_versions
-        gib = self.cfg.security.keep_versions_gib
         self.past = PastPolicies(self.handles.store, self.work_dir, model_dir, attention=self.cfg.model.attention,
-                                 keep_last=keep, keep_downloads=True,
-                                 device_bytes=None if gib is None else int(gib * PastPolicies.GIB))
+                                 keep_downloads=True,
+                                 **PastPolicies.budget(self.cfg.security, self.cfg.learner.reach_versions))
         return GroupScreen(self.cfg.security, make_task_from_config(self.cfg), tokenizer,
                            self.cfg.sampler.temperature, lambda: self.past.get(self.learner_version), self.past,
                            trusted=lambda r: trusted_sampler(self.verifier.registry, r.key_id,

@@ -450,6 +450,12 @@ class LearnerConfig(Strict):
         """How many versions back a group may be and still be used (and so be re-scored)."""
         return self.max_delay_steps + ((self.reweight_max_extra_steps or 0) if self.stale_policy == "reweight" else 0)
 
+    @property
+    def reach_versions(self) -> int:
+        """How many published versions a group still usable may claim (`reach_steps`, one version
+        every `sync_every` steps): the newest a checker keeps to re-score stale groups."""
+        return self.reach_steps // self.sync_every + 1
+
     sync_every: int = Field(1, ge=1)
     """Publish a policy version (and bump the version in Redis) every this many steps."""
     keep_checkpoints: int = Field(3, ge=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import shutil
 import threading
@@ -391,6 +392,15 @@ class PastPolicies:
         self.where: dict[int, str] = {}
         """Version kept -> "device" or "host"."""
 
+    @classmethod
+    def budget(cls, security, reach: int) -> dict:
+        """`keep_last`, `device_bytes` and `host_bytes` from `security` (`security.keep_versions`,
+        None: `reach`, and `keep_versions_gib` / `keep_versions_host_gib`, None: a share of what
+        is free), for a checker whose groups may claim `reach` versions back."""
+        gib = lambda x: None if x is None else int(x * cls.GIB)  # noqa: E731
+        return {"keep_last": reach if security.keep_versions is None else security.keep_versions,
+                "device_bytes": gib(security.keep_versions_gib), "host_bytes": gib(security.keep_versions_host_gib)}
+
     # ---- what is kept, where -------------------------------------------------------------
     def keep(self, version: int, tensors: dict[str, torch.Tensor]) -> Optional[str]:
         """Hold one copy of `tensors` (a published version, as samplers get it, in its dtype):
@@ -536,12 +546,13 @@ class PastPolicies:
         it: groups claiming it cannot be checked, through no fault of theirs, and are not used,
         drawn for a check or not (`consumers.screening`). Looked at again (downloaded) at most
         every `ALTERED_RETRY_S`; a download that verifies ends it."""
-        refused_at = self.altered.get(version)
-        if refused_at is None or version in self.kept:
+        if version not in self.altered or version in self.kept:
             return False
-        if time.monotonic() - refused_at < self.ALTERED_RETRY_S:
-            return True
-        return self.get(version) is None and version in self.altered
+        return self._refused_lately(version) or (self.get(version) is None and version in self.altered)
+
+    def _refused_lately(self, version: int) -> bool:
+        """Refused as altered less than `ALTERED_RETRY_S` ago: not downloaded again yet."""
+        return time.monotonic() - self.altered.get(version, -math.inf) < self.ALTERED_RETRY_S
 
     def get(self, version: int) -> Optional[torch.nn.Module]:
         """The policy of `version`, or None if it can no longer be had (gone from S3, or altered
@@ -550,8 +561,7 @@ class PastPolicies:
             return self.scratch
         weights = self.kept.get(version)
         if weights is None:
-            refused_at = self.altered.get(version)
-            if refused_at is not None and time.monotonic() - refused_at < self.ALTERED_RETRY_S:
+            if self._refused_lately(version):
                 return None
             downloaded = self._download(version)
             if downloaded is None:
